@@ -1,0 +1,186 @@
+"""Timers, memory probes and OOM detection shared by every perf_tools command.
+
+Every timer synchronizes the device before reading the clock, keeps warm-up (and compile) time
+apart from the measured steps, and reports the median beside the mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued work on `device` (no-op on CPU)."""
+    device = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of repeated measurements, in the unit of the samples (seconds or ms)."""
+
+    mean: float
+    std: float
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Stats:
+        if not samples:
+            raise ValueError("samples: need at least one measurement")
+        std = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        return cls(
+            mean=statistics.fmean(samples),
+            std=std,
+            median=statistics.median(samples),
+            min=min(samples),
+            max=max(samples),
+            n=len(samples),
+        )
+
+    def scaled(self, factor: float) -> Stats:
+        """The same statistics with every value multiplied by `factor` (e.g. 1e3 for ms)."""
+        d = asdict(self)
+        return Stats(**{k: (v * factor if k != "n" else v) for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Per-step wall times of a measured loop, plus the separately reported warm-up."""
+
+    stats: Stats  # seconds per measured step
+    samples: list[float]
+    warmup_s: float  # total time of the warm-up steps (includes any compilation)
+    first_step_s: float  # the first warm-up step alone (compile, autotune, allocator growth)
+
+
+def time_steps(
+    step: Callable[[], Any],
+    *,
+    warmup: int,
+    iters: int,
+    device: torch.device | str,
+    progress: str | None = None,
+) -> StepTiming:
+    """Run `step` `warmup` times untimed, then `iters` times, synchronizing around each step.
+
+    `progress`, when given, labels a tqdm bar (if tqdm is installed).
+    """
+    if warmup < 0:
+        raise ValueError(f"warmup: expected >= 0, got {warmup}")
+    if iters < 1:
+        raise ValueError(f"iters: expected >= 1, got {iters}")
+    bar = _progress(warmup + iters, progress)
+    synchronize(device)
+    t_warm = time.perf_counter()
+    first = math.nan
+    for i in range(warmup):
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        if i == 0:
+            first = time.perf_counter() - t0
+        bar.update(1)
+    warmup_s = time.perf_counter() - t_warm
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        samples.append(time.perf_counter() - t0)
+        bar.update(1)
+    bar.close()
+    return StepTiming(Stats.of(samples), samples, warmup_s, first)
+
+
+def bench_ms(
+    fn: Callable[[], Any],
+    *,
+    device: torch.device | str,
+    warmup_ms: float = 25.0,
+    rep_ms: float = 100.0,
+) -> float:
+    """Median ms of `fn`: triton's event-based `do_bench` on CUDA, a synced loop on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()  # warm-up
+    samples = []
+    deadline = time.perf_counter() + rep_ms / 1e3
+    while not samples or (time.perf_counter() < deadline and len(samples) < 1000):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start a fresh peak-memory window on CUDA (no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device | str) -> int | None:
+    """Peak bytes allocated by the caching allocator since the last reset; None on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def memory_allocated_bytes(device: torch.device | str) -> int | None:
+    """Bytes currently allocated by tensors on `device`; None on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for a device (or host) out-of-memory error, whatever layer raised it."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError | MemoryError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" in text or "outofmemory" in text
+
+
+@contextlib.contextmanager
+def free_after_oom(device: torch.device | str) -> Iterator[None]:
+    """Release cached blocks when leaving the block, so an OOM cell does not poison the next."""
+    try:
+        yield
+    finally:
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, label: str | None) -> Any:
+    if label is None:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=label, leave=False, dynamic_ncols=True)
