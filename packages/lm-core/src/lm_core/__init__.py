@@ -1,5 +1,40 @@
-"""A fast, readable Transformer language model and its training primitives (RMSNorm, RoPE, SwiGLU,
-AdamW, checkpoints, trainer CLI).
+"""A fast, readable Transformer language model and its training primitives (RMSNorm, RoPE,
+SwiGLU, AdamW, checkpoints, trainer CLI `python -m lm_core.train`).
 """
 
+from lm_core.annotate import annotate, annotations_enabled, set_annotations
+from lm_core.attention import available_backends, get_attention
+from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from lm_core.config import MODEL_SIZES, ModelConfig, get_config
+from lm_core.data import get_batch, load_tokens, synthetic_tokens
+from lm_core.flops import forward_flops, train_step_flops
+from lm_core.loss import cross_entropy
+from lm_core.model import TransformerLM
+from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "MODEL_SIZES",
+    "AdamW",
+    "ModelConfig",
+    "TransformerLM",
+    "__version__",
+    "annotate",
+    "annotations_enabled",
+    "available_backends",
+    "clip_grad_norm",
+    "cosine_lr",
+    "cross_entropy",
+    "forward_flops",
+    "get_attention",
+    "get_batch",
+    "get_config",
+    "load_checkpoint",
+    "load_tokens",
+    "read_checkpoint",
+    "save_checkpoint",
+    "set_annotations",
+    "synthetic_tokens",
+    "train_step_flops",
+]

@@ -1,0 +1,228 @@
+"""Checkpoints: model + optimizer + step + config + RNG state in one file, written atomically.
+
+`save_checkpoint` writes to a temporary file in the target directory, fsyncs it and renames it
+over the target (`os.replace`), so a crash never leaves a half-written checkpoint and an older
+checkpoint at the same path survives a failed save. Models wrapped by `torch.compile`
+(`_orig_mod`) or by a data-parallel wrapper (`.module`) are unwrapped, so keys never carry
+their prefixes; prefixed keys written by other code are stripped on load. Files are read with
+`torch.load(weights_only=True)`: loading a checkpoint runs no pickled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lm_core.config import ModelConfig
+
+FORMAT = "lm_core.checkpoint/1"
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+# Config fields that may differ between a checkpoint and the model loading it: they change
+# neither parameter shapes nor the function computed (RoPE tables are rebuilt from the config).
+_FREE_FIELDS = frozenset({"attention", "context_length"})
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The innermost module under torch.compile (`_orig_mod`) and DDP-style (`module`) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    """Drop `_orig_mod.` / `module.` prefixes shared by every key of a state dict."""
+    changed = True
+    while changed and state:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix) :]: v for k, v in state.items()}
+                changed = True
+    return state
+
+
+def _config_dict(config: Any, model: nn.Module) -> dict[str, Any] | None:
+    if config is None:
+        config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if isinstance(config, ModelConfig):
+        return config.to_dict()
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"config: expected a ModelConfig, a dict or None, got {type(config).__name__}")
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {
+            "bit_generator": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["bit_generator"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        cuda_states = state["cuda"][: torch.cuda.device_count()]
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    config: ModelConfig | dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Atomically write model/optimizer state, `step`, config and RNG state to `path`.
+
+    config: defaults to `model.config` (after unwrapping). extra: small tensors/plain values
+    to keep (e.g. a data generator's state); read them back with `read_checkpoint(path)`.
+    For a sharded optimizer, call `optimizer.consolidate_state_dict(to=0)` on every rank first
+    and save from rank 0.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected a non-negative int, got {step!r}")
+    target = unwrap_model(model)
+    payload = {
+        "format": FORMAT,
+        "step": step,
+        "model": strip_wrapper_prefixes(target.state_dict()),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "config": _config_dict(config, target),
+        "rng": _rng_state(),
+        "extra": dict(extra) if extra else {},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_checkpoint(
+    path: str | os.PathLike[str], map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """The raw checkpoint dict (keys: format, step, model, optimizer, config, rng, extra)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise RuntimeError(
+            f"checkpoint {path} could not be read (corrupt, truncated, or not written by "
+            f"lm_core.save_checkpoint): {type(exc).__name__}: {str(exc)[:300]}"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise RuntimeError(f"checkpoint {path} is not an lm_core checkpoint (format {FORMAT!r})")
+    return payload
+
+
+def _check_config(saved: dict[str, Any] | None, model: nn.Module, path: Path) -> None:
+    current = getattr(model, "config", None)
+    if saved is None or not isinstance(current, ModelConfig):
+        return
+    current_dict = current.to_dict()
+    diffs = [
+        f"{key}={saved.get(key)!r} in the checkpoint vs {current_dict.get(key)!r} in the model"
+        for key in sorted(set(saved) | set(current_dict))
+        if key not in _FREE_FIELDS and saved.get(key) != current_dict.get(key)
+    ]
+    if diffs:
+        detail = "; ".join(diffs)
+        raise ValueError(f"checkpoint {path} was saved for another model config: {detail}")
+
+
+def _check_state(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match the model: missing keys {missing[:8]}, "
+            f"unexpected keys {unexpected[:8]}"
+        )
+    for key, tensor in expected.items():
+        if tuple(saved[key].shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {path}: parameter {key} has shape {tuple(saved[key].shape)} in the "
+                f"checkpoint vs {tuple(tensor.shape)} in the model"
+            )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+    map_location: str | torch.device = "cpu",
+) -> int:
+    """Restore model (and optimizer, RNG state) from `path`; returns the saved step.
+
+    Raises FileNotFoundError for a missing file, RuntimeError for a corrupt one, ValueError
+    naming the field or parameter when the checkpoint belongs to another model config.
+    Tensors are loaded to `map_location`, then copied onto the model's own devices.
+    """
+    path = Path(path)
+    payload = read_checkpoint(path, map_location)
+    target = unwrap_model(model)
+    _check_config(payload["config"], target, path)
+    state = strip_wrapper_prefixes(payload["model"])
+    _check_state(state, target.state_dict(), path)
+    target.load_state_dict(state)
+    if optimizer is not None:
+        if payload["optimizer"] is None:
+            raise ValueError(f"checkpoint {path} holds no optimizer state")
+        try:
+            optimizer.load_state_dict(payload["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ValueError(
+                f"checkpoint {path}: optimizer state does not match this optimizer: {exc}"
+            ) from exc
+    if restore_rng:
+        _set_rng_state(payload["rng"])
+    return int(payload["step"])

@@ -1,0 +1,143 @@
+"""Token data: random training windows, token files, synthetic sequences.
+
+`get_batch` draws `batch_size` random windows of `context_length + 1` tokens from a 1-D token
+array (numpy array, `np.memmap` or tensor) and returns inputs x and next-token targets y.
+Drawing start positions (`sample_starts`) is separate from reading the windows
+(`gather_windows`) so data-parallel training can draw one global batch identically on every
+rank and read only its own rows.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+Generator = torch.Generator | np.random.Generator
+
+
+def _num_tokens(tokens: np.ndarray | torch.Tensor) -> int:
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens: expected a 1-D token array, got shape {tuple(tokens.shape)}")
+    dtype = tokens.dtype
+    is_int = (
+        not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if isinstance(dtype, torch.dtype)
+        else np.issubdtype(dtype, np.integer)
+    )
+    if not is_int:
+        raise TypeError(f"tokens: expected an integer dtype, got {dtype}")
+    return int(tokens.shape[0])
+
+
+def sample_starts(
+    num_tokens: int, batch_size: int, context_length: int, generator: Generator | None = None
+) -> np.ndarray:
+    """`batch_size` window starts, uniform in [0, num_tokens - context_length - 1]: int64 (B,).
+
+    Uses `generator` (torch.Generator or np.random.Generator) or, if None, torch's global RNG.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
+    if context_length <= 0:
+        raise ValueError(f"context_length: expected a positive int, got {context_length}")
+    high = num_tokens - context_length  # exclusive bound: the target window needs one more token
+    if high <= 0:
+        raise ValueError(
+            f"tokens: {num_tokens} tokens are too few for context_length={context_length} "
+            f"(need at least {context_length + 1})"
+        )
+    if isinstance(generator, np.random.Generator):
+        return generator.integers(0, high, size=batch_size, dtype=np.int64)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator: expected torch.Generator, np.random.Generator or None, got {generator!r}"
+        )
+    return torch.randint(0, high, (batch_size,), generator=generator).numpy()
+
+
+def gather_windows(
+    tokens: np.ndarray | torch.Tensor,
+    starts: np.ndarray,
+    context_length: int,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows at `starts`: x = tokens[s : s+T], y = tokens[s+1 : s+T+1], int64 (B, T) each."""
+    offsets = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(context_length + 1)
+    if isinstance(tokens, torch.Tensor):
+        windows = tokens[torch.from_numpy(offsets).to(tokens.device)].long()  # (B, T+1)
+    else:
+        windows = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))  # (B, T+1)
+    device = torch.device(device)
+    if device.type == "cuda":
+        windows = windows.pin_memory().to(device, non_blocking=True)
+    else:
+        windows = windows.to(device)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def get_batch(
+    tokens: np.ndarray | torch.Tensor,
+    batch_size: int,
+    context_length: int,
+    device: torch.device | str = "cpu",
+    generator: Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random training windows: (x, y), int64 (batch_size, context_length) on `device`.
+
+    y[i, t] = x[i, t + 1] continued by one token: next-token targets. Reproducible given a
+    `generator` (torch.Generator or np.random.Generator) whose state can be checkpointed.
+    """
+    starts = sample_starts(_num_tokens(tokens), batch_size, context_length, generator)
+    return gather_windows(tokens, starts, context_length, device)
+
+
+def load_tokens(path: str | os.PathLike[str], dtype: np.dtype | str = np.uint16) -> np.ndarray:
+    """Memory-map a token file: `.npy` (dtype from the header) or raw `.bin` of `dtype`.
+
+    Returns a read-only 1-D integer array; nothing is read into memory until indexed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file not found: {path}")
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+    else:
+        dtype = np.dtype(dtype)
+        if path.stat().st_size % dtype.itemsize != 0:
+            raise ValueError(
+                f"token file {path}: size {path.stat().st_size} bytes is not a multiple of "
+                f"{dtype} ({dtype.itemsize} bytes); wrong dtype?"
+            )
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    if tokens.ndim != 1 or tokens.shape[0] == 0:
+        raise ValueError(f"token file {path}: expected a non-empty 1-D array, got {tokens.shape}")
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise TypeError(f"token file {path}: expected integer tokens, got {tokens.dtype}")
+    return tokens
+
+
+def synthetic_tokens(
+    num_tokens: int, vocab_size: int, kind: str = "pattern", seed: int = 0, period: int = 97
+) -> np.ndarray:
+    """A synthetic int64 token stream of length `num_tokens`.
+
+    kind="pattern": a fixed random sequence of `period` distinct tokens (period clipped to
+        vocab_size), repeated. The next token is a function of the current one, so a model
+        can drive the loss toward 0: a learnable signal for tests.
+    kind="random": i.i.d. uniform tokens (loss cannot fall below ln(vocab_size)): benchmarks.
+    """
+    if num_tokens <= 0 or vocab_size <= 0:
+        raise ValueError(
+            f"synthetic_tokens: num_tokens and vocab_size must be positive, "
+            f"got {num_tokens}, {vocab_size}"
+        )
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        return rng.integers(0, vocab_size, size=num_tokens, dtype=np.int64)
+    if kind == "pattern":
+        cycle = rng.permutation(vocab_size)[: min(period, vocab_size)].astype(np.int64)
+        return np.resize(cycle, num_tokens)
+    raise ValueError(f"synthetic_tokens: kind must be 'pattern' or 'random', got {kind!r}")

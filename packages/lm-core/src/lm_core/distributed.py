@@ -1,0 +1,207 @@
+"""Data parallelism for the trainer, applied beside the model (the model knows none of it).
+
+`setup_distributed` joins (or creates) a process group; `wrap_model` applies torch.compile and
+a data-parallel wrapper in a fixed order; `build_optimizer` optionally shards optimizer state.
+The wrappers come from optional packages imported lazily: `ddp_kit` (naive, flat, individual,
+bucketed) and `zero_shard` (--zero); "torch" is `torch.nn.parallel.DistributedDataParallel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DDP_CHOICES = ("none", "naive", "flat", "individual", "bucketed", "torch")
+_DDP_KIT_CLASSES = {
+    "naive": "NaiveDDP",
+    "flat": "FlatDDP",
+    "individual": "DDPIndividualParameters",
+    "bucketed": "DDPBucketed",
+}
+
+
+@dataclass
+class DistEnv:
+    """Where this process runs: rank, world size, its device, and who owns the process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable default
+    owns_group: bool = False  # True when setup_distributed created the group (and must end it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def rows(self, global_batch: int) -> slice:
+        """This rank's rows of a global batch split evenly over ranks."""
+        per_rank = global_batch // self.world_size
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu; anything else as given."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def setup_distributed(ddp: str, device: str = "auto", backend: str = "auto") -> DistEnv:
+    """Join the process group for `ddp` != "none", or run on one device.
+
+    An existing group (initialized by the caller) is used as is. Under torchrun (WORLD_SIZE in
+    the environment) a group is created from the environment; with a wrapper chosen but no
+    torchrun, a one-process group on localhost (useful to try a wrapper on one device).
+    """
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if ddp == "none":
+        if env_world > 1 or (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"--ddp none: this process is one of {max(env_world, 2)} ranks; choose a "
+                f"data-parallel wrapper with --ddp {{{','.join(DDP_CHOICES[1:])}}}"
+            )
+        return DistEnv(device=resolve_device(device, 0))
+    if not dist.is_available():
+        raise RuntimeError(f"--ddp {ddp}: this torch build has no torch.distributed")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    owns = False
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+        owns = True
+    return DistEnv(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=dev,
+        owns_group=owns,
+    )
+
+
+def teardown_distributed(env: DistEnv) -> None:
+    """Destroy the process group if `setup_distributed` created it."""
+    if env.owns_group and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _import(name: str, extra: str) -> Any:
+    try:
+        return __import__(name)
+    except ImportError as exc:
+        raise ImportError(
+            f"{name} is needed for this option: `pip install lm-core[{extra}]`"
+        ) from exc
+
+
+@dataclass
+class ParallelModel:
+    """A model ready to train: what to call, how to sync gradients, how to skip syncs."""
+
+    module: nn.Module  # call this for forward
+    finish_sync: Callable[[], None]  # call after the last backward of a step
+    no_sync: Callable[[], contextlib.AbstractContextManager[Any]]  # wrap non-final micro-steps
+
+
+def wrap_model(
+    model: nn.Module,
+    ddp: str,
+    env: DistEnv,
+    *,
+    compile: bool = False,
+    bucket_size_mb: float = 25.0,
+) -> ParallelModel:
+    """Apply torch.compile and the data-parallel wrapper `ddp`, in this order:
+
+    - ddp_kit wrappers: compile the model first, then wrap it, so the wrapper's gradient hooks
+      run eagerly around the compiled graphs;
+    - torch DDP: wrap first, then compile (torch's DDPOptimizer splits graphs at buckets).
+    """
+    if ddp not in DDP_CHOICES:
+        raise ValueError(f"--ddp: expected one of {list(DDP_CHOICES)}, got {ddp!r}")
+
+    def nothing() -> None:
+        return None
+
+    if ddp == "none":
+        module = torch.compile(model) if compile else model
+        return ParallelModel(module, nothing, contextlib.nullcontext)
+    if ddp == "torch":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [env.device.index] if env.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(
+            model, device_ids=device_ids, bucket_cap_mb=bucket_size_mb
+        )
+        module = torch.compile(wrapped) if compile else wrapped
+        return ParallelModel(module, nothing, wrapped.no_sync)
+    ddp_kit = _import("ddp_kit", "ddp")
+    cls = getattr(ddp_kit, _DDP_KIT_CLASSES[ddp])
+    inner = torch.compile(model) if compile else model
+    if ddp == "bucketed":
+        wrapped = cls(inner, bucket_size_mb=bucket_size_mb)
+    else:
+        wrapped = cls(inner)
+    return ParallelModel(wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync)
+
+
+def build_optimizer(
+    params: list[nn.Parameter],
+    optimizer_cls: type[torch.optim.Optimizer],
+    zero: bool,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """`optimizer_cls(params, **kwargs)`, or with `zero` a `zero_shard.ShardedOptimizer` that
+    keeps state only for this rank's shard of the parameters."""
+    if not zero:
+        return optimizer_cls(params, **kwargs)
+    zero_shard = _import("zero_shard", "zero")
+    return zero_shard.ShardedOptimizer(params, optimizer_cls, **kwargs)
+
+
+def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean of a tensor over ranks (identity on one process)."""
+    if env.world_size == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / env.world_size
+
+
+@contextlib.contextmanager
+def maybe(context: contextlib.AbstractContextManager[Any] | None) -> Iterator[None]:
+    """Enter `context` if given."""
+    if context is None:
+        yield
+    else:
+        with context:
+            yield

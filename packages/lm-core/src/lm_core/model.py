@@ -1,0 +1,244 @@
+"""The Transformer language model: pre-norm blocks of RMSNorm, causal attention with RoPE and a
+SwiGLU feed-forward, as in the CS336 course model, written for speed.
+
+Same parameters and math as the course model, laid out for fewer, larger kernels:
+- q, k, v projections are one (3*d_model, d_model) matrix `qkv_proj` (rows: q, then k, then v;
+  within each, head-major) and the SwiGLU's w1 and w3 are one (2*d_ff, d_model) matrix `w13`
+  (rows: w1, then w3). Each part is initialized as the separate course matrix would be.
+- attention goes through a backend chosen by name (default: PyTorch SDPA, a fused kernel);
+- RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers);
+- RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back).
+Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, compilation
+and mixed precision are applied from outside (see `lm_core.train`).
+
+Shapes: B batch, T sequence, D d_model, H heads, Dh head dim, F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm_core.annotate import annotate
+from lm_core.attention import get_attention
+from lm_core.config import MODEL_SIZES, ModelConfig, get_config
+
+__all__ = ["MODEL_SIZES", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
+
+
+def _is_compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return False
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    """Course init: normal(0, std) truncated to [-3 std, 3 std]."""
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+
+
+def _linear_std(fan_in: int, fan_out: int) -> float:
+    """Course init std for a (fan_out, fan_in) weight: sqrt(2 / (fan_in + fan_out))."""
+    return math.sqrt(2.0 / (fan_in + fan_out))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32.
+
+    (..., D) -> (..., D) in the input dtype, like the course RMSNorm (eps 1e-5, weight ones).
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+        out = F.rms_norm(x.to(compute), (x.shape[-1],), self.weight.to(compute), self.eps)
+        return out.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables and their application to interleaved feature pairs (2i, 2i+1).
+
+    Pair i of position p is rotated by angle p * theta^(-2i/Dh), as in the course RoPE.
+    """
+
+    def __init__(self, head_dim: int, context_length: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.outer(torch.arange(context_length, dtype=torch.float64), inv_freq)
+        # (T_max, Dh/2) each; fp32, recomputed at construction, not saved in checkpoints.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x of shape (B, T, ..., Dh) by position along dim 1; same shape and dtype.
+
+        Computed in fp32 (the tables' dtype) and rounded once to x's dtype.
+        """
+        seq = x.shape[1]
+        extra = x.dim() - 3  # dims between T and Dh, e.g. (2, H) for stacked q/k
+        cos = self.cos[:seq].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
+        sin = self.sin[:seq].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
+        pairs = x.unflatten(-1, (-1, 2))  # (B, T, ..., Dh/2, 2)
+        x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, ..., Dh/2) each
+        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        return rotated.flatten(-2).to(x.dtype)  # (B, T, ..., Dh)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE on q and k: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d = config.d_model
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)
+        self.output_proj = nn.Linear(d, d, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
+        self.attn_fn = get_attention(config.attention)
+
+    def reset_parameters(self) -> None:
+        d = self.output_proj.in_features
+        for part in self.qkv_proj.weight.data.chunk(3, dim=0):  # q, k, v: (D, D) each
+            _trunc_normal_(part, _linear_std(d, d))
+        _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, Dh)
+        qk = self.rope(qkv[:, :, :2])  # (B, T, 2, H, Dh): q and k rotated in one pass
+        q = qk[:, :, 0].transpose(1, 2)  # (B, H, T, Dh)
+        k = qk[:, :, 1].transpose(1, 2)  # (B, H, T, Dh)
+        v = qkv[:, :, 2].transpose(1, 2)  # (B, H, T, Dh)
+        out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
+        out = out.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
+        return self.output_proj(out)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x) with w1 and w3 stored as one matrix: (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.d_ff = d_ff
+        self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        d_model = self.w13.in_features
+        for part in self.w13.weight.data.chunk(2, dim=0):  # w1, w3: (F, D) each
+            _trunc_normal_(part, _linear_std(d_model, self.d_ff))
+        _trunc_normal_(self.w2.weight.data, _linear_std(self.d_ff, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)  # (B, T, F) each
+        return self.w2(F.silu(gate) * up)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). (B, T, D) -> (B, T, D)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with annotate("attention"):
+            x = x + self.attn(self.ln1(x))
+        with annotate("ffn"):
+            x = x + self.ffn(self.ln2(x))
+        return x
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only Transformer LM: token ids (B, T) int -> logits (B, T, V).
+
+    Token embedding, `num_layers` pre-norm blocks, final RMSNorm, untied LM head (as in the
+    course). Parameters: `token_embeddings.weight` (V, D); per block `ln1.weight`,
+    `attn.qkv_proj.weight` (3D, D), `attn.output_proj.weight` (D, D), `ln2.weight`,
+    `ffn.w13.weight` (2F, D), `ffn.w2.weight` (D, F); `ln_final.weight`, `lm_head.weight` (V, D).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"TransformerLM: config must be a ModelConfig, got {type(config)}")
+        self.config = config
+        self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.ln_final = RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Course initialization: truncated normals (std 1 for embeddings), norms at one."""
+        _trunc_normal_(self.token_embeddings.weight, 1.0)
+        for block in self.layers:
+            block.ln1.weight.fill_(1.0)
+            block.ln2.weight.fill_(1.0)
+            block.attn.reset_parameters()
+            block.ffn.reset_parameters()
+        self.ln_final.weight.fill_(1.0)
+        d, v = self.config.d_model, self.config.vocab_size
+        _trunc_normal_(self.lm_head.weight, _linear_std(d, v))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T) of an integer dtype, T <= context_length."""
+        self._check_input(token_ids)
+        x = self.token_embeddings(token_ids)  # (B, T, D)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))  # (B, T, V)
+
+    def _check_input(self, token_ids: torch.Tensor) -> None:
+        # Shape and dtype checks read metadata only. The value-range check reads the data, which
+        # on a GPU would stall the host until the device catches up, so it runs only for CPU
+        # tensors in eager mode; on CUDA an out-of-range id still fails (embedding's assert).
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
+            raise TypeError(f"token_ids: expected an integer dtype, got {token_ids.dtype}")
+        if token_ids.dim() != 2:
+            raise ValueError(
+                f"token_ids: expected shape (batch, seq), got {tuple(token_ids.shape)}"
+            )
+        seq = token_ids.shape[1]
+        if seq > self.config.context_length:
+            raise ValueError(
+                f"token_ids: sequence length {seq} exceeds the model's "
+                f"context_length {self.config.context_length}"
+            )
+        if token_ids.device.type == "cpu" and token_ids.numel() > 0 and not _is_compiling():
+            lo, hi = int(token_ids.min()), int(token_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(
+                    f"token_ids: values must lie in [0, vocab_size={self.config.vocab_size}), "
+                    f"got min {lo}, max {hi}"
+                )
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of parameters; `non_embedding=True` leaves out the token embedding table
+        (a lookup, no FLOPs) but keeps the LM head (a matmul)."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.token_embeddings.weight.numel()
+        return total
+
+    def set_attention(self, name: str) -> None:
+        """Switch every block to attention backend `name` (weights unchanged)."""
+        import dataclasses
+
+        fn = get_attention(name)  # validates the name first
+        self.config = dataclasses.replace(self.config, attention=name)
+        for block in self.layers:
+            block.attn.attn_fn = fn

@@ -1,0 +1,180 @@
+"""`python -m lm_core.train`: train a TransformerLM on one device or under torchrun.
+
+Examples:
+    python -m lm_core.train --size tiny --steps 200                       # CPU, synthetic data
+    python -m lm_core.train --size small --data train.bin --val-data val.bin --bf16 --compile \
+        --batch-size 32 --context-length 512 --steps 5000 --out-dir runs/small
+    torchrun --nproc_per_node 2 -m lm_core.train --size xl --bf16 --ddp bucketed \
+        --bucket-size-mb 100 --zero --batch-size 8 --context-length 512
+
+`--batch-size` is the global number of sequences per micro-step, split evenly over ranks;
+each optimizer step sees batch-size x grad-accum-steps sequences. The logic lives in
+`lm_core.trainer.train(args)`; `main(argv)` parses and runs it (tests call it in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lm_core.config import ATTENTION_BACKENDS, MODEL_SIZES, get_config
+from lm_core.distributed import DDP_CHOICES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's argument parser, flags grouped by concern."""
+    p = argparse.ArgumentParser(
+        prog="python -m lm_core.train",
+        description="Train a TransformerLM (single device or torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--size", default="tiny", choices=list(MODEL_SIZES), help="preset")
+    g.add_argument("--vocab-size", type=int, help="override the preset's vocab_size")
+    g.add_argument("--context-length", type=int, help="sequence length trained on (and max)")
+    g.add_argument("--d-model", type=int, help="override d_model")
+    g.add_argument("--num-layers", type=int, help="override num_layers")
+    g.add_argument("--num-heads", type=int, help="override num_heads")
+    g.add_argument("--d-ff", type=int, help="override d_ff")
+    g.add_argument("--rope-theta", type=float, help="override rope_theta")
+    g.add_argument("--attention", choices=list(ATTENTION_BACKENDS), help="attention backend")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data", type=Path, help="training tokens (.npy, or raw .bin of --data-dtype)")
+    g.add_argument("--val-data", type=Path, help="validation tokens (same formats)")
+    g.add_argument("--data-dtype", default="uint16", help="dtype of raw .bin token files")
+    g.add_argument(
+        "--synthetic",
+        default="pattern",
+        choices=["pattern", "random"],
+        help="synthetic tokens when --data is not given (pattern: learnable; random: benchmark)",
+    )
+    g.add_argument("--synthetic-tokens", type=int, default=200_000, help="synthetic stream size")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=int, default=8, help="global sequences per micro-step")
+    g.add_argument("--grad-accum-steps", type=int, default=1, help="micro-steps per step")
+    g.add_argument("--max-lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, help="final learning rate [default: max-lr / 10]")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps")
+    g.add_argument("--cosine-steps", type=int, help="step where cosine decay ends [--steps]")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--beta1", type=float, default=0.9)
+    g.add_argument("--beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max grad L2 norm (0: off)")
+
+    g = p.add_argument_group("precision and compilation")
+    g.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32)")
+    g.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+
+    g = p.add_argument_group("distributed (run under torchrun)")
+    g.add_argument("--ddp", default="none", choices=list(DDP_CHOICES), help="gradient sync")
+    g.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucketed/torch DDP")
+    g.add_argument("--zero", action="store_true", help="shard optimizer state (zero_shard)")
+    g.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
+
+    g = p.add_argument_group("evaluation, checkpoints, logging")
+    g.add_argument("--out-dir", type=Path, help="checkpoint.pt and metrics.jsonl go here")
+    g.add_argument("--metrics", type=Path, help="metrics JSONL [out-dir/metrics.jsonl]")
+    g.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: end)")
+    g.add_argument("--resume", type=Path, help="checkpoint to resume from")
+    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: off)")
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
+    g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    return p
+
+
+_POSITIVE = ("steps", "batch_size", "grad_accum_steps", "synthetic_tokens", "log_every")
+_NON_NEGATIVE = ("warmup_steps", "ckpt_every", "eval_every", "grad_clip", "weight_decay", "seed")
+_MODEL_FLAGS = {
+    "vocab_size": "vocab_size",
+    "context_length": "context_length",
+    "d_model": "d_model",
+    "num_layers": "num_layers",
+    "num_heads": "num_heads",
+    "d_ff": "d_ff",
+    "rope_theta": "rope_theta",
+    "attention": "attention",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and validate; an invalid value exits with an argparse error naming the flag.
+
+    Adds `args.model_config` (the ModelConfig) and fills defaults that depend on other flags.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in _POSITIVE:
+        if getattr(args, name) <= 0:
+            parser.error(f"{_flag(name)} must be positive, got {getattr(args, name)}")
+    for name in _NON_NEGATIVE:
+        if getattr(args, name) < 0:
+            parser.error(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
+    if args.eval_batches <= 0:
+        parser.error(f"--eval-batches must be positive, got {args.eval_batches}")
+    if args.max_lr < 0:
+        parser.error(f"--max-lr must be >= 0, got {args.max_lr}")
+    if args.min_lr is None:
+        args.min_lr = args.max_lr / 10
+    if args.min_lr < 0:
+        parser.error(f"--min-lr must be >= 0, got {args.min_lr}")
+    if args.cosine_steps is None:
+        args.cosine_steps = args.steps
+    if not 0 <= args.warmup_steps <= args.cosine_steps:
+        parser.error(
+            f"--warmup-steps ({args.warmup_steps}) must be <= --cosine-steps ({args.cosine_steps})"
+        )
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            parser.error(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
+    if args.adam_eps < 0:
+        parser.error(f"--adam-eps must be >= 0, got {args.adam_eps}")
+    if args.bucket_size_mb <= 0:
+        parser.error(f"--bucket-size-mb must be positive, got {args.bucket_size_mb}")
+    if args.zero and args.ddp == "none":
+        parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
+    if args.eval_every and args.val_data is None and args.data is not None:
+        parser.error("--eval-every needs --val-data when training on --data")
+    for name in ("data", "val_data", "resume"):
+        path = getattr(args, name)
+        if path is not None and not path.is_file():
+            parser.error(f"{_flag(name)}: file not found: {path}")
+    overrides = {
+        field: getattr(args, flag)
+        for flag, field in _MODEL_FLAGS.items()
+        if getattr(args, flag) is not None
+    }
+    try:
+        args.model_config = get_config(args.size, **overrides)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"model flags: {exc}")
+    if args.context_length is None:
+        args.context_length = args.model_config.context_length
+    if args.metrics is None and args.out_dir is not None:
+        args.metrics = args.out_dir / "metrics.jsonl"
+    return args
+
+
+def main(argv: Sequence[str] | None = None):  # returns lm_core.trainer.TrainResult
+    """Parse `argv` (default: sys.argv[1:]) and train; returns the `TrainResult`."""
+    from lm_core.trainer import train
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The training loop behind `python -m lm_core.train`, as importable functions.
+
+Data parallel semantics: every rank draws the same global batch of window starts from one
+seeded generator and reads only its own rows; each rank's loss is the mean over its rows and
+the wrappers average gradients, so N ranks compute the gradient of the mean loss over the
+whole global batch, as one rank would. With gradient accumulation each micro-step's loss is
+divided by the number of micro-steps. The data generator's state goes into checkpoints, so a
+resumed run draws the same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint, unwrap_model
+from lm_core.data import gather_windows, load_tokens, sample_starts, synthetic_tokens
+from lm_core.distributed import (
+    DistEnv,
+    ParallelModel,
+    all_reduce_mean,
+    build_optimizer,
+    setup_distributed,
+    teardown_distributed,
+    wrap_model,
+)
+from lm_core.loss import cross_entropy
+from lm_core.model import TransformerLM
+from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind, for callers and tests."""
+
+    model: TransformerLM  # unwrapped
+    optimizer: torch.optim.Optimizer
+    step: int  # optimizer steps completed
+    history: list[dict[str, Any]] = field(default_factory=list)  # logged train records
+    evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "val_loss"}
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.history[-1]["loss"] if self.history else None
+
+
+@dataclass
+class Data:
+    """Training and validation token streams and the generator that draws batches."""
+
+    train: np.ndarray
+    val: np.ndarray | None
+    generator: torch.Generator
+
+
+def load_data(args: argparse.Namespace) -> Data:
+    """Token files from --data/--val-data, or a synthetic stream (validation: another seed)."""
+    vocab = args.model_config.vocab_size
+    if args.data is not None:
+        train = load_tokens(args.data, args.data_dtype)
+        val = load_tokens(args.val_data, args.data_dtype) if args.val_data else None
+    else:
+        n = args.synthetic_tokens
+        train = synthetic_tokens(n, vocab, args.synthetic, seed=args.seed)
+        # The pattern's cycle depends only on the seed, so validation shares it (it measures
+        # whether the pattern was learned); random tokens get an independent stream.
+        val_seed = args.seed if args.synthetic == "pattern" else args.seed + 1
+        val = synthetic_tokens(
+            max(n // 10, args.context_length + 1), vocab, args.synthetic, val_seed
+        )
+    generator = torch.Generator().manual_seed(args.seed)
+    return Data(train=train, val=val, generator=generator)
+
+
+def _autocast(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
+    if args.bf16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _batch(
+    tokens: np.ndarray,
+    args: argparse.Namespace,
+    env: DistEnv,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of one global batch: (x, y) int64 (batch_size / world, T)."""
+    starts = sample_starts(len(tokens), args.batch_size, args.context_length, generator)
+    return gather_windows(
+        tokens, starts[env.rows(args.batch_size)], args.context_length, env.device
+    )
+
+
+def train_step(
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    args: argparse.Namespace,
+    env: DistEnv,
+    lr: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step over grad_accum_steps micro-batches.
+
+    Returns (this rank's mean loss, grad norm before clipping or None), as device tensors:
+    nothing here waits for the device.
+    """
+    accum = args.grad_accum_steps
+    loss_sum = torch.zeros((), device=env.device)
+    for micro in range(accum):
+        x, y = _batch(data.train, args, env, data.generator)
+        last = micro == accum - 1
+        with contextlib.nullcontext() if last else pm.no_sync():
+            with _autocast(args, env.device):
+                logits = pm.module(x)  # (b, T, V)
+            loss = cross_entropy(logits, y)
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    pm.finish_sync()
+    grad_norm = None
+    if args.grad_clip > 0:
+        grad_norm = clip_grad_norm(
+            [p for p in unwrap_model(pm.module).parameters() if p.grad is not None], args.grad_clip
+        )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum / accum, grad_norm
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Data, args: argparse.Namespace, env: DistEnv) -> float:
+    """Mean loss over --eval-batches global batches of the validation stream.
+
+    A fresh generator with a fixed seed draws the same windows at every evaluation, so the
+    values are comparable across steps (and across world sizes).
+    """
+    assert data.val is not None
+    generator = torch.Generator().manual_seed(args.seed + 12345)
+    total = torch.zeros((), device=env.device)
+    for _ in range(args.eval_batches):
+        x, y = _batch(data.val, args, env, generator)
+        with _autocast(args, env.device):
+            logits = model(x)
+        total += cross_entropy(logits, y)
+    return all_reduce_mean(total / args.eval_batches, env).item()
+
+
+class _Log:
+    """Progress bar (tqdm if installed) and metrics JSONL, on rank 0 only."""
+
+    def __init__(self, args: argparse.Namespace, env: DistEnv, start: int) -> None:
+        self.enabled = env.is_main
+        self.bar = None
+        self.file = None
+        if not self.enabled:
+            return
+        if not args.no_progress:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step")
+            except ImportError:
+                pass
+        if args.metrics is not None:
+            args.metrics.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(args.metrics, "a" if args.resume else "w")  # noqa: SIM115
+
+    def record(self, entry: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+        text = " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()
+        )
+        if self.bar is not None:
+            if "loss" in entry:
+                self.bar.set_postfix(
+                    loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}"
+                )
+            else:
+                self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _save(
+    path: Path,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    data: Data,
+    args: argparse.Namespace,
+    env: DistEnv,
+) -> None:
+    """Checkpoint from rank 0 (a sharded optimizer is consolidated there first: all ranks)."""
+    if hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)
+    if env.is_main:
+        extra = {"data_generator": data.generator.get_state(), "args": _args_record(args)}
+        save_checkpoint(path, pm.module, optimizer, step, extra=extra)
+    if env.world_size > 1:
+        torch.distributed.barrier()
+
+
+def _args_record(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if isinstance(v, str | int | float | bool | Path | type(None))
+    }
+
+
+def train(args: argparse.Namespace) -> TrainResult:
+    """Run training as configured by `lm_core.train.parse_args`; returns a TrainResult."""
+    env = setup_distributed(args.ddp, args.device, args.dist_backend)
+    try:
+        return _train(args, env)
+    finally:
+        teardown_distributed(env)
+
+
+def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
+    if args.batch_size % env.world_size != 0:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must be divisible by the number of ranks "
+            f"({env.world_size})"
+        )
+    if args.tf32 and env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)
+    data = load_data(args)
+    model = TransformerLM(args.model_config).to(env.device)
+    pm = wrap_model(model, args.ddp, env, compile=args.compile, bucket_size_mb=args.bucket_size_mb)
+    optimizer = build_optimizer(
+        list(model.parameters()),
+        AdamW,
+        args.zero,
+        lr=args.max_lr,
+        betas=(args.beta1, args.beta2),
+        eps=args.adam_eps,
+        weight_decay=args.weight_decay,
+    )
+    start = 0
+    if args.resume is not None:
+        start = load_checkpoint(args.resume, model, optimizer)
+        state = read_checkpoint(args.resume)["extra"].get("data_generator")
+        if state is not None:
+            data.generator.set_state(state)
+        if start > args.steps:
+            raise ValueError(
+                f"--resume: checkpoint is at step {start}, beyond --steps {args.steps}"
+            )
+    result = TrainResult(model=model, optimizer=optimizer, step=start)
+    log = _Log(args, env, start)
+    tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length
+    ckpt_path = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
+    loss_acc = torch.zeros((), device=env.device)
+    acc_steps = 0
+    t_last = time.perf_counter()
+    t0 = t_last
+    try:
+        for step in range(start, args.steps):
+            lr = cosine_lr(step, args.max_lr, args.min_lr, args.warmup_steps, args.cosine_steps)
+            loss, grad_norm = train_step(pm, optimizer, data, args, env, lr)
+            loss_acc += loss
+            acc_steps += 1
+            done = step + 1
+            result.step = done
+            log.advance()
+            if done % args.log_every == 0 or done == args.steps:
+                mean_loss = all_reduce_mean(loss_acc / acc_steps, env).item()  # syncs
+                now = time.perf_counter()
+                entry = {
+                    "step": done,
+                    "loss": mean_loss,
+                    "lr": lr,
+                    "tokens_per_s": acc_steps * tokens_per_step / (now - t_last),
+                    "elapsed_s": now - t0,
+                }
+                if grad_norm is not None:
+                    entry["grad_norm"] = grad_norm.item()
+                if not math.isfinite(mean_loss):
+                    raise FloatingPointError(f"loss is {mean_loss} at step {done}")
+                result.history.append(entry)
+                log.record(entry)
+                loss_acc.zero_()
+                acc_steps = 0
+                t_last = time.perf_counter()
+            if args.eval_every and data.val is not None and done % args.eval_every == 0:
+                val = evaluate(pm.module, data, args, env)
+                result.evals.append({"step": done, "val_loss": val})
+                log.record({"step": done, "val_loss": val})
+                t_last = time.perf_counter()
+            if ckpt_path is not None and args.ckpt_every and done % args.ckpt_every == 0:
+                _save(ckpt_path, pm, optimizer, done, data, args, env)
+                t_last = time.perf_counter()
+        if ckpt_path is not None and (not args.ckpt_every or result.step % args.ckpt_every):
+            _save(ckpt_path, pm, optimizer, result.step, data, args, env)
+    finally:
+        log.close()
+    return result
