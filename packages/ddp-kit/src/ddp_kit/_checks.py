@@ -1,0 +1,156 @@
+"""Argument checks and the construction-time collectives every wrapper shares.
+
+`resolve_group` and `validate_bucket_size` are local (no communication). `check_same_structure`
+and `broadcast_from_rank0` are collectives: every rank of the group must call them in the same
+order, which the wrappers' constructors do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ProcessGroup = dist.ProcessGroup if dist.is_available() else object
+
+
+def resolve_group(process_group: ProcessGroup | None, owner: str) -> ProcessGroup:
+    """The group to communicate over: `process_group`, or WORLD when None.
+
+    Raises RuntimeError saying how to initialize torch.distributed when it is not, and
+    ValueError when this process is not a member of `process_group`.
+    """
+    if not dist.is_available():
+        raise RuntimeError(f"{owner}: this torch build has no torch.distributed support")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{owner}: the default process group is not initialized. Call "
+            "torch.distributed.init_process_group(backend='nccl' on GPUs or 'gloo' on CPU) "
+            "in every process before wrapping the model; under torchrun the rank, world size "
+            "and rendezvous address come from the environment it sets."
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{owner}: process_group: this process (global rank "
+            f"{dist.get_rank()}) is not a member of the given group"
+        )
+    return group
+
+
+def validate_bucket_size(bucket_size_mb: object) -> float:
+    """`bucket_size_mb` as a float, or a TypeError / ValueError naming the expected value."""
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, int | float):
+        raise TypeError(
+            f"bucket_size_mb: expected a positive number of MiB, got {bucket_size_mb!r}"
+        )
+    value = float(bucket_size_mb)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"bucket_size_mb: expected a positive, finite number of MiB, got {bucket_size_mb!r}"
+        )
+    return value
+
+
+def is_nccl(group: ProcessGroup) -> bool:
+    """True when the group's backend (or its CUDA half, for 'cpu:gloo,cuda:nccl') is NCCL."""
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+def comm_device(module: nn.Module, group: ProcessGroup) -> torch.device:
+    """Device for small control tensors: the module's first tensor's, or the backend's default.
+
+    Raises ValueError when the module lives on the CPU but the group only speaks NCCL.
+    """
+    first = next(_tensors(module), None)
+    backend = str(dist.get_backend(group)).lower()
+    if first is None:
+        if backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if backend == "nccl" and first.device.type != "cuda":
+        raise ValueError(
+            f"module: its tensors are on {first.device} but the process group backend is "
+            "NCCL, which only moves CUDA tensors; move the module to this rank's GPU "
+            "(module.to(f'cuda:{local_rank}')) or use the gloo backend"
+        )
+    return first.device
+
+
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def structure_signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(kind, name, shape, dtype) of every parameter and buffer, in registration order."""
+    sig = [("param", n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    sig += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    return sig
+
+
+def check_same_structure(
+    module: nn.Module, group: ProcessGroup, device: torch.device, owner: str
+) -> None:
+    """Collective: raise ValueError on every rank if parameter/buffer names, shapes or dtypes
+    differ between ranks. Never hangs on a mismatch: it exchanges a fixed-size digest first.
+    """
+    sig = structure_signature(module)
+    numel = sum(math.prod(s[2]) for s in sig)
+    digest = zlib.crc32(repr(sig).encode())
+    mine = torch.tensor([len(sig), numel, digest], dtype=torch.int64, device=device)  # (3,)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [tuple(t.tolist()) for t in gathered]
+    if all(r == rows[0] for r in rows):
+        return
+    # Every rank saw the same mismatch, so every rank takes this branch: the object gather
+    # below is matched on all of them.
+    sigs: list[object] = [None] * world
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        dist.all_gather_object(sigs, sig, group=group)
+    raise ValueError(f"{owner}: module: " + _describe_mismatch(sigs))
+
+
+def _describe_mismatch(sigs: list[object]) -> str:
+    ref = sigs[0]
+    assert isinstance(ref, list)
+    for rank, sig in enumerate(sigs[1:], start=1):
+        assert isinstance(sig, list)
+        if sig == ref:
+            continue
+        for a, b in zip(ref, sig):
+            if a != b:
+                return (
+                    f"parameters/buffers differ across ranks: rank 0 has {a[0]} {a[1]!r} "
+                    f"shape {a[2]} {a[3]}, rank {rank} has {b[0]} {b[1]!r} shape {b[2]} {b[3]}. "
+                    "Build the same model (same config) on every rank before wrapping it."
+                )
+        return (
+            f"parameters/buffers differ across ranks: rank 0 has {len(ref)} tensors, rank "
+            f"{rank} has {len(sig)}. Build the same model on every rank before wrapping it."
+        )
+    return "parameters/buffers differ across ranks"
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
+    """Collective: copy group rank 0's parameters and buffers into every rank's module.
+
+    One broadcast per tensor (in registration order, the same on every rank once
+    `check_same_structure` passed); non-contiguous tensors go through a contiguous copy.
+    """
+    src = dist.get_global_rank(group, 0)
+    for t in _tensors(module):
+        data = t.data
+        buf = data if data.is_contiguous() else data.contiguous()
+        dist.broadcast(buf, src=src, group=group)
+        if buf is not data:
+            data.copy_(buf)
