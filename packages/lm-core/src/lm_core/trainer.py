@@ -90,17 +90,25 @@ def _autocast(args: argparse.Namespace, device: torch.device) -> contextlib.Abst
     return contextlib.nullcontext()
 
 
-def _batch(
-    tokens: np.ndarray,
-    args: argparse.Namespace,
-    env: DistEnv,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of one global batch: (x, y) int64 (batch_size / world, T)."""
-    starts = sample_starts(len(tokens), args.batch_size, args.context_length, generator)
-    return gather_windows(
-        tokens, starts[env.rows(args.batch_size)], args.context_length, env.device
+def _step_starts(
+    tokens: np.ndarray, args: argparse.Namespace, micro_steps: int, generator: torch.Generator
+) -> np.ndarray:
+    """Window starts of one optimizer step, identical on every rank: int64 (micro, batch).
+
+    All micro-batches are drawn at once, so accumulating k micro-batches of b sequences sees
+    exactly the windows of one batch of k*b."""
+    starts = sample_starts(
+        len(tokens), micro_steps * args.batch_size, args.context_length, generator
     )
+    return starts.reshape(micro_steps, args.batch_size)  # (micro, batch)
+
+
+def _rank_batch(
+    tokens: np.ndarray, starts: np.ndarray, args: argparse.Namespace, env: DistEnv
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of a global batch of starts (B,): (x, y) int64 (B / world, T)."""
+    mine = starts[env.rows(args.batch_size)]
+    return gather_windows(tokens, mine, args.context_length, env.device)
 
 
 def train_step(
@@ -118,8 +126,9 @@ def train_step(
     """
     accum = args.grad_accum_steps
     loss_sum = torch.zeros((), device=env.device)
+    starts = _step_starts(data.train, args, accum, data.generator)  # (accum, batch)
     for micro in range(accum):
-        x, y = _batch(data.train, args, env, data.generator)
+        x, y = _rank_batch(data.train, starts[micro], args, env)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else pm.no_sync():
             with _autocast(args, env.device):
@@ -150,8 +159,9 @@ def evaluate(model: nn.Module, data: Data, args: argparse.Namespace, env: DistEn
     assert data.val is not None
     generator = torch.Generator().manual_seed(args.seed + 12345)
     total = torch.zeros((), device=env.device)
-    for _ in range(args.eval_batches):
-        x, y = _batch(data.val, args, env, generator)
+    starts = _step_starts(data.val, args, args.eval_batches, generator)  # (batches, batch)
+    for batch_starts in starts:
+        x, y = _rank_batch(data.val, batch_starts, args, env)
         with _autocast(args, env.device):
             logits = model(x)
         total += cross_entropy(logits, y)
