@@ -72,10 +72,13 @@ def time_steps(
     iters: int,
     device: torch.device | str,
     progress: str | None = None,
+    on_measure: Callable[[], Any] | None = None,
 ) -> StepTiming:
     """Run `step` `warmup` times untimed, then `iters` times, synchronizing around each step.
 
-    `progress`, when given, labels a tqdm bar (if tqdm is installed).
+    `progress`, when given, labels a tqdm bar (if tqdm is installed). `on_measure`, when given,
+    is called once between the warm-up and the measured steps, outside every timed interval
+    (e.g. to reset the peak-memory counter or start a memory / Nsight capture).
     """
     if warmup < 0:
         raise ValueError(f"warmup: expected >= 0, got {warmup}")
@@ -93,6 +96,9 @@ def time_steps(
             first = time.perf_counter() - t0
         bar.update(1)
     warmup_s = time.perf_counter() - t_warm
+    if on_measure is not None:
+        on_measure()
+        synchronize(device)
     samples = []
     for _ in range(iters):
         t0 = time.perf_counter()

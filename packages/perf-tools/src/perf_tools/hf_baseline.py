@@ -1,0 +1,72 @@
+"""The competitor users pick instead: Hugging Face `LlamaForCausalLM` with SDPA and fused AdamW.
+
+Same math as lm_core's model (pre-norm RMSNorm blocks, RoPE, SwiGLU, untied LM head, no
+biases) at the same dims, so its step time is directly comparable. `transformers` is optional:
+it is imported lazily and never a dependency of perf-tools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class MissingBaselineError(RuntimeError):
+    """The optional competitor cannot be built here (package missing)."""
+
+
+class LlamaLogits(nn.Module):
+    """Wraps LlamaForCausalLM so that forward(tokens (B, T)) -> logits (B, T, V), like ours."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
+def available() -> tuple[bool, str]:
+    """Whether transformers imports, and a note saying why not."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return False, f"transformers is not installed ({exc}); `pip install transformers`"
+    return True, ""
+
+
+def build_hf_llama(config: Any, device: torch.device | str) -> nn.Module:
+    """LlamaForCausalLM at `config`'s dims (vocab, d_model, layers, heads, d_ff, context)."""
+    ok, note = available()
+    if not ok:
+        raise MissingBaselineError(note)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.d_ff,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=config.context_length,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+    )
+    hf_config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config)
+    model = model.to(device=device, dtype=torch.float32)
+    return LlamaLogits(model)
+
+
+def fused_adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:
+    """torch.optim.AdamW, fused on CUDA (foreach elsewhere), the handout's hyper-parameters."""
+    fused = torch.device(device).type == "cuda"
+    return torch.optim.AdamW(
+        params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=fused
+    )

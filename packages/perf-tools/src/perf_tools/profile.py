@@ -1,0 +1,324 @@
+"""Kernel-level profile of a model step, the Nsight questions answered in the terminal.
+
+`python -m perf_tools.profile` (or `python -m perf_tools.bench --profile DIR`) runs the chosen
+configurations (size x context x mode x precision; naive attention by default, so the attention
+sub-steps exist as separate kernels) under torch.profiler after warm-up, with the ranges of
+`bench --nvtx` as record_function ranges (step, forward, backward, optimizer; lm_core's
+attention / scores / softmax / weighted-sum / ffn), and prints per configuration:
+
+  1. the top kernels by total GPU time, with calls per step and share of all kernel time;
+  2. the matmul / fused-attention / other split, for the step and for each phase;
+  3. the GPU time of the work launched inside each named range (how: trace_analysis.py);
+  4. softmax vs the two attention matmuls, with their FLOP counts beside them.
+
+It writes, per configuration, the Perfetto / chrome trace (trace.json.gz, open it at
+https://ui.perfetto.dev) and the four tables as CSV, plus tables.json; and a summary over all
+configurations. On a machine without a GPU the same tables list CPU operators and CPU time.
+
+Examples:
+  python -m perf_tools.profile --size small --mode forward fwd-bwd train --out prof/
+  python -m perf_tools.profile --size xl --precision bf16 --mode train --steps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from perf_tools import _cli, bench, report, timing
+from perf_tools.flops import SOFTMAX_FLOPS_PER_ELEMENT, attention_substep_flops
+from perf_tools.steps import (
+    MODE_ALIASES,
+    MODES,
+    PRECISION_ALIASES,
+    PRECISIONS,
+    Annotator,
+    lm_core_annotations,
+)
+from perf_tools.trace_analysis import (
+    RangeIndex,
+    attention_table,
+    extract,
+    kernel_table,
+    range_table,
+    split_table,
+)
+
+# Range names looked for besides record_function user annotations (older torch builds may not
+# flag those as annotations).
+RANGE_NAMES = (
+    "step",
+    "forward",
+    "backward",
+    "optimizer",
+    "attention",
+    "attention/scores",
+    "attention/softmax",
+    "attention/weighted_sum",
+    "ffn",
+)
+SUMMARY_COLUMNS = [
+    "size",
+    "attention",
+    "compile",
+    "precision",
+    "mode",
+    "context",
+    "status",
+    "unit",
+    "wall_ms_per_step",
+    "busy_ms_per_step",
+    "busy_pct",
+    "matmul_pct",
+    "top_item",
+    "top_item_pct",
+    "dir",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m perf_tools.profile",
+        description=__doc__.split("\n\n")[0],
+        epilog="Lists take several values (--mode forward train) or commas.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_model_args(p)
+    g = p.add_argument_group("profile")
+    g.add_argument(
+        "--mode",
+        nargs="+",
+        type=_cli.listed(_cli.choice(MODES, MODE_ALIASES)),
+        help="forward, fwd-bwd, train (default: all three)",
+    )
+    g.add_argument(
+        "--precision",
+        nargs="+",
+        type=_cli.listed(_cli.choice(PRECISIONS, PRECISION_ALIASES)),
+        help="fp32 and/or bf16 autocast (default fp32)",
+    )
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--batch", type=_cli.positive_int, default=4, help="batch size (default 4)")
+    g.add_argument(
+        "--warmup", type=_cli.nonneg_int, default=3, help="steps before profiling (default 3)"
+    )
+    g.add_argument("--steps", type=_cli.positive_int, default=3, help="profiled steps (default 3)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top", type=_cli.positive_int, default=15, help="kernels printed (default 15)")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("profile-out"),
+        metavar="DIR",
+        help="output directory (default ./profile-out)",
+    )
+    g.add_argument("--no-trace", action="store_true", help="do not write the trace files")
+    _cli.add_output_args(p, plot=False)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bench.resolve_model_args(parser, args, gpu_default_sizes=("small",))
+    args.modes = _cli.flatten(args.mode) or list(MODES)
+    args.precisions = _cli.flatten(args.precision) or ["fp32"]
+    args.compiles = [bool(args.compile)]
+    return args
+
+
+def _specs(args: argparse.Namespace) -> list[bench.BenchSpec]:
+    attentions = [a or "naive" for a in args.attentions]
+    return [
+        bench.BenchSpec(bench.OURS, size, attention, compiled, precision, mode, context)
+        for size in args.sizes
+        for attention in attentions
+        for compiled in args.compiles
+        for precision in args.precisions
+        for context in sorted(args.contexts)
+        for mode in args.modes
+    ]
+
+
+class Profiler:
+    """The `measure` hook of bench.run_sweep that profiles a cell instead of timing it."""
+
+    def __init__(self, out: Path, *, top: int, trace: bool, echo: bool = True) -> None:
+        self.out = out
+        self.top = top
+        self.trace = trace
+        self.echo = echo
+        self.tables: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def __call__(
+        self,
+        model: nn.Module,
+        runner: nn.Module,
+        spec: bench.BenchSpec,
+        config: Any,
+        opts: bench.BenchOptions,
+        n_cells: int = 1,
+    ) -> dict[str, Any]:
+        device = opts.device
+        annotator = Annotator(record=True)
+        step, optimizer = bench.make_cell_step(
+            model, runner, spec, config, opts, annotator, timer=None
+        )
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        walls = []
+        with lm_core_annotations(spec.impl == bench.OURS) as annotated:
+            for _ in range(opts.warmup):
+                step()
+                timing.synchronize(device)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(opts.steps):
+                    t0 = time.perf_counter()
+                    step()
+                    timing.synchronize(device)
+                    walls.append(time.perf_counter() - t0)
+        del step, optimizer
+        cell_dir = self.out / spec.label()
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        if self.trace:
+            prof.export_chrome_trace(str(cell_dir / "trace.json.gz"))
+        items, spans, unit = extract(prof.events(), RANGE_NAMES)
+        del prof
+        tables = analyze(items, spans, opts.steps, config, opts.batch, spec)
+        self.tables[spec.label()] = tables
+        save_tables(tables, cell_dir, spec, unit)
+        if self.echo:
+            print_tables(tables, spec, unit, self.top, device, annotated)
+        wall_ms = 1e3 * sum(walls) / len(walls)
+        busy_ms = sum(r["ms_per_step"] for r in tables["kernels"])
+        step_split = [r for r in tables["split"] if r["scope"] == "step"]
+        matmul = next((r for r in step_split if r["class"] == "matmul"), None)
+        top = tables["kernels"][0] if tables["kernels"] else None
+        return {
+            "status": "ok",
+            "unit": unit,
+            "wall_ms_per_step": wall_ms,
+            "busy_ms_per_step": busy_ms,
+            "busy_pct": 100.0 * busy_ms / wall_ms if wall_ms > 0 else None,
+            "matmul_pct": matmul["share_of_scope_pct"] if matmul else 0.0,
+            "top_item": top["name"] if top else None,
+            "top_item_pct": top["share_pct"] if top else None,
+            "dir": str(cell_dir),
+        }
+
+
+def analyze(
+    items: Sequence[Any],
+    spans: Sequence[Any],
+    steps: int,
+    config: Any,
+    batch: int,
+    spec: bench.BenchSpec,
+) -> dict[str, list[dict[str, Any]]]:
+    """The four tables of one profiled configuration."""
+    index = RangeIndex(spans)
+    ranges = range_table(items, index, steps)
+    flops = attention_substep_flops(config, batch, spec.context)
+    return {
+        "kernels": kernel_table(items, steps),
+        "split": split_table(items, index, steps),
+        "ranges": ranges,
+        "attention": attention_table(ranges, flops),
+    }
+
+
+def save_tables(
+    tables: dict[str, list[dict[str, Any]]], cell_dir: Path, spec: bench.BenchSpec, unit: str
+) -> None:
+    for name, rows in tables.items():
+        if rows:
+            report.save_rows(rows, csv_path=cell_dir / f"{name}.csv")
+    payload = {
+        "meta": {**report.run_metadata(), "config": spec.label(), "unit": unit},
+        "softmax_flops_per_element": SOFTMAX_FLOPS_PER_ELEMENT,
+        **tables,
+    }
+    (cell_dir / "tables.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def _short(name: str, width: int = 72) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def print_tables(
+    tables: dict[str, list[dict[str, Any]]],
+    spec: bench.BenchSpec,
+    unit: str,
+    top: int,
+    device: torch.device,
+    annotated: bool,
+) -> None:
+    what = "GPU kernels" if unit == "kernel" else "CPU operators (self time; no GPU here)"
+    head = f"{spec.label()} on {device}"
+    kernels = [{**r, "name": _short(r["name"])} for r in tables["kernels"][:top]]
+    report.print_table(kernels, title=f"{head}: top {what} by total time")
+    report.print_table(tables["split"], title=f"{head}: matmul vs other ({unit} time)")
+    ranges = [{**r, "top_item": _short(r["top_item"], 48)} for r in tables["ranges"]]
+    report.print_table(ranges, title=f"{head}: {unit} time launched inside each named range")
+    if tables["attention"]:
+        report.print_table(
+            tables["attention"],
+            title=f"{head}: attention sub-steps, forward only "
+            f"(softmax counted as {SOFTMAX_FLOPS_PER_ELEMENT} FLOPs per score)",
+        )
+    elif not annotated:
+        print("note: lm_core has no set_annotations(); attention sub-steps are not ranged")
+    else:
+        print(
+            f"note: attention backend {spec.attention!r} has no separate sub-steps "
+            "(use --attention naive to see scores / softmax / weighted sum)"
+        )
+
+
+def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """Profile every configuration of `args`; returns the summary rows."""
+    opts = bench.BenchOptions(
+        device=args.device,
+        batch=args.batch,
+        warmup=args.warmup,
+        steps=args.steps,
+        overrides=args.overrides,
+        seed=args.seed,
+        progress=not args.quiet,
+    )
+    profiler = Profiler(
+        out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)
+    )
+    rows = bench.run_sweep(_specs(args), opts, measure=profiler)
+    cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows)]
+    report.print_table(rows, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
+    out.mkdir(parents=True, exist_ok=True)
+    report.save_rows(rows, csv_path=out / "summary.csv", json_path=out / "summary.json")
+    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
+    print(f"tables and traces: {out}/<config>/ (open trace.json.gz at https://ui.perfetto.dev)")
+    return rows
+
+
+def main_from_bench(args: argparse.Namespace) -> int:
+    """`bench --profile DIR`: profile bench's configurations (naive attention by default)."""
+    rows = run(args, args.profile)
+    return 1 if any(str(r.get("status", "")).startswith("error") for r in rows) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = run(args, args.out)
+    return 1 if any(str(r.get("status", "")).startswith("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""perf_tools.bench on CPU: every mode and precision, outputs, OOM and error handling, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from perf_tools import bench
+from perf_tools.flops import formula_forward_flops
+
+TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
+FAST = ["--warmup", "1", "--steps", "2"]
+
+
+def _run(argv, capsys=None):
+    rc = bench.main(argv)
+    return rc
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_mode_and_precision_writes_csv_and_json(tmp_path):
+    out_csv, out_json = tmp_path / "b.csv", tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--mode", "forward", "fwd-bwd", "train"]
+    argv += ["--precision", "fp32,bf16", "--csv", str(out_csv), "--json", str(out_json)]
+    assert bench.main(argv) == 0
+    rows = _rows(out_csv)
+    assert len(rows) == 6
+    assert {(r["mode"], r["precision"]) for r in rows} == {
+        (m, p) for m in ("forward", "fwd-bwd", "train") for p in ("fp32", "bf16")
+    }
+    for col in ("mean_ms", "std_ms", "median_ms", "tokens_per_s", "tflops", "peak_mem_gib",
+                "warmup_s", "first_step_s", "gflop_per_step", "params_M", "status"):  # fmt: skip
+        assert col in rows[0], col
+    for r in rows:
+        assert r["status"] == "ok"
+        assert float(r["mean_ms"]) > 0
+        assert float(r["median_ms"]) > 0
+        assert r["peak_mem_gib"] == ""  # no CUDA allocator on CPU: reported as missing
+    train = next(r for r in rows if r["mode"] == "train")
+    assert float(train["opt_ms"]) > 0
+    assert float(train["bwd_ms"]) > 0
+    fwd = next(r for r in rows if r["mode"] == "forward")
+    assert fwd["bwd_ms"] == ""
+    assert fwd["opt_ms"] == ""
+    payload = json.loads(out_json.read_text())
+    assert payload["meta"]["torch"] == torch.__version__
+    assert len(payload["rows"]) == 6
+
+
+def test_derived_columns_follow_the_written_formula(tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, *FAST, "--mode", "train", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    from lm_core import MODEL_SIZES
+
+    cfg = MODEL_SIZES["tiny"]
+    flops = 3 * formula_forward_flops(cfg, 2, 16)  # train = forward + backward (2x)
+    mean_s = row["mean_ms"] / 1e3
+    assert row["gflop_per_step"] == pytest.approx(flops / 1e9)
+    assert row["tflops"] == pytest.approx(flops / mean_s / 1e12)
+    assert row["tokens_per_s"] == pytest.approx(2 * 16 / mean_s)
+    assert row["mfu_pct"] is None  # no peak known for a CPU
+    assert row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+
+
+def test_peak_override_gives_mfu(tmp_path):
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, *FAST, "--mode", "forward", "--peak-tflops", "2", "--json",
+                       str(out)]) == 0  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["mfu_pct"] == pytest.approx(100 * row["tflops"] / 2)
+
+
+def test_simulated_oom_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real = bench.make_cell_step
+
+    def flaky(model, runner, spec, *a, **k):
+        if spec.mode == "fwd-bwd":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, runner, spec, *a, **k)
+
+    monkeypatch.setattr(bench, "make_cell_step", flaky)
+    out = tmp_path / "b.csv"
+    argv = [*TINY, *FAST, "--mode", "forward", "fwd-bwd", "train", "--context", "8", "16"]
+    assert bench.main([*argv, "--csv", str(out)]) == 0  # OOM is a result, not a failure
+    rows = _rows(out)
+    assert len(rows) == 6
+    for r in rows:
+        if r["mode"] == "fwd-bwd":
+            assert r["status"] == "OOM"
+            assert r["mean_ms"] == ""
+        else:
+            assert r["status"] == "ok"
+            assert float(r["mean_ms"]) > 0
+
+
+def test_oom_while_building_marks_every_cell_of_that_model(tmp_path, monkeypatch):
+    def no_room(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(bench, "_build", no_room)
+    out = tmp_path / "b.csv"
+    assert bench.main([*TINY, *FAST, "--mode", "forward", "train", "--csv", str(out)]) == 0
+    assert [r["status"] for r in _rows(out)] == ["OOM", "OOM"]
+
+
+def test_other_errors_are_recorded_and_fail_the_run(tmp_path, monkeypatch):
+    real = bench.make_cell_step
+
+    def broken(model, runner, spec, *a, **k):
+        if spec.mode == "forward":
+            raise RuntimeError("boom")
+        return real(model, runner, spec, *a, **k)
+
+    monkeypatch.setattr(bench, "make_cell_step", broken)
+    out = tmp_path / "b.csv"
+    assert bench.main([*TINY, *FAST, "--mode", "forward", "train", "--csv", str(out)]) == 1
+    rows = _rows(out)
+    assert rows[0]["status"] == "error: RuntimeError: boom"
+    assert rows[1]["status"] == "ok"
+
+
+def test_custom_dims_and_no_warmup(tmp_path):
+    out = tmp_path / "b.json"
+    argv = ["--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--vocab-size", "50"]
+    argv += ["--context", "8", "--mode", "forward", "--no-warmup", "--steps", "2", "--quiet"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["size"] == "custom"
+    assert (row["d_model"], row["num_layers"], row["d_ff"], row["vocab_size"]) == (32, 1, 128, 50)
+    assert row["warmup_steps"] == 0
+    assert row["first_step_s"] is None
+
+
+def test_preset_overrides_apply(tmp_path):
+    out = tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--mode", "forward", "--num-layers", "1", "--attention", "naive"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["num_layers"] == 1
+    assert row["attention"] == "naive"
+
+
+def test_plot_is_written(tmp_path):
+    png = tmp_path / "b.png"
+    argv = [*TINY, *FAST, "--mode", "forward", "--context", "8", "16", "--plot", str(png)]
+    assert bench.main(argv) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_hf_skips_cleanly_without_transformers(tmp_path, monkeypatch):
+    from perf_tools import hf_baseline
+
+    monkeypatch.setattr(hf_baseline, "available", lambda: (False, "transformers is not installed"))
+    out = tmp_path / "b.csv"
+    assert bench.main([*TINY, *FAST, "--mode", "forward", "--compare", "hf", "--csv",
+                       str(out)]) == 0  # fmt: skip
+    rows = _rows(out)
+    assert [r["model"] for r in rows] == ["lm_core", "hf-llama"]
+    assert rows[0]["status"] == "ok"
+    assert rows[1]["status"].startswith("skipped: transformers is not installed")
+
+
+def test_compare_hf_side_by_side(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "b.json"
+    assert bench.main([*TINY, *FAST, "--mode", "train", "--compare", "hf", "--json",
+                       str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    ours, hf = rows
+    assert hf["model"] == "hf-llama"
+    assert hf["status"] == "ok"
+    # same dims -> same parameter count (both untied, no biases) and the same FLOPs
+    assert hf["params_M"] == pytest.approx(ours["params_M"])
+    assert hf["gflop_per_step"] == pytest.approx(ours["gflop_per_step"])
+    assert ours["vs_hf"] == pytest.approx(hf["mean_ms"] / ours["mean_ms"])
+
+
+def test_profile_alias_writes_tables(tmp_path):
+    argv = [*TINY, "--mode", "forward", "--warmup", "0", "--steps", "1", "--profile", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert (tmp_path / "summary.csv").exists()
+    (cell,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert "naive" in cell.name  # profile defaults to the naive backend
+    assert (cell / "ranges.csv").exists()
+    assert (cell / "kernels.csv").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--size", "huge"], "--size"),
+        (["--steps", "0"], "--steps"),
+        (["--steps", "-3"], "--steps"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--batch", "0"], "--batch"),
+        (["--context", "abc"], "--context"),
+        (["--mode", "sideways"], "--mode"),
+        (["--precision", "fp8"], "--precision"),
+        (["--attention", "magic"], "--attention"),
+        (["--peak-tflops", "0"], "--peak-tflops"),
+        (["--size", "custom", "--d-model", "64"], "--num-layers"),
+        (["--size", "tiny", "--d-model", "30", "--num-heads", "4"], "--num-heads"),
+        (["--nvtx"], "--nvtx"),
+        (["--memory-snapshot", "m.pickle"], "--memory-snapshot"),
+    ],
+)
+def test_bad_arguments_name_the_flag(argv, flag, capsys):
+    if torch.cuda.is_available() and flag in ("--nvtx", "--memory-snapshot"):
+        pytest.skip("valid on a GPU machine")
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_specs_cover_the_cartesian_product():
+    argv = ["--size", "tiny", "small", "--context", "16,32", "--mode", "forward", "train"]
+    args = bench.parse_args([*argv, "--precision", "fp32", "bf16", "--compile", "both"])
+    specs = bench.specs_from_args(args)
+    assert len(specs) == 2 * 2 * 2 * 2 * 2
+    assert len(set(specs)) == len(specs)
+    # cells of one model are contiguous, so a model is built once
+    keys = [s.model_key for s in specs]
+    assert len(dict.fromkeys(keys)) == len([k for i, k in enumerate(keys)
+                                                if i == 0 or keys[i - 1] != k])  # fmt: skip
+
+
+def test_cpu_default_is_small(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("GPU default differs")
+    args = bench.parse_args([])
+    assert args.sizes == ["tiny"]
+    assert args.precisions == ["fp32"]
+    assert (args.warmup, args.steps, args.batch) == (5, 10, 4)
