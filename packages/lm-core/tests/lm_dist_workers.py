@@ -1,0 +1,29 @@
+"""Functions run inside `ddp_kit.launch.spawn` worker processes (module level: picklable)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
+    """Run `python -m lm_core.train` argv lists one after another in this rank's process group.
+
+    Returns, per run, the final weights (CPU) and logged losses; the trainer reuses the
+    group that spawn initialized and leaves it alone.
+    """
+    from lm_core.train import main
+
+    torch.set_num_threads(1)
+    out = []
+    for argv in runs:
+        result = main(argv)
+        out.append(
+            {
+                "weights": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
+                "losses": [h["loss"] for h in result.history],
+                "step": result.step,
+            }
+        )
+    return out
