@@ -240,3 +240,13 @@ def test_cpu_default_is_small(capsys):
     assert args.sizes == ["tiny"]
     assert args.precisions == ["fp32"]
     assert (args.warmup, args.steps, args.batch) == (5, 10, 4)
+
+
+def test_compiled_cells_get_enough_recompiles():
+    from perf_tools._compile import RECOMPILE_LIMIT, allow_recompiles
+
+    allow_recompiles()
+    cfg = torch._dynamo.config
+    limits = [getattr(cfg, n) for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n)]
+    assert limits
+    assert all(v >= RECOMPILE_LIMIT for v in limits)

@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from perf_tools._compile import compile_for_bench
+
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 PROVIDERS = (
     "naive",
@@ -75,7 +77,7 @@ def make_provider(name: str, device: torch.device, dtype: torch.dtype, causal: b
     if name == "naive":
         return lambda q, k, v: naive_attention(q, k, v, causal)
     if name == "naive-compiled":
-        inner = torch.compile(naive_attention, dynamic=False)
+        inner = compile_for_bench(naive_attention)
         return lambda q, k, v: inner(q, k, v, causal)
     if name in ("flash-triton", "flash-torch"):
         try:

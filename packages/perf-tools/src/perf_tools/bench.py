@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from perf_tools import _cli, hardware, report, timing
+from perf_tools._compile import compile_for_bench
 from perf_tools.flops import step_flops
 from perf_tools.models import DIM_FIELDS, build_model, count_params, random_batch, resolve_config
 from perf_tools.steps import (
@@ -534,7 +535,7 @@ def run_sweep(
             torch.manual_seed(opts.seed)
             model = _build(cells[0], config, opts.device)
             model.train()
-            runner = torch.compile(model, dynamic=False) if compiled else model
+            runner = compile_for_bench(model) if compiled else model
         except Exception as exc:  # recorded per cell below
             status = _skip_status(exc)
             if status.startswith("error"):

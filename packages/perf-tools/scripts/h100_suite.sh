@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The single-GPU measurements of perf-tools in one pass, for an H100 (or H200) machine.
+#
+#   OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh          # every default section
+#   SECTIONS="bench hf profile" OUT=... bash packages/perf-tools/scripts/h100_suite.sh
+#
+# Run from the repository root. Uses the machine's own python3 (torch/triton preinstalled, no
+# network): every package's src/ goes on PYTHONPATH, nothing is installed.
+# Writes a work tree under $WORK (default /tmp/perf-suite) and, at the end, packs it into at most
+# three files in $OUT: suite.log, perf-results.tar.gz (tables, CSV/JSON, plots, logs) and
+# perf-traces.tar.gz (profiler traces; may be large).
+#
+# Sections (default: bench compile hf profile attention mixed) and rough H100 wall times:
+#   bench      all sizes x {fp32, bf16} x {forward, train}, ctx 512, batch 4, eager,
+#              3 warm-up + 5 measured steps                                      ~1-1.5 min
+#   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-3 min
+#   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF)     ~0.5 min
+#   profile    small and xl, fp32, naive attention: forward / fwd-bwd / train    ~1.5 min
+#   attention  attention --quick, then the leaderboard shape                      ~1.5-2 min
+#   mixed      mixed_precision accumulate + toy-dtypes                            ~10 s
+#   memory     (not default) 2.7B peak memory, ctx 128/256/512, fp32/bf16,
+#              forward/train, + a memory snapshot of one bf16 train step         ~1 min
+set -uo pipefail
+
+OUT=${OUT:?set OUT to the directory that should receive the results}
+WORK=${WORK:-/tmp/perf-suite}
+SECTIONS=${SECTIONS:-"bench compile hf profile attention mixed"}
+PY=${PYTHON:-python3}
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+export PYTHONPATH="$ROOT/packages/lm-core/src:$ROOT/packages/flashattn-triton/src:$ROOT/packages/ddp-kit/src:$ROOT/packages/zero-shard/src:$ROOT/packages/perf-tools/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+mkdir -p "$WORK" "$OUT"
+LOG="$WORK/suite.log"
+: >"$LOG"
+status=0
+
+run() {  # run NAME CMD...: log the command and its output, keep going on failure
+  local name=$1
+  shift
+  echo "=== [$name] $(date -u +%H:%M:%S) $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$WORK/$name.log" | grep -v -E '^\s*$|it/s\]|s/it\]' >>"$LOG"
+  local rc=${PIPESTATUS[0]}
+  echo "=== [$name] rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
+
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee -a "$LOG"
+B="$PY -m perf_tools.bench --quiet"
+
+if want bench; then
+  run bench $B --size small medium large xl 2.7B --precision fp32 bf16 --mode forward train \
+    --context 512 --batch 4 --warmup 3 --steps 5 \
+    --csv "$WORK/bench.csv" --json "$WORK/bench.json" --plot "$WORK/bench.png"
+fi
+if want compile; then
+  run compile_small $B --size small --precision fp32 --mode forward train --compile both \
+    --context 512 --warmup 3 --steps 5 --csv "$WORK/compile_small.csv" --json "$WORK/compile_small.json"
+  run compile_xl $B --size xl --precision bf16 --mode train --compile on \
+    --context 512 --warmup 3 --steps 5 --csv "$WORK/compile_xl.csv" --json "$WORK/compile_xl.json"
+fi
+if want hf; then
+  run hf_small $B --size small --precision fp32 --mode train --compare hf \
+    --context 512 --warmup 3 --steps 5 --csv "$WORK/hf_small.csv" --json "$WORK/hf_small.json"
+  run hf_xl $B --size xl --precision bf16 --mode train --compare hf \
+    --context 512 --warmup 3 --steps 5 --csv "$WORK/hf_xl.csv" --json "$WORK/hf_xl.json"
+fi
+if want profile; then
+  run profile $PY -m perf_tools.profile --quiet --size small xl --precision fp32 \
+    --mode forward fwd-bwd train --context 512 --warmup 2 --steps 2 --top 12 --out "$WORK/profile"
+fi
+if want attention; then
+  run attention_quick $PY -m perf_tools.attention --quick --quiet \
+    --csv "$WORK/attention.csv" --json "$WORK/attention.json" --plot "$WORK/attention.png"
+  run attention_leaderboard $PY -m perf_tools.attention leaderboard --quiet \
+    --csv "$WORK/leaderboard.csv" --json "$WORK/leaderboard.json"
+fi
+if want mixed; then
+  run mixed_accumulate $PY -m perf_tools.mixed_precision accumulate --json "$WORK/accumulate.json"
+  run mixed_toy $PY -m perf_tools.mixed_precision toy-dtypes --json "$WORK/toy_dtypes.json"
+fi
+if want memory; then
+  run memory $B --size 2.7B --precision fp32 bf16 --mode forward train --context 128 256 512 \
+    --warmup 2 --steps 2 --csv "$WORK/memory_2.7B.csv" --json "$WORK/memory_2.7B.json"
+  run memory_snapshot $B --size 2.7B --precision bf16 --mode train --context 512 --warmup 2 \
+    --steps 1 --memory-snapshot "$WORK/snapshot_2.7B_bf16_train.pickle"
+fi
+
+cp "$LOG" "$OUT/suite.log"
+(cd "$WORK" && find . -name 'trace.json.gz' >traces.txt
+ tar czf "$OUT/perf-results.tar.gz" --exclude='trace.json.gz' --exclude='*.pickle' . &&
+ tar czf "$OUT/perf-traces.tar.gz" -T traces.txt $(ls ./*.pickle 2>/dev/null))
+ls -la "$OUT"
+echo "suite finished with status $status"
+exit $status

@@ -1,0 +1,33 @@
+"""torch.compile for benchmarks: enough recompiles that no configuration silently runs eager.
+
+Dynamo keys its cache on a function's code object; a sweep compiles the same code (a model's
+forward, an attention function) for many shapes, dtypes and grad modes. Past the recompile
+limit (8 by default) Dynamo quietly falls back to eager, and the "compiled" column would lie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+RECOMPILE_LIMIT = 256
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Raise Dynamo's per-code-object recompile limit to at least `limit` (both spellings)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < 4 * limit:
+            setattr(cfg, name, 4 * limit)
+
+
+def compile_for_bench(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """`torch.compile(fn, dynamic=False, **kwargs)` after `allow_recompiles()`."""
+    allow_recompiles()
+    kwargs.setdefault("dynamic", False)
+    return torch.compile(fn, **kwargs)

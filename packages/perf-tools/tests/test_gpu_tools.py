@@ -1,0 +1,89 @@
+"""The single-GPU tools on CUDA at tiny sizes (run by `nox -s gpu_tests` on the GPU machine)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from perf_tools import attention, bench, profile
+
+pytestmark = pytest.mark.gpu
+TINY = ["--size", "tiny", "--context", "32", "--batch", "2", "--warmup", "1", "--steps", "2"]
+
+
+def test_bench_cuda_every_mode_precision_and_compile(tmp_path):
+    out = tmp_path / "b.json"
+    argv = [*TINY, "--mode", "forward", "fwd-bwd", "train", "--precision", "fp32", "bf16"]
+    assert bench.main([*argv, "--compile", "both", "--quiet", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 12
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["peak_mem_gib"] > 0
+        assert r["fwd_ms"] > 0  # CUDA-event phase timing
+        if torch.cuda.get_device_name(0).startswith("NVIDIA H"):
+            assert r["mfu_pct"] is not None
+            assert 0 < r["mfu_pct"] < 100
+
+
+def test_bench_peak_memory_grows_with_mode(tmp_path):
+    out = tmp_path / "b.json"
+    argv = [*TINY, "--mode", "forward", "train", "--quiet", "--json", str(out)]
+    assert bench.main(argv) == 0
+    fwd, train = json.loads(out.read_text())["rows"]
+    # train holds grads and two AdamW moments on top of the weights: > 3x forward's weights
+    assert train["peak_mem_gib"] > fwd["peak_mem_gib"]
+
+
+def test_memory_snapshot_and_nvtx(tmp_path):
+    snap = tmp_path / "mem.pickle"
+    argv = [*TINY, "--mode", "train", "--quiet", "--memory-snapshot", str(snap), "--nvtx"]
+    assert bench.main(argv) == 0
+    data = pickle.loads(snap.read_bytes())
+    assert "segments" in data
+    assert "device_traces" in data
+
+
+def test_compare_hf_on_cuda(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "b.json"
+    argv = [*TINY, "--mode", "train", "--precision", "bf16", "--compare", "hf", "--quiet"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    ours, hf = json.loads(out.read_text())["rows"]
+    assert hf["status"] == "ok"
+    assert ours["vs_hf"] > 0
+
+
+def test_profile_cuda_kernels_and_ranges(tmp_path):
+    argv = [*TINY, "--mode", "train", "--out", str(tmp_path), "--quiet"]
+    assert profile.main(argv) == 0
+    (cell,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    tables = json.loads((cell / "tables.json").read_text())
+    assert tables["meta"]["unit"] == "kernel"
+    names = {r["range"] for r in tables["ranges"]}
+    assert {"forward", "backward", "optimizer", "attention/softmax"} <= names
+    level0 = sum(r["share_pct"] for r in tables["ranges"] if r["level"] == 0)
+    assert level0 == pytest.approx(100.0, abs=0.01)
+    classes = {r["class"] for r in tables["kernels"]}
+    assert "matmul" in classes  # cuBLAS kernels recognized by name
+    # nearly all kernel time is attributed to a launching op
+    orphan = sum(r["share_pct"] for r in tables["kernels"] if r["name"].startswith("(no launch"))
+    assert orphan < 5
+
+
+def test_attention_flash_cuda_tiny(tmp_path):
+    out = tmp_path / "f.json"
+    argv = ["flash", "--seq", "128", "256", "--d", "64", "--dtype", "bf16", "fp32", "--quiet"]
+    argv += ["--providers", "flash-triton", "naive", "sdpa-flash", "sdpa-efficient"]
+    assert attention.main([*argv, "--rep-ms", "20", "--warmup-ms", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for r in rows:
+        if r["provider"] == "sdpa-flash" and r["dtype"] == "fp32":
+            assert r["status"].startswith("unsupported"), r  # no fp32 flash kernel
+        else:
+            assert r["status"] == "ok", r
+            assert r["fwd_bwd_ms"] > 0
+            assert r["floor_fwd_bwd_ms"] > 0
