@@ -61,8 +61,11 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"--device {name}: CUDA is not available on this machine")
+        if device.index is None:  # plain "cuda": this rank's GPU
+            device = torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 
 

@@ -86,7 +86,6 @@ class AdamW(torch.optim.Optimizer):
         buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = defaultdict(
             lambda: [[], [], [], [], []]
         )
-        use_fused = group.get("fused")
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -94,7 +93,11 @@ class AdamW(torch.optim.Optimizer):
                 raise RuntimeError("AdamW does not support sparse gradients")
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # fused: the step count lives on the parameter's device (the kernel reads it);
+                # foreach: on the CPU (bias corrections are host math). Created in place, so
+                # the first step does not copy host -> device either.
+                step_device = p.device if self._use_fused(group, p.device) else "cpu"
+                state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             lists = buckets[(p.device, p.dtype)]
@@ -102,13 +105,17 @@ class AdamW(torch.optim.Optimizer):
                 lists[i].append(t)
             lists[4].append(state["step"])
         for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
-            fused = use_fused
-            if fused is None:
-                fused = device.type == "cuda" and _fused_available()
-            if fused:
+            if self._use_fused(group, device):
                 self._fused_update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
             else:
                 self._foreach_update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+
+    @staticmethod
+    def _use_fused(group: dict[str, Any], device: torch.device) -> bool:
+        fused = group.get("fused")
+        if fused is None:
+            return device.type == "cuda" and _fused_available()
+        return bool(fused)
 
     def _fused_update(
         self,
