@@ -165,7 +165,15 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, seed: int)
             ref.bn.running_mean.fill_(0.0)
             ref.bn.running_var.fill_(1.0)
     bucket_mb = _two_bucket_cap_mb(model) if case.bucket_mb == "two" else case.bucket_mb
+    # fc1.weight's gradient is the last one backward produces; a hook registered before the
+    # wrapper's runs before the wrapper sees it and records how many buckets are already sent.
+    holder: list = []
+    sent_before_last: list[int] = []
+    model.fc1.weight.register_post_accumulate_grad_hook(
+        lambda _p: sent_before_last.append(len(holder[0]._launched)) if holder else None
+    )
     ddp = make_wrapper(case.wrapper, model, bucket_mb, case.find_unused)
+    holder.append(ddp)
     if ddp.module is not model or ddp.flags is not model.flags:
         fails.append("wrapper does not expose .module and the module's attributes")
     n_trainable = sum(1 for p in model.parameters() if p.requires_grad)
@@ -205,6 +213,7 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, seed: int)
         fails += _compare_grads(model, ref, step)
         opt.step()
         ref_opt.step()
+    fails += _check_overlap(case, ddp, sent_before_last)
     for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         if not torch.allclose(p, rp, rtol=RTOL, atol=ATOL):
             err = (p - rp).abs().max().item()
@@ -260,6 +269,20 @@ def _compare_across_ranks(model: nn.Module, world: int) -> list[str]:
         if not all(torch.equal(g, gathered[0]) for g in gathered):
             fails.append(f"weight {name} differs between ranks")
     return fails
+
+
+def _check_overlap(case: Case, ddp, sent_before_last: list[int]) -> list[str]:
+    """Overlapping wrappers with several buckets must send some before backward ends;
+    NaiveDDP and FlatDDP must send nothing before finish_gradient_synchronization()."""
+    if case.micro_batches > 1 or case.rank_branch or not sent_before_last:
+        return []
+    overlaps = case.wrapper in ("individual", "bucketed") and ddp.num_buckets > 1
+    sent = sent_before_last[-1]
+    if overlaps and sent < 1:
+        return ["no bucket was sent before backward ended: no overlap"]
+    if not overlaps and sent != 0:
+        return [f"{sent} buckets sent during backward by a non-overlapping wrapper"]
+    return []
 
 
 def _check_grad_views(ddp) -> list[str]:
