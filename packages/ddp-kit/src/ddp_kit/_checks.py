@@ -7,7 +7,7 @@ order, which the wrappers' constructors do.
 
 from __future__ import annotations
 
-import contextlib
+import json
 import math
 import zlib
 from collections.abc import Iterator
@@ -112,11 +112,26 @@ def check_same_structure(
         return
     # Every rank saw the same mismatch, so every rank takes this branch: the object gather
     # below is matched on all of them.
-    sigs: list[object] = [None] * world
-    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with ctx:
-        dist.all_gather_object(sigs, sig, group=group)
+    texts = _all_gather_bytes(json.dumps(sig).encode(), group, device)
+    sigs = [[(k, n, tuple(shape), dt) for k, n, shape, dt in json.loads(t)] for t in texts]
     raise ValueError(f"{owner}: module: " + _describe_mismatch(sigs))
+
+
+def _all_gather_bytes(data: bytes, group: ProcessGroup, device: torch.device) -> list[bytes]:
+    """Collective: every rank's `data`, by group rank (tensor collectives only: unlike
+    all_gather_object this needs neither numpy nor a current CUDA device)."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)  # (1,)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(t.item()) for t in sizes]
+    payload = torch.zeros(max(lengths), dtype=torch.uint8)  # (max_len,) padded
+    if data:
+        payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = payload.to(device)
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(gathered, payload, group=group)
+    return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths)]
 
 
 def _describe_mismatch(sigs: list[object]) -> str:
