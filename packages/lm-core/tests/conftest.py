@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from lm_test_backends import runnable_backends
 
-from lm_core import available_backends, get_config, set_annotations
-
-
-def runnable_backends() -> list[str]:
-    """Attention backends importable here; flash-triton on CPU only under TRITON_INTERPRET=1."""
-    names = available_backends()
-    if "flash-triton" in names and not (
-        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-    ):
-        names.remove("flash-triton")
-    return names
+from lm_core import get_config, set_annotations
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,13 +198,3 @@ def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
     value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value / env.world_size
-
-
-@contextlib.contextmanager
-def maybe(context: contextlib.AbstractContextManager[Any] | None) -> Iterator[None]:
-    """Enter `context` if given."""
-    if context is None:
-        yield
-    else:
-        with context:
-            yield
