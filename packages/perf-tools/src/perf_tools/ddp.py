@@ -434,7 +434,7 @@ def run_worker(rank: int, world: int, opts: Options) -> dict[str, Any]:
     plans: list[tuple[list[int], bool]] = []
     for kind, bucket_mb in configs(opts):
         row: dict[str, Any] = {"wrapper": kind, "bucket_MiB": bucket_mb}
-        runner = None
+        runner = finish = None
         buckets: list[int] = []
         overlap = False
         try:
@@ -450,7 +450,7 @@ def run_worker(rank: int, world: int, opts: Options) -> dict[str, Any]:
             row["status"] = "OOM"
         if runner is not None and hasattr(runner, "close"):
             runner.close()
-        del runner
+        del runner, finish  # drop the wrapper (and its bucket buffers) before the next one
         _release(model, device)
         rows.append(row)
         plans.append((buckets, overlap))
