@@ -214,6 +214,18 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, seed: int)
         opt.step()
         ref_opt.step()
     fails += _check_overlap(case, ddp, sent_before_last)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assignment = ddp.bucket_assignment()
+    if sorted(n for b in assignment for n in b) != sorted(trainable):
+        fails.append(f"bucket_assignment {assignment} does not cover {trainable} once")
+    elif assignment[0][0] != trainable[-1]:
+        fails.append(f"first bucket starts with {assignment[0][0]}, not the last parameter")
+    if case.model.get("buffers"):
+        with torch.no_grad():
+            model.scale.fill_(float(rank + 3))
+        ddp.sync_buffers()
+        if not torch.all(model.scale == 3.0):
+            fails.append("sync_buffers did not copy rank 0's buffer")
     for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         if not torch.allclose(p, rp, rtol=RTOL, atol=ATOL):
             err = (p - rp).abs().max().item()
