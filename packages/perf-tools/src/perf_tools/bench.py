@@ -418,13 +418,16 @@ def measure_cell(
     timer = PhaseTimer(device)
     step, optimizer = make_cell_step(model, runner, spec, config, opts, annotator, timer)
     snapshot = _snapshot_path(opts, spec, n_cells)
+    started: list[str] = []  # captures begun by on_measure (a warm-up OOM begins none)
 
     def on_measure() -> None:
         timing.reset_peak_memory(device)
         if snapshot is not None:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+            started.append("snapshot")
         if opts.nvtx:
             torch.cuda.cudart().cudaProfilerStart()
+            started.append("nvtx")
 
     label = spec.label() if opts.progress else None
     with lm_core_annotations(opts.nvtx and spec.impl == OURS):
@@ -440,9 +443,9 @@ def measure_cell(
                     on_measure=on_measure,
                 )
             finally:
-                if opts.nvtx:
+                if "nvtx" in started:
                     torch.cuda.cudart().cudaProfilerStop()
-                if snapshot is not None:
+                if snapshot is not None and "snapshot" in started:
                     _dump_snapshot(snapshot)
                     if opts.snapshot_paths is not None:
                         opts.snapshot_paths.append(snapshot)
