@@ -71,7 +71,7 @@ MIB = 1024 * 1024
 WRAPPERS = ("naive", "flat", "individual", "bucketed", "torch")
 GPU_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 CPU_BUCKETS_MB = (0.01, 0.1, 1.0)
-GPU_PROBE_MB = (1.0, 8.0, 64.0, 256.0)
+GPU_PROBE_MB = (0.0625, 1.0, 8.0, 64.0, 256.0)
 CPU_PROBE_MB = (0.0625, 0.25, 1.0)
 COLUMNS = [
     "wrapper",
@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe-sizes-mb",
         nargs="+",
         type=_cli.listed(_cli.positive_float),
-        help="all-reduce sizes (MiB) fitted for o and w (default 1 8 64 256 / 0.0625 0.25 1)",
+        help="all-reduce sizes (MiB) to fit o and w (default: 0.0625 1 8 64 256 on GPU, "
+        "0.0625 0.25 1 on CPU)",
     )
     p.add_argument("--no-probe", action="store_true", help="skip the probe and the model")
     p.add_argument("--warmup", type=_cli.nonneg_int, help="warm-up steps (default 3 / 2)")
