@@ -123,8 +123,10 @@ class BenchOptions:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m perf_tools.bench",
-        description=__doc__.split("\n\n")[0],
-        epilog="Lists take several values (--size small xl) or commas (--size small,xl).",
+        description=__doc__.split("\nExamples:")[0],
+        epilog="Examples:"
+        + __doc__.split("\nExamples:")[1]
+        + "\nLists take several values (--size small xl) or commas (--size small,xl).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)

@@ -87,8 +87,10 @@ SUMMARY_COLUMNS = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m perf_tools.profile",
-        description=__doc__.split("\n\n")[0],
-        epilog="Lists take several values (--mode forward train) or commas.",
+        description=__doc__.split("\nExamples:")[0],
+        epilog="Examples:"
+        + __doc__.split("\nExamples:")[1]
+        + "\nLists take several values (--mode forward train) or commas.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_model_args(p)
