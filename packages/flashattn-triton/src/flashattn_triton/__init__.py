@@ -1,5 +1,29 @@
-"""FlashAttention-2 forward and backward in plain PyTorch and in Triton, usable as a torch.compile-
-friendly custom op.
+"""FlashAttention-2 forward and backward in plain PyTorch and in Triton, usable as a
+torch.compile-friendly custom op.
+
+Read top-down: ``reference`` (naive attention) -> ``torch_impl`` (FlashAttention2Torch) ->
+``kernels`` (Triton) -> ``launch`` / ``ops`` (custom ops) -> ``autograd``
+(FlashAttention2Triton) -> ``api`` (flash_attention, FlashAttention).
 """
 
+from .api import BACKENDS, FlashAttention, flash_attention
+from .autograd import FlashAttention2Triton
+from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
+from .reference import attention_reference, causal_mask
+from .torch_impl import FlashAttention2Torch
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "FlashAttention",
+    "FlashAttention2Torch",
+    "FlashAttention2Triton",
+    "attention_bytes",
+    "attention_floor_ms",
+    "attention_flops",
+    "attention_reference",
+    "causal_mask",
+    "flash_attention",
+    "tflops_per_s",
+]

@@ -1,0 +1,162 @@
+"""Compile the kernels for a GPU target without a GPU; print registers, spills, shared memory.
+
+Runs the real launchers on meta tensors, captures each kernel launch (arguments, constexprs,
+num_warps, num_stages) and hands it to ``triton.compile`` for the chosen target (default
+sm_90, H100). Catches compile errors before spending GPU time and shows register pressure.
+
+    python benchmarks/compile_offline.py --shape 16,1,16384,64 --dtype bf16 --causal
+    python benchmarks/compile_offline.py --bwd fused --sweep   # every default/override variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TRITON_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _signature(fn, kwargs: dict):
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        val = kwargs[name]
+        if i in fn.constexprs or (fn.params[i].is_constexpr):
+            sig[name] = "constexpr"
+            consts[name] = val
+        elif isinstance(val, torch.Tensor):
+            sig[name] = "*" + TRITON_TY[val.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, bool):
+            sig[name] = "i1"
+        elif isinstance(val, int):
+            if val == 1:  # the JIT turns ints equal to 1 into constants
+                sig[name] = "constexpr"
+                consts[name] = 1
+            else:
+                sig[name] = "i32" if abs(val) < 2**31 else "i64"
+                if val % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(val, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(val)}")
+    return sig, consts, attrs
+
+
+def _resource_usage(cubin: bytes) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run(
+            [str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return f"reg {m[1]:>3} stack {m[2]:>3} smem {int(m[3]) // 1024:>3}K local {m[4]}" if m else out
+
+
+class _Capture:
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=4, num_stages=3, **kwargs):
+            bound = dict(zip(self.fn.arg_names, args))
+            bound.update(kwargs)
+            self.log.append((self.fn, grid, bound, num_warps, num_stages))
+
+        return launch
+
+
+def capture_launches(shape, n_k, dtype, causal, scheme):
+    """Run the launchers on meta tensors; return the kernel launches they would make."""
+    from flashattn_triton import kernels, launch
+
+    log: list = []
+
+    class K:
+        LOG2E = kernels.LOG2E
+
+    for name in dir(kernels):
+        if name.startswith("attn_"):
+            setattr(K, name, _Capture(getattr(kernels, name), log))
+    launch._kernels = lambda: K
+    launch.require_runnable = lambda t: None
+    launch.interpreting = lambda: False
+    os.environ["FLASHATTN_TRITON_BWD"] = scheme
+    b, h, n, d = shape
+    q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
+    k = torch.empty((b, h, n_k, d), dtype=dtype, device="meta")
+    o, lse = launch.forward(q, k, k, causal, d**-0.5)
+    launch.backward(o, q, k, k, o, lse, causal, d**-0.5)
+    return log
+
+
+def compile_launch(fn, bound, num_warps, num_stages, cc):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, consts, attrs = _signature(fn, bound)
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    t0 = time.time()
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
+    ptx = c.asm["ptx"]
+    return {
+        "secs": time.time() - t0,
+        "usage": _resource_usage(c.asm["cubin"]),
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma": ptx.count("mma.sync"),
+        "ex2": ptx.count("ex2.approx"),
+        "shared": c.metadata.shared,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="16,1,16384,64", help="B,H,N,d")
+    ap.add_argument("--nk", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--bwd", default="split", choices=("split", "fused", "atomic"))
+    ap.add_argument("--cc", type=int, default=90)
+    ap.add_argument(
+        "--set", action="append", default=[], help="e.g. fwd=128,64,4,3 (m,n,warps,stages[,n2])"
+    )
+    a = ap.parse_args(argv)
+    from flashattn_triton import configs
+
+    for item in a.set:
+        kind, vals = item.split("=")
+        configs.OVERRIDES[kind] = configs.TileConfig(*(int(x) for x in vals.split(",")))
+    shape = tuple(int(x) for x in a.shape.split(","))
+    log = capture_launches(shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd)
+    for fn, _grid, bound, w, s in log:
+        meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
+        try:
+            r = compile_launch(fn, bound, w, s, a.cc)
+            print(
+                f"{fn.__name__:28s} w{w} s{s} {meta} | {r['usage']} | wgmma {r['wgmma']} "
+                f"mma {r['mma']} ex2 {r['ex2']} dyn-smem {r['shared'] // 1024}K | {r['secs']:.1f}s",
+                flush=True,
+            )
+        except Exception as e:
+            print(f"{fn.__name__}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Tile configurations as data: measured defaults, autotune candidates and their pruning.
+
+Each kernel kind has a default table keyed by padded head dim (the defaults were measured on an
+H100, see benchmarks/NOTES.md) and a candidate list for ``triton.autotune``. Both pass through
+``fit_config`` / ``prune_configs``, which clamp tiles to the sequence lengths and drop configs
+whose shared-memory estimate exceeds the chip's limit.
+
+Environment switches (read at each call, never inside traced code):
+- ``FLASHATTN_TRITON_AUTOTUNE=1``: autotune per (sequence bucket, head dim, dtype, causal)
+  instead of using the default table (first call per key takes seconds to minutes).
+- ``FLASHATTN_TRITON_BWD=split|fused|atomic``: the backward scheme (see ``ops``).
+- ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
+- ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3"``: per-kind overrides of the table
+  (block_m, block_n, num_warps, num_stages[, block_n2]), e.g. to replay a benchmark's winner.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from dataclasses import dataclass, replace
+
+# Shared memory per block on Hopper is 227 KB. The estimate below undercounts what Triton
+# allocates (seen with triton 3.6, sm_90: x1.2 for 16-bit tiles, up to x1.6 for float32 with
+# tf32x3), so it is scaled by these factors before the comparison.
+SMEM_LIMIT_BYTES = 222 * 1024
+SMEM_FUDGE = {2: 1.25, 4: 1.7}
+MIN_TILE = 32  # shrinking stops here (sequences shorter than a tile still clamp below it)
+BWD_SCHEMES = ("split", "fused", "atomic")
+DEFAULT_BWD_SCHEME = "split"
+FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch parameters of one kernel.
+
+    block_m / block_n: query / key tile. For the fused backward, block_n is the dK/dV key tile
+    (and the dQ query tile), block_m the query step of the dK/dV loop and block_n2 the key
+    step of the dQ loop.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    block_n2: int = 0
+
+    def kwargs(self) -> dict[str, int]:
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+
+# Defaults for 16-bit inputs (kind -> padded head dim -> config). See benchmarks/NOTES.md.
+DEFAULTS: dict[str, dict[int, TileConfig]] = {
+    "fwd": {
+        16: TileConfig(128, 128, 4, 3),
+        32: TileConfig(128, 128, 4, 3),
+        64: TileConfig(128, 128, 4, 3),
+        128: TileConfig(64, 64, 4, 3),
+    },
+    "dkdv": {
+        16: TileConfig(32, 128, 8, 3),
+        32: TileConfig(32, 128, 8, 3),
+        64: TileConfig(32, 128, 8, 3),
+        128: TileConfig(64, 128, 8, 2),
+    },
+    "dq": {
+        16: TileConfig(128, 64, 8, 3),
+        32: TileConfig(128, 64, 8, 3),
+        64: TileConfig(128, 64, 8, 3),
+        128: TileConfig(128, 32, 8, 3),
+    },
+    "fused": {
+        16: TileConfig(32, 128, 8, 4, block_n2=64),
+        32: TileConfig(32, 128, 8, 4, block_n2=64),
+        64: TileConfig(32, 128, 8, 4, block_n2=64),
+        128: TileConfig(64, 128, 8, 2, block_n2=32),
+    },
+}
+DEFAULTS["atomic"] = dict(DEFAULTS["dkdv"])
+
+# float32 inputs: smaller tiles (twice the bytes per element, and tf32x3 triples the matrix
+# work and registers); chosen to compile without spills where possible (compile_offline.py).
+_F32_SMALL = {"fwd": (64, 32), "dkdv": (32, 64), "dq": (64, 32), "fused": (32, 64)}
+DEFAULTS_FP32: dict[str, dict[int, TileConfig]] = {
+    kind: {
+        bd: TileConfig(m, n, 8 if bd == 128 else 4, 2, block_n2=32 if kind == "fused" else 0)
+        for bd in (16, 32, 64, 128)
+    }
+    for kind, (m, n) in _F32_SMALL.items()
+}
+DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
+
+# Per-kind overrides, e.g. set by a benchmark sweeping configs: {"fwd": TileConfig(...)};
+# keys "fwd", "dkdv", ... apply to 16-bit inputs, "fwd.fp32", ... to float32 inputs.
+OVERRIDES: dict[str, TileConfig] = {}
+
+
+def _candidates(kind: str) -> list[TileConfig]:
+    if kind == "fwd":
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+        return [TileConfig(m, n, w, s) for m, n, w, s in grid]
+    if kind in ("dkdv", "atomic"):
+        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4))
+        return [TileConfig(m, n, w, s) for m, n, w, s in grid]
+    if kind == "dq":
+        grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+        return [TileConfig(m, n, w, s) for m, n, w, s in grid]
+    if kind == "fused":
+        grid = itertools.product((32, 64), (64, 128), (32, 64), (4, 8), (2, 3))
+        return [TileConfig(m, n, w, s, block_n2=n2) for m, n, n2, w, s in grid]
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+CANDIDATES: dict[str, list[TileConfig]] = {
+    kind: _candidates(kind) for kind in ("fwd", "dkdv", "dq", "fused", "atomic")
+}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_d_for(head_dim: int) -> int:
+    """Head dim padded to a power of two, at least 16 (the smallest matrix-unit K)."""
+    return max(16, next_pow2(head_dim))
+
+
+def seq_bucket(n: int) -> int:
+    """Autotune key for a sequence length: the next power of two, at least 16."""
+    return max(16, next_pow2(n))
+
+
+def smem_bytes(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> int:
+    """Rough shared-memory estimate: resident tiles plus pipelined streamed tiles."""
+    m, n, st = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
+    if kind == "fwd":  # Q resident, K and V streamed
+        return (m + st * 2 * n) * block_d * elem_bytes
+    if kind in ("dkdv", "atomic"):  # K, V resident, Q and dO streamed
+        return (2 * n + st * 2 * m) * block_d * elem_bytes
+    if kind == "dq":  # Q, dO resident, K and V streamed
+        return (2 * m + st * 2 * n) * block_d * elem_bytes
+    if kind == "fused":
+        dkdv = (2 * n + st * 2 * m) * block_d * elem_bytes
+        dq = (2 * n + st * 2 * cfg.block_n2) * block_d * elem_bytes
+        return max(dkdv, dq)
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+def _clamp(cfg: TileConfig, kind: str, n_q: int, n_k: int, elem_bytes: int = 2) -> TileConfig:
+    """Shrink tiles that exceed the (power-of-two rounded) sequence lengths.
+
+    float32 tiles stay at least 32 wide: on an H100 with triton 3.6, float32 (tf32x3) kernels
+    with a 16-wide dK/dV query step or dQ key step and 8 warps hit illegal memory accesses
+    (benchmarks/NOTES.md); a tile longer than the sequence is only masked work.
+    """
+    floor = MIN_TILE if elem_bytes >= 4 else 16
+    bq, bk = max(seq_bucket(n_q), floor), max(seq_bucket(n_k), floor)
+    if kind == "fused":
+        # block_n tiles both keys (dK/dV) and queries (dQ); block_m steps over queries.
+        return replace(
+            cfg,
+            block_m=min(cfg.block_m, bq),
+            block_n=min(cfg.block_n, bq, bk),
+            block_n2=min(cfg.block_n2, bk),
+        )
+    return replace(cfg, block_m=min(cfg.block_m, bq), block_n=min(cfg.block_n, bk))
+
+
+def fits(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> bool:
+    need = smem_bytes(kind, cfg, block_d, elem_bytes) * SMEM_FUDGE.get(elem_bytes, 1.25)
+    return need <= SMEM_LIMIT_BYTES
+
+
+def shrink(kind: str, cfg: TileConfig) -> TileConfig | None:
+    """A smaller config (fewer stages, then smaller tiles) or None when nothing is left."""
+    if cfg.num_stages > 2:
+        return replace(cfg, num_stages=cfg.num_stages - 1)
+    if kind in ("dkdv", "atomic", "fused") and cfg.block_m > MIN_TILE:
+        return replace(cfg, block_m=cfg.block_m // 2)
+    if cfg.block_n > MIN_TILE:
+        return replace(cfg, block_n=cfg.block_n // 2)
+    if cfg.block_m > MIN_TILE:
+        return replace(cfg, block_m=cfg.block_m // 2)
+    if kind == "fused" and cfg.block_n2 > MIN_TILE:
+        return replace(cfg, block_n2=cfg.block_n2 // 2)
+    return None
+
+
+def fit_config(
+    kind: str, cfg: TileConfig, n_q: int, n_k: int, block_d: int, elem_bytes: int
+) -> TileConfig:
+    """Clamp to the sequence lengths, then lower stages and tiles until shared memory fits."""
+    cfg = _clamp(cfg, kind, n_q, n_k, elem_bytes)
+    while not fits(kind, cfg, block_d, elem_bytes):
+        smaller = shrink(kind, cfg)
+        if smaller is None:
+            break
+        cfg = smaller
+    return cfg
+
+
+@functools.lru_cache(maxsize=16)
+def parse_overrides(spec: str) -> dict[str, TileConfig]:
+    """Parse "kind=m,n,warps,stages[,n2];..." into {kind: TileConfig}; a kind with the
+    suffix ".fp32" (e.g. "fwd.fp32") applies to float32 inputs, a plain kind to 16-bit ones."""
+    out: dict[str, TileConfig] = {}
+    for item in filter(None, (x.strip() for x in spec.split(";"))):
+        kind, _, vals = item.partition("=")
+        kind = kind.strip()
+        if kind.removesuffix(".fp32") not in DEFAULTS:
+            raise ValueError(f"FLASHATTN_TRITON_CONFIGS: unknown kind {kind!r} in {item!r}")
+        nums = [int(x) for x in vals.split(",")]
+        if len(nums) not in (4, 5):
+            raise ValueError(
+                f"FLASHATTN_TRITON_CONFIGS: expected m,n,warps,stages[,n2] in {item!r}"
+            )
+        out[kind] = TileConfig(*nums)
+    return out
+
+
+def default_config(kind: str, n_q: int, n_k: int, block_d: int, elem_bytes: int) -> TileConfig:
+    """The config used without autotuning: an override, else the measured table, fitted."""
+    table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
+    env = parse_overrides(os.environ.get("FLASHATTN_TRITON_CONFIGS", ""))
+    cfg = OVERRIDES.get(key) or env.get(key) or table[kind][min(max(block_d, 16), 128)]
+    return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)
+
+
+def prune_configs(
+    kind: str, configs: list[TileConfig], n_q: int, n_k: int, block_d: int, elem_bytes: int
+) -> list[TileConfig]:
+    """Autotune pruning: fit every candidate, drop duplicates, keep those that fit."""
+    out: list[TileConfig] = []
+    for cfg in configs:
+        c = _clamp(cfg, kind, n_q, n_k, elem_bytes)
+        if fits(kind, c, block_d, elem_bytes) and c not in out:
+            out.append(c)
+    return out or [default_config(kind, n_q, n_k, block_d, elem_bytes)]
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def backward_scheme() -> str:
+    scheme = os.environ.get("FLASHATTN_TRITON_BWD", DEFAULT_BWD_SCHEME).lower()
+    if scheme not in BWD_SCHEMES:
+        raise ValueError(f"FLASHATTN_TRITON_BWD must be one of {BWD_SCHEMES}, got {scheme!r}")
+    return scheme
+
+
+def fp32_precision() -> str:
+    """Matrix-unit precision for float32 inputs: the env switch, else torch's own setting
+    (``torch.get_float32_matmul_precision()``: 'highest' -> tf32x3, near-fp32 accuracy;
+    'high'/'medium' -> tf32, about 1e-3 relative error but faster)."""
+    import torch
+
+    default = "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    prec = os.environ.get("FLASHATTN_TRITON_FP32_PRECISION", default).lower()
+    if prec not in FP32_PRECISIONS:
+        raise ValueError(
+            f"FLASHATTN_TRITON_FP32_PRECISION must be one of {FP32_PRECISIONS}, got {prec!r}"
+        )
+    return prec

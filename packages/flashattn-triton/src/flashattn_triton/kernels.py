@@ -1,0 +1,660 @@
+"""Triton kernels of FlashAttention-2: forward, backward preprocessing, dK/dV and dQ.
+
+Layout: every tensor is addressed as (batch, heads, seq, head_dim) through its batch, head and
+sequence strides; the head_dim stride must be 1 (the launchers make it so). The grid's first
+axis runs over batch*heads, so consecutive programs take the same tile index of different
+heads; the second axis runs over tiles ordered heaviest first for causal masks.
+
+Numerics: scores are kept in log2 units (the softmax scale is multiplied by log2(e) once, and
+exp2 replaces exp); accumulators are float32; P and dS are cast to the input dtype before
+their matrix products, as FlashAttention-2 does. The saved log-sum-exp L is in natural units.
+
+Causal masking is bottom-right aligned: key j is visible to query i iff j <= i + (Nk - Nq).
+Each key loop is split in two ranges: tiles that every row of the query tile sees in full
+(no mask computed) and the tiles on the diagonal or at the ragged end (masked). Tiles that no
+row sees are never visited.
+
+Head dims that are not a power of two (or below 16) are padded to BLOCK_D with masked loads.
+Rows past the sequence end are loaded as zeros; in the backward they get L = +inf so their
+probabilities are exactly 0. A row that sees no key (only with causal and Nq > Nk) gets o = 0
+and L = -inf in the forward, and the backward reads that L as +inf (so P = 0, no NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
+
+
+@triton.jit
+def _load_rows(
+    base,
+    start,
+    n_rows,
+    stride_row,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Load a (len(offs_r), BLOCK_D) tile of rows start + offs_r; zeros outside the tensor."""
+    ptrs = base + start.to(tl.int64) * stride_row + (offs_r[:, None] * stride_row + offs_d[None, :])
+    if CHECK_ROWS:
+        mask = (start + offs_r)[:, None] < n_rows
+        if HEAD_DIM != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _store_rows(
+    base,
+    x,
+    start,
+    n_rows,
+    stride_row,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Store a (len(offs_r), BLOCK_D) tile to rows start + offs_r, skipping padding."""
+    ptrs = base + start.to(tl.int64) * stride_row + (offs_r[:, None] * stride_row + offs_d[None, :])
+    if CHECK_ROWS:
+        mask = (start + offs_r)[:, None] < n_rows
+        if HEAD_DIM != BLOCK_D:
+            mask = mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(ptrs, x, mask=mask)
+    elif HEAD_DIM != BLOCK_D:
+        tl.store(ptrs, x, mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        tl.store(ptrs, x)
+
+
+@triton.jit
+def _visible(rows, cols, n_k, causal_off, CAUSAL: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """(len(rows), len(cols)) mask of visible (query, key) pairs; rows, cols absolute."""
+    if CAUSAL:
+        keep = cols[None, :] <= rows[:, None] + causal_off
+        if CHECK_COLS:
+            keep = keep & (cols[None, :] < n_k)
+    else:
+        keep = (cols[None, :] < n_k) & (rows[:, None] >= 0)
+    return keep
+
+
+# --------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_key_loop(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    offs_d,
+    n_k,
+    causal_off,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_rows(
+            k_base, start_n, n_k, stride_kn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        )  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            keep = _visible(offs_m, start_n + offs_n, n_k, causal_off, CAUSAL, not EVEN_N)
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with no visible key yet keeps m = -inf: subtract 0 there, not -inf.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(qk - m_sub[:, None])
+            alpha = tl.math.exp2(m_i - m_sub)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = _load_rows(
+            v_base, start_n, n_k, stride_vn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        )  # fmt: skip
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    n_heads,
+    n_q,
+    n_k,
+    qk_scale,
+    SEQ_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
+    """One program: one query tile of one (batch, head). Writes O tile and L (natural log)."""
+    pid_bh = tl.program_id(0)
+    # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    o_base = Out + b * stride_ob + h * stride_oh
+
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(q_base, start_m, n_q, stride_qn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    causal_off = n_k - n_q
+    if CAUSAL:
+        # Keys every row of this tile sees: j <= start_m + causal_off.
+        full_hi = tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = tl.minimum(full_hi, n_k // BLOCK_N * BLOCK_N)
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
+    else:
+        full_hi = n_k // BLOCK_N * BLOCK_N
+        hi = n_k
+    acc, l_i, m_i = _fwd_key_loop(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, full_hi,
+        offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    if CAUSAL or not EVEN_N:
+        acc, l_i, m_i = _fwd_key_loop(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_hi, hi,
+            offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    acc = acc * (1.0 / l_safe)[:, None]
+    _store_rows(
+        o_base, acc.to(Out.dtype.element_ty), start_m, n_q, stride_on, offs_tm, offs_d,
+        HEAD_DIM, BLOCK_D, not EVEN_M,
+    )  # fmt: skip
+    lse = (m_i + tl.math.log2(l_i)) * _LN2  # -inf for a row that saw no key
+    lse_ptrs = LSE + pid_bh.to(tl.int64) * n_q + offs_m
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_m < n_q)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    Out,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    n_heads,
+    n_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """D = rowsum(dO * O) in float32, one (batch, head) row block per program."""
+    pid_bh = tl.program_id(0)
+    start_m = tl.program_id(1) * BLOCK_M
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_rows(
+        Out + b * stride_ob + h * stride_oh, start_m, n_q, stride_on, offs_tm, offs_d,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    do = _load_rows(
+        DO + b * stride_dob + h * stride_doh, start_m, n_q, stride_don, offs_tm, offs_d,
+        HEAD_DIM, BLOCK_D, True,
+    )  # fmt: skip
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    offs_m = start_m + offs_tm
+    tl.store(DELTA + pid_bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+
+
+@triton.jit
+def _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
+    """L in log2 units (+inf for padding rows and rows that saw no key) and D for a tile."""
+    offs_m = start_m + offs_tm
+    if CHECK_ROWS:
+        lse = tl.load(lse_base + offs_m, mask=offs_m < n_q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
+    else:
+        lse = tl.load(lse_base + offs_m)
+        delta = tl.load(delta_base + offs_m)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    return lse2, delta
+
+
+@triton.jit
+def _dkdv_query_loop(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    dq_base,
+    stride_qn,
+    stride_don,
+    stride_dqn,
+    start_n,
+    lo,
+    hi,
+    offs_n,
+    offs_tm,
+    offs_d,
+    n_q,
+    n_k,
+    causal_off,
+    qk_scale,
+    sm_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
+):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores)."""
+    for start_m in tl.range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        q = _load_rows(
+            q_base, start_m, n_q, stride_qn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
+        )
+        do = _load_rows(
+            do_base, start_m, n_q, stride_don, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
+        )
+        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, not EVEN_M)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
+        if MASKED:
+            keep_t = tl.trans(_visible(start_m + offs_tm, offs_n, n_k, causal_off, CAUSAL, True))
+            p_t = tl.where(keep_t, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # eq. 15
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # eq. 16
+        ds_t = p_t * (dp_t - delta[None, :])  # eq. 17
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # eq. 19 (unscaled)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
+            rows = (start_m + offs_tm)[:, None].to(tl.int64)
+            dq_ptrs = dq_base + rows * stride_dqn + offs_d[None, :]
+            if EVEN_M:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, mask=(start_m + offs_tm)[:, None] < n_q, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    b, h, pid_bh,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_q, n_k, qk_scale, sm_scale, start_n,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):  # fmt: skip
+    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head)."""
+    offs_tn = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tn
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    k = _load_rows(k_base, start_n, n_k, stride_kn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
+    v = _load_rows(v_base, start_n, n_k, stride_vn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    dq_base = DQ + b * stride_dqb + h * stride_dqh
+    lse_base = LSE + pid_bh.to(tl.int64) * n_q
+    delta_base = DELTA + pid_bh.to(tl.int64) * n_q
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    causal_off = n_k - n_q
+    hi = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # Rows i >= start_n - causal_off see part of this tile; rows
+        # i >= start_n + BLOCK_N - 1 - causal_off see all of it.
+        lo = tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
+        mask_hi = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+        mask_hi = tl.minimum(tl.maximum(mask_hi, lo), hi)
+        lo = tl.minimum(lo, hi)
+    else:
+        lo = 0
+        mask_hi = 0
+    if CAUSAL:
+        dk, dv = _dkdv_query_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
+            offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
+            True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
+        )  # fmt: skip
+    dk, dv = _dkdv_query_loop(
+        dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+        stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
+        offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
+        not EVEN_N, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
+    )  # fmt: skip
+    dk = dk * sm_scale
+    _store_rows(
+        DK + b * stride_dkb + h * stride_dkh, dk.to(DK.dtype.element_ty), start_n, n_k,
+        stride_dkn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
+    )  # fmt: skip
+    _store_rows(
+        DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), start_n, n_k,
+        stride_dvn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dq_key_loop(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    lo,
+    hi,
+    offs_m,
+    offs_n,
+    offs_d,
+    n_k,
+    causal_off,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_rows(
+            k_base, start_n, n_k, stride_kn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        )  # fmt: skip
+        v = _load_rows(
+            v_base, start_n, n_k, stride_vn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        )  # fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = _visible(offs_m, start_n + offs_n, n_k, causal_off, CAUSAL, not EVEN_N)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # eq. 18 (unscaled)
+    return dq
+
+
+@triton.jit
+def _dq_tile(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    b, h, pid_bh,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_q, n_k, qk_scale, sm_scale, start_m,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head)."""
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_rows(
+        Q + b * stride_qb + h * stride_qh, start_m, n_q, stride_qn, offs_tm, offs_d,
+        HEAD_DIM, BLOCK_D, not EVEN_M,
+    )  # fmt: skip
+    do = _load_rows(
+        DO + b * stride_dob + h * stride_doh, start_m, n_q, stride_don, offs_tm, offs_d,
+        HEAD_DIM, BLOCK_D, not EVEN_M,
+    )  # fmt: skip
+    lse2, delta = _load_row_stats(
+        LSE + pid_bh.to(tl.int64) * n_q, DELTA + pid_bh.to(tl.int64) * n_q, start_m, offs_tm,
+        n_q, not EVEN_M,
+    )  # fmt: skip
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    causal_off = n_k - n_q
+    if CAUSAL:
+        full_hi = tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N * BLOCK_N
+        full_hi = tl.minimum(full_hi, n_k // BLOCK_N * BLOCK_N)
+        hi = tl.maximum(tl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
+    else:
+        full_hi = n_k // BLOCK_N * BLOCK_N
+        hi = n_k
+    dq = _dq_key_loop(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, 0, full_hi,
+        offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    if CAUSAL or not EVEN_N:
+        dq = _dq_key_loop(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, full_hi, hi,
+            offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        )  # fmt: skip
+    dq = dq * sm_scale
+    _store_rows(
+        DQ + b * stride_dqb + h * stride_dqh, dq.to(DQ.dtype.element_ty), start_m, n_q,
+        stride_dqn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M,
+    )  # fmt: skip
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_heads, n_q, n_k, qk_scale, sm_scale,
+    SEQ_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
+
+    With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically.
+    """
+    pid_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    _dkdv_tile(
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, b, h, pid_bh,
+        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+        stride_dqb, stride_dqh, stride_dqn,
+        n_q, n_k, qk_scale, sm_scale, start_n,
+        HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
+    )  # fmt: skip
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_heads, n_q, n_k, qk_scale, sm_scale,
+    SEQ_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+):  # fmt: skip
+    """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    _dq_tile(
+        Q, K, V, DO, LSE, DELTA, DQ, b, h, pid_bh,
+        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+        stride_dqb, stride_dqh, stride_dqn,
+        n_q, n_k, qk_scale, sm_scale, start_m,
+        HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def attn_bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_heads, n_q, n_k, qk_scale, sm_scale,
+    SEQ_BUCKET,  # autotune key only
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
+    EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
+):  # fmt: skip
+    """One program: dK, dV of key tile t and dQ of query tile t (one launch, no atomics).
+
+    With causal masks the key tile's work falls as t grows and the query tile's rises, so
+    every program does about the same work.
+    """
+    pid_bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = (pid_bh // n_heads).to(tl.int64)
+    h = (pid_bh % n_heads).to(tl.int64)
+    if tile * BLOCK_N1 < n_k:
+        _dkdv_tile(
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, b, h, pid_bh,
+            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+            stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+            stride_dqb, stride_dqh, stride_dqn,
+            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1,
+            HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
+        )  # fmt: skip
+    if tile * BLOCK_M2 < n_q:
+        _dq_tile(
+            Q, K, V, DO, LSE, DELTA, DQ, b, h, pid_bh,
+            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+            stride_dqb, stride_dqh, stride_dqn,
+            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
+            HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
+        )  # fmt: skip

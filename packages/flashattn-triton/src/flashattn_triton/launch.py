@@ -1,0 +1,360 @@
+"""Launchers: check, allocate, pick tiles and start the Triton kernels for (B, H, N, d) inputs.
+
+These functions run real kernels and are not traced by torch.compile (the custom ops in
+``ops`` wrap them). Triton is imported on first use, so importing the package costs nothing
+and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
+
+Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
+tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice); ``fused`` = the
+same two loops in one launch, program t doing key tile t and query tile t; ``atomic`` = one
+dK/dV kernel that also adds dQ into a float32 buffer with atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from . import configs as C
+
+MAX_GRID_Y = 65535
+
+
+def _kernels():
+    from . import kernels
+
+    return kernels
+
+
+def interpreting() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    import triton.runtime.interpreter as interp
+
+    return isinstance(_kernels().attn_fwd_kernel, interp.InterpretedFunction)
+
+
+def require_runnable(t: torch.Tensor) -> None:
+    """Fail clearly, before any launch, where the Triton kernels cannot run."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and interpreting():
+        return
+    raise RuntimeError(
+        f"the Triton kernels need CUDA tensors, got tensors on {t.device}. Move q, k, v to a "
+        "GPU, or set TRITON_INTERPRET=1 before the first call to run the kernels in Triton's "
+        "(slow) CPU interpreter, or call flash_attention(..., backend='torch') (or 'auto', "
+        "which picks the PyTorch implementation off-GPU)."
+    )
+
+
+def out_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized tensor shaped like t with a unit last stride (keeps t's layout when
+    t is dense with a unit last stride, e.g. a (B, N, H, d) buffer seen as (B, H, N, d)).
+    The fake (meta) implementations use the same rule so strides match under compile."""
+    if t.stride(-1) == 1:
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return C.fp32_precision() if dtype == torch.float32 else "tf32"
+
+
+def _check_grid(n_tiles: int, what: str, block: int) -> None:
+    if n_tiles > MAX_GRID_Y:
+        raise ValueError(
+            f"{what} of {n_tiles * block} needs {n_tiles} tiles of {block}, more than the "
+            f"launch grid allows ({MAX_GRID_Y}); split the sequence"
+        )
+
+
+def _triton_config(kind: str, cfg: C.TileConfig):
+    import triton
+
+    if kind == "fused":
+        kw = {"BLOCK_M1": cfg.block_m, "BLOCK_N1": cfg.block_n, "BLOCK_M2": cfg.block_n}
+        kw["BLOCK_N2"] = cfg.block_n2
+    else:
+        kw = cfg.kwargs()
+    return triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _meta(kind: str, cfg: C.TileConfig, n_q: int, n_k: int) -> dict[str, int | bool]:
+    """Tile constexprs plus the EVEN_* flags that switch off row/column bounds checks."""
+    if kind == "fused":
+        return {
+            "BLOCK_M1": cfg.block_m,
+            "BLOCK_N1": cfg.block_n,
+            "BLOCK_M2": cfg.block_n,
+            "BLOCK_N2": cfg.block_n2,
+            "EVEN_M1": n_q % cfg.block_m == 0,
+            "EVEN_N1": n_k % cfg.block_n == 0,
+            "EVEN_M2": n_q % cfg.block_n == 0,
+            "EVEN_N2": n_k % cfg.block_n2 == 0,
+        }
+    return {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "EVEN_M": n_q % cfg.block_m == 0,
+        "EVEN_N": n_k % cfg.block_n == 0,
+    }
+
+
+def _to_tile_config(kind: str, meta: dict) -> C.TileConfig:
+    if kind == "fused":
+        return C.TileConfig(meta["BLOCK_M1"], meta["BLOCK_N1"], 4, 2, meta["BLOCK_N2"])
+    return C.TileConfig(meta["BLOCK_M"], meta["BLOCK_N"], 4, 2)
+
+
+@functools.cache
+def _autotuned(kind: str):
+    """triton.autotune over the kind's candidates, keyed on (sequence bucket, d, dtype,
+    causal), pruned by sequence length and shared memory, EVEN_* flags from heuristics."""
+    import triton
+
+    k = _kernels()
+    kernel = {
+        "fwd": k.attn_fwd_kernel,
+        "dkdv": k.attn_bwd_dkdv_kernel,
+        "atomic": k.attn_bwd_dkdv_kernel,
+        "dq": k.attn_bwd_dq_kernel,
+        "fused": k.attn_bwd_fused_kernel,
+    }[kind]
+    if kind == "fused":
+        heur = {
+            "EVEN_M1": lambda a: a["n_q"] % a["BLOCK_M1"] == 0,
+            "EVEN_N1": lambda a: a["n_k"] % a["BLOCK_N1"] == 0,
+            "EVEN_M2": lambda a: a["n_q"] % a["BLOCK_M2"] == 0,
+            "EVEN_N2": lambda a: a["n_k"] % a["BLOCK_N2"] == 0,
+        }
+    else:
+        heur = {
+            "EVEN_M": lambda a: a["n_q"] % a["BLOCK_M"] == 0,
+            "EVEN_N": lambda a: a["n_k"] % a["BLOCK_N"] == 0,
+        }
+    by_key = {_triton_config(kind, c): c for c in C.CANDIDATES[kind]}
+
+    def prune(configs, named_args, **kwargs):
+        n_q, n_k = named_args["n_q"], named_args["n_k"]
+        elem = named_args["Q"].element_size()
+        tiles = [by_key.get(c) or _to_tile_config(kind, c.kwargs) for c in configs]
+        kept = C.prune_configs(kind, tiles, n_q, n_k, kwargs["BLOCK_D"], elem)
+        return [_triton_config(kind, c) for c in kept]
+
+    return triton.autotune(
+        configs=list(by_key),
+        key=["SEQ_BUCKET", "HEAD_DIM", "CAUSAL"],
+        prune_configs_by={"early_config_prune": prune},
+        reset_to_zero=["DQ"] if kind == "atomic" else None,
+    )(triton.heuristics(heur)(kernel))
+
+
+# Configs that had to shrink at launch (shared memory beyond the device's), reused next time.
+_SHRUNK: dict[tuple, C.TileConfig] = {}
+
+
+def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int) -> None:
+    """Launch with the default (fitted) config, or through the autotuner when enabled.
+
+    If the device has less shared memory than a config needs, Triton refuses the launch
+    (OutOfResources, before anything runs); retry with smaller configs instead of failing.
+    """
+    if C.autotune_enabled() and not interpreting():
+
+        def tuned_grid(meta):
+            return grid(_to_tile_config(kind, meta))
+
+        _autotuned(kind)[tuned_grid](**args)
+        return
+    from triton.runtime.errors import OutOfResources
+
+    first = C.default_config(kind, n_q, n_k, block_d, elem)
+    key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
+    cfg = _SHRUNK.get(key, first)
+    while True:
+        try:
+            kernel[grid(cfg)](
+                **args,
+                **_meta(kind, cfg, n_q, n_k),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+            break
+        except OutOfResources:
+            smaller = C.shrink(kind, cfg)
+            if smaller is None:
+                raise
+            cfg = smaller
+    if cfg != first:
+        _SHRUNK[key] = cfg
+
+
+def _interpreter_bf16(t: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bfloat16 matrices wrongly (seen with triton 3.6 and
+    3.9): there, run bfloat16 inputs through the float32 kernels and round the results."""
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and interpreting()
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Nq, d), k, v (B, H, Nk, d) -> o (B, H, Nq, d), lse (B, H, Nq) float32."""
+    require_runnable(q)
+    if _interpreter_bf16(q):
+        o32, lse = forward(q.float(), k.float(), v.float(), causal, softmax_scale)
+        o = out_like(q)
+        return o.copy_(o32), lse
+    o = out_like(q)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    if n_k == 0:  # no key at all: every row is empty
+        return o.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    kern = _kernels()
+    block_d = C.block_d_for(d)
+    args = {
+        "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
+        "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_qn": q.stride(2),
+        "stride_kb": k.stride(0), "stride_kh": k.stride(1), "stride_kn": k.stride(2),
+        "stride_vb": v.stride(0), "stride_vh": v.stride(1), "stride_vn": v.stride(2),
+        "stride_ob": o.stride(0), "stride_oh": o.stride(1), "stride_on": o.stride(2),
+        "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
+        "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+        "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+    }  # fmt: skip
+
+    def grid(cfg):
+        return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+    _check_grid(triton_cdiv(n_q, 16), "query length", 16)
+    with _device_guard(q):
+        _run("fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size())
+    return o, lse
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    only: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients dq, dk, dv (shaped like q, k, v) from dO (B, H, Nq, d) and the saved o, lse.
+
+    ``only`` (benchmarks): run just that kernel kind ('dkdv', 'dq', 'fused', 'atomic') to
+    time it alone; the other outputs are then left unwritten.
+    """
+    require_runnable(q)
+    if _interpreter_bf16(q):
+        grads = backward(
+            do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale
+        )
+        return tuple(out_like(t).copy_(g) for t, g in zip((q, k, v), grads))
+    dq, dk, dv = out_like(q), out_like(k), out_like(v)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if b * h == 0 or n_q == 0 or n_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
+    # the kernels need unit-stride rows to vectorize their loads.
+    do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
+    lse = lse.contiguous()
+    kern = _kernels()
+    block_d = C.block_d_for(d)
+    elem = q.element_size()
+    delta = torch.empty_like(lse)  # (B, H, Nq) float32
+    _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
+    scheme = C.backward_scheme()
+    with _device_guard(q):
+        pre_block = 64
+        if only is None:
+            kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
+                o, do, delta, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
+            )  # fmt: skip
+        else:
+            delta.zero_()
+        common = {
+            "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
+            "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_qn": q.stride(2),
+            "stride_kb": k.stride(0), "stride_kh": k.stride(1), "stride_kn": k.stride(2),
+            "stride_vb": v.stride(0), "stride_vh": v.stride(1), "stride_vn": v.stride(2),
+            "stride_dob": do.stride(0), "stride_doh": do.stride(1), "stride_don": do.stride(2),
+            "n_heads": h, "n_q": n_q, "n_k": n_k,
+            "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
+            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+        }  # fmt: skip
+        if scheme == "atomic":
+            dq_acc = torch.zeros((b, h, n_q, block_d), dtype=torch.float32, device=q.device)
+            dq_target = dq_acc
+        else:
+            dq_target = dq
+        dkdv_out = {
+            "DK": dk, "DV": dv, "DQ": dq_target,
+            "stride_dkb": dk.stride(0), "stride_dkh": dk.stride(1), "stride_dkn": dk.stride(2),
+            "stride_dvb": dv.stride(0), "stride_dvh": dv.stride(1), "stride_dvn": dv.stride(2),
+            "stride_dqb": dq_target.stride(0), "stride_dqh": dq_target.stride(1),
+            "stride_dqn": dq_target.stride(2),
+        }  # fmt: skip
+        if scheme == "fused":
+
+            def grid_fused(cfg):
+                n_tiles = max(triton_cdiv(n_k, cfg.block_n), triton_cdiv(n_q, cfg.block_n))
+                return (b * h, n_tiles)
+
+            _run(
+                "fused", kern.attn_bwd_fused_kernel, grid_fused, {**common, **dkdv_out},
+                n_q, n_k, block_d, elem,
+            )  # fmt: skip
+            return dq, dk, dv
+
+        def grid_keys(cfg):
+            return (b * h, triton_cdiv(n_k, cfg.block_n))
+
+        kind = "atomic" if scheme == "atomic" else "dkdv"
+        if only in (None, kind):
+            _run(
+                kind, kern.attn_bwd_dkdv_kernel, grid_keys,
+                {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
+                n_q, n_k, block_d, elem,
+            )  # fmt: skip
+        if scheme == "atomic":
+            dq.copy_(dq_acc[..., :d])
+            return dq, dk, dv
+
+        def grid_queries(cfg):
+            return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+        dq_args = {
+            **common, "DQ": dq,
+            "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
+        }  # fmt: skip
+        if only in (None, "dq"):
+            _run("dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem)
+    return dq, dk, dv
