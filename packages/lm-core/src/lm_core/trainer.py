@@ -265,7 +265,8 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     data = load_data(args)
-    model = TransformerLM(args.model_config).to(env.device)
+    with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
+        model = TransformerLM(args.model_config)
     pm = wrap_model(model, args.ddp, env, compile=args.compile, bucket_size_mb=args.bucket_size_mb)
     optimizer = build_optimizer(
         list(model.parameters()),
