@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# The single-GPU measurements of perf-tools in one pass, for an H100 (or H200) machine.
+# The single-GPU measurements of perf-tools, for an H100 (or H200) machine, in sections.
 #
-#   OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh          # every default section
-#   SECTIONS="bench hf profile" OUT=... bash packages/perf-tools/scripts/h100_suite.sh
+#   OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh                  # call 1
+#   SECTIONS="attention compile" OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh
 #
 # Run from the repository root. Uses the machine's own python3 (torch/triton preinstalled, no
 # network): every package's src/ goes on PYTHONPATH, nothing is installed.
-# Writes a work tree under $WORK (default /tmp/perf-suite) and, at the end, packs it into at most
-# three files in $OUT: suite.log, perf-results.tar.gz (tables, CSV/JSON, plots, logs) and
-# perf-traces.tar.gz (profiler traces; may be large).
+# Writes a work tree under $WORK (default /tmp/perf-suite-<sections>) and, at the end, packs it
+# into three files in $OUT: suite-<sections>.log, perf-results-<sections>.tar.gz (tables,
+# CSV/JSON, plots, logs) and perf-traces-<sections>.tar.gz (profiler traces, snapshots).
+# Each command is cut at $RUN_TIMEOUT seconds (default 420) so one stuck run cannot eat the rest.
 #
-# Sections (default: bench compile hf profile attention mixed) and rough H100 wall times:
+# Sections and rough H100 wall times (estimates, not measurements; first runs include Triton
+# autotuning and torch.compile):
 #   bench      all sizes x {fp32, bf16} x {forward, train}, ctx 512, batch 4, eager,
 #              3 warm-up + 5 measured steps                                      ~1-1.5 min
-#   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-3 min
-#   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF)     ~0.5 min
-#   profile    small and xl, fp32, naive attention: forward / fwd-bwd / train    ~1.5 min
-#   attention  attention --quick, then the leaderboard shape                      ~1.5-2 min
+#   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF)     ~1 min
+#   profile    small and xl, fp32, naive attention: forward / fwd-bwd / train,
+#              2 warm-up + 2 profiled steps                                      ~1.5-2 min
 #   mixed      mixed_precision accumulate + toy-dtypes                            ~10 s
-#   memory     (not default) 2.7B peak memory, ctx 128/256/512, fp32/bf16,
-#              forward/train, + a memory snapshot of one bf16 train step         ~1 min
+#   attention  attention --quick (naive eager vs compiled; flash vs SDPA), then
+#              the leaderboard shape                                             ~2-3 min
+#   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-4 min
+#   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
+#              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
+# Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
+# (~4-7 min). Each call stays under the device tool's 10-minute command limit.
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the directory that should receive the results}
-WORK=${WORK:-/tmp/perf-suite}
-SECTIONS=${SECTIONS:-"bench compile hf profile attention mixed"}
+SECTIONS=${SECTIONS:-"bench hf profile mixed"}
+TAG=$(echo "$SECTIONS" | tr ' ' '_')
+RUN_TIMEOUT=${RUN_TIMEOUT:-420}
+WORK=${WORK:-/tmp/perf-suite-$TAG}
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 export PYTHONPATH="$ROOT/packages/lm-core/src:$ROOT/packages/flashattn-triton/src:$ROOT/packages/ddp-kit/src:$ROOT/packages/zero-shard/src:$ROOT/packages/perf-tools/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,7 +47,8 @@ run() {  # run NAME CMD...: log the command and its output, keep going on failur
   shift
   echo "=== [$name] $(date -u +%H:%M:%S) $*" | tee -a "$LOG"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$WORK/$name.log" | grep -v -E '^\s*$|it/s\]|s/it\]' >>"$LOG"
+  timeout -k 10 "$RUN_TIMEOUT" "$@" 2>&1 | tee "$WORK/$name.log" |
+    grep -v -E '^\s*$|it/s\]|s/it\]' >>"$LOG"
   local rc=${PIPESTATUS[0]}
   echo "=== [$name] rc=$rc in $((SECONDS - t0)) s" | tee -a "$LOG"
   [ "$rc" -eq 0 ] || status=1
@@ -88,10 +97,10 @@ if want memory; then
     --steps 1 --memory-snapshot "$WORK/snapshot_2.7B_bf16_train.pickle"
 fi
 
-cp "$LOG" "$OUT/suite.log"
-(cd "$WORK" && find . -name 'trace.json.gz' >traces.txt
- tar czf "$OUT/perf-results.tar.gz" --exclude='trace.json.gz' --exclude='*.pickle' . &&
- tar czf "$OUT/perf-traces.tar.gz" -T traces.txt $(ls ./*.pickle 2>/dev/null))
+cp "$LOG" "$OUT/suite-$TAG.log"
+(cd "$WORK" && find . -name 'trace.json.gz' -o -name '*.pickle' >heavy.txt
+ tar czf "$OUT/perf-results-$TAG.tar.gz" --exclude='trace.json.gz' --exclude='*.pickle' . &&
+ tar czf "$OUT/perf-traces-$TAG.tar.gz" -T heavy.txt)
 ls -la "$OUT"
 echo "suite finished with status $status"
 exit $status

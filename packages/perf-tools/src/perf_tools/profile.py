@@ -301,8 +301,9 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)
     )
     rows = bench.run_sweep(_specs(args), opts, measure=profiler)
-    cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows)]
-    report.print_table(rows, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
+    cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows) and c != "dir"]
+    shown = [{**r, "top_item": _short(str(r.get("top_item") or "-"), 48)} for r in rows]
+    report.print_table(shown, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
     out.mkdir(parents=True, exist_ok=True)
     report.save_rows(rows, csv_path=out / "summary.csv", json_path=out / "summary.json")
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)
