@@ -9,7 +9,7 @@ from flashattn_triton.reference import causal_mask
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are 0)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     den = b.norm()
     if den == 0:
         return float((a - b).norm())

@@ -1,0 +1,140 @@
+"""Public API: exports, input validation, backend choice, configs and FLOP helpers (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flashattn_triton as fa
+from flashattn_triton import configs, launch
+from flashattn_triton.api import resolve_backend
+from flashattn_triton.flops import visible_pairs
+
+
+def _qkv(*shape, dtype=torch.float32):
+    return tuple(torch.randn(*shape, dtype=dtype) for _ in range(3))
+
+
+def test_public_exports():
+    for name in fa.__all__:
+        assert hasattr(fa, name), name
+    assert issubclass(fa.FlashAttention2Torch, torch.autograd.Function)
+    assert issubclass(fa.FlashAttention2Triton, torch.autograd.Function)
+    assert hasattr(torch.ops.flashattn_triton, "fwd")
+    assert hasattr(torch.ops.flashattn_triton, "bwd")
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda q, k, v: (q[0, 0, 0], k, v), ValueError, "at least 2 dims"),
+        (lambda q, k, v: (q, k[0], v), ValueError, "same number of dims"),
+        (lambda q, k, v: (q, k.double(), v), TypeError, "share one dtype"),
+        (lambda q, k, v: (q, k, v.to("meta")), ValueError, "one device"),
+        (lambda q, k, v: (q, k[..., :8], v), ValueError, "k head_dim"),
+        (lambda q, k, v: (q, k, v[..., :8]), ValueError, "v head_dim"),
+        (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "leading"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), ValueError, "same sequence length"),
+        (lambda q, k, v: (q.long(), k.long(), v.long()), TypeError, "floating-point"),
+        (lambda q, k, v: ([1.0], k, v), TypeError, "torch.Tensor"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs_raise_clear_errors(make, exc, match, backend):
+    q, k, v = make(*_qkv(2, 3, 10, 16))
+    with pytest.raises(exc, match=match):
+        fa.flash_attention(q, k, v, backend=backend)
+
+
+def test_bad_flags():
+    q, k, v = _qkv(2, 10, 16)
+    with pytest.raises(TypeError, match="causal"):
+        fa.flash_attention(q, k, v, causal=1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            fa.flash_attention(q, k, v, softmax_scale=bad)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        fa.flash_attention(q, k, v, softmax_scale=True)
+    with pytest.raises(ValueError, match="backend"):
+        fa.flash_attention(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        fa.FlashAttention(backend="nope")
+
+
+def test_triton_backend_limits():
+    q, k, v = _qkv(1, 10, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        fa.flash_attention(q, k, v, backend="triton")
+    q, k, v = _qkv(1, 10, 160)
+    with pytest.raises(ValueError, match=r"head_dim 1\.\.128"):
+        fa.flash_attention(q, k, v, backend="triton")
+    assert fa.flash_attention(q, k, v, backend="torch").shape == q.shape  # torch takes it
+
+
+def test_triton_on_cpu_without_interpreter_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    q, k, v = _qkv(1, 10, 16)
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1.*backend='torch'"):
+        fa.FlashAttention2Triton.apply(q, k, v, False)
+
+
+def test_auto_backend_uses_torch_off_gpu():
+    q, k, v = _qkv(2, 12, 16)
+    assert resolve_backend("auto", q) == "torch"
+    assert resolve_backend("triton", q) == "triton"
+    o = fa.flash_attention(q, k, v, causal=True)
+    ref, _ = fa.attention_reference(q, k, v, causal=True)
+    assert torch.allclose(o.double(), ref, atol=1e-5)
+    assert torch.allclose(fa.FlashAttention(causal=True)(q, k, v), o)
+    assert "causal=True" in repr(fa.FlashAttention(causal=True))
+
+
+def test_visible_pairs_match_brute_force():
+    for n_q, n_k in [(1, 1), (7, 7), (3, 9), (9, 3), (16, 1), (1, 16)]:
+        mask = fa.causal_mask(n_q, n_k)
+        assert visible_pairs(n_q, n_k, True) == int(mask.sum())
+        assert visible_pairs(n_q, n_k, False) == n_q * n_k
+
+
+def test_flops_and_floor():
+    f = fa.attention_flops(16, 16384, 16384, 64, True, "fwd")
+    assert math.isclose(f, 4 * 64 * 16 * 16384 * 16385 / 2)
+    assert math.isclose(fa.attention_flops(1, 8, 8, 16, False, "bwd"), 2.5 * 4 * 16 * 64)
+    assert math.isclose(fa.attention_flops(1, 8, 8, 16, False), 3.5 * 4 * 16 * 64)
+    floor = fa.attention_floor_ms(16, 16384, 16384, 64, True, 2, 800.0, 3000.0)
+    assert math.isclose(floor, 3.5 * f / 800e12 * 1e3)
+    assert math.isclose(fa.tflops_per_s(1e12, 1000.0), 1.0)
+    with pytest.raises(ValueError, match="mode"):
+        fa.attention_flops(1, 8, 8, 16, False, "both")
+
+
+def test_configs_parse_fit_and_prune(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "fwd=64,32,4,2; dq.fp32=32,32,4,2")
+    assert configs.default_config("fwd", 4096, 4096, 64, 2) == configs.TileConfig(64, 32, 4, 2)
+    assert configs.default_config("dq", 4096, 4096, 64, 4) == configs.TileConfig(32, 32, 4, 2)
+    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "bogus=1,2,3,4")
+    with pytest.raises(ValueError, match="unknown kind"):
+        configs.default_config("fwd", 64, 64, 64, 2)
+    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "fwd=1,2")
+    with pytest.raises(ValueError, match="m,n,warps,stages"):
+        configs.default_config("fwd", 64, 64, 64, 2)
+    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS")
+    # Short sequences clamp tiles; float32 tiles never go below 32.
+    assert configs.default_config("fwd", 5, 5, 64, 2).block_m == 16
+    assert configs.default_config("fwd", 5, 5, 64, 4).block_m == 32
+    for kind in ("fwd", "dkdv", "dq", "fused", "atomic"):
+        for bd in (16, 32, 64, 128):
+            for elem in (2, 4):
+                cfg = configs.default_config(kind, 16384, 16384, bd, elem)
+                assert configs.fits(kind, cfg, bd, elem), (kind, bd, elem)
+                kept = configs.prune_configs(kind, configs.CANDIDATES[kind], 16384, 16384, bd, elem)
+                assert kept
+                assert all(configs.fits(kind, c, bd, elem) for c in kept)
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "magic")
+    with pytest.raises(ValueError, match="FLASHATTN_TRITON_BWD"):
+        configs.backward_scheme()
+    monkeypatch.setenv("FLASHATTN_TRITON_FP32_PRECISION", "fp64")
+    with pytest.raises(ValueError, match="FP32_PRECISION"):
+        configs.fp32_precision()

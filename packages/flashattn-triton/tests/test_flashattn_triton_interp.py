@@ -1,0 +1,157 @@
+"""The Triton kernels under Triton's CPU interpreter (TRITON_INTERPRET=1), float32, small.
+
+Tolerance: the interpreter computes in float32 with numpy (no tf32 rounding), so results
+match a float64 reference to float32 rounding: < 1e-5 relative (measured ~1e-6).
+Small tile overrides force several tiles per sequence, so the causal split into unmasked and
+diagonal tiles, ragged last tiles and tile skipping all run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flashattn_testutil import reference_fwd_bwd, rel_err, run_fwd_bwd, saved_lse
+
+from flashattn_triton import FlashAttention2Triton, configs, flash_attention, launch
+
+pytestmark = [
+    pytest.mark.skipif(
+        torch.cuda.is_available() or not launch.interpreting(),
+        reason="needs TRITON_INTERPRET=1 on a machine without a GPU (set by tests/conftest.py)",
+    ),
+    # log2(0) = -inf is the intended L of rows that see no key; numpy warns about it.
+    pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+]
+
+SMALL_TILES = {
+    "fwd.fp32": configs.TileConfig(32, 16, 4, 2),
+    "dkdv.fp32": configs.TileConfig(16, 32, 4, 2),
+    "dq.fp32": configs.TileConfig(32, 16, 4, 2),
+    "fused.fp32": configs.TileConfig(16, 32, 4, 2, block_n2=16),
+    "atomic.fp32": configs.TileConfig(16, 32, 4, 2),
+}
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(configs, "OVERRIDES", dict(SMALL_TILES))
+
+
+def _inputs(lead, n_q, n_k, d, dtype=torch.float32):
+    q = torch.randn(*lead, n_q, d, dtype=dtype)
+    k = torch.randn(*lead, n_k, d, dtype=dtype)
+    v = torch.randn(*lead, n_k, d, dtype=dtype)
+    do = torch.randn(*lead, n_q, d, dtype=dtype)
+    return q, k, v, do
+
+
+def _check(q, k, v, do, causal, tol=1e-5):
+    ref = reference_fwd_bwd(q, k, v, do, causal)
+    out = run_fwd_bwd(FlashAttention2Triton.apply, q, k, v, do, causal)
+    for name in ("o", "dq", "dk", "dv"):
+        assert torch.isfinite(out[name]).all(), name
+        assert rel_err(out[name], ref[name]) < tol, (name, rel_err(out[name], ref[name]))
+    o = FlashAttention2Triton.apply(q.detach().requires_grad_(), k, v, causal)
+    lse = saved_lse(o, q)
+    fin = torch.isfinite(ref["lse"])
+    assert torch.equal(torch.isneginf(lse), ~fin), "rows without keys must have L = -inf"
+    assert torch.allclose(lse[fin].double(), ref["lse"][fin], rtol=0, atol=1e-5)
+
+
+CASES = [
+    # lead, Nq, Nk, d, causal
+    ((2,), 1, 1, 16, True),
+    ((2,), 97, 97, 16, True),
+    ((1,), 130, 130, 32, False),
+    ((2,), 40, 70, 16, True),  # causal Nq < Nk (bottom-right)
+    ((2,), 70, 40, 16, True),  # causal Nq > Nk: empty rows
+    ((1,), 33, 65, 24, False),  # d padded 24 -> 32
+]
+
+
+@pytest.mark.parametrize(("lead", "n_q", "n_k", "d", "causal"), CASES)
+def test_split_backward_small_tiles(lead, n_q, n_k, d, causal, small_tiles):
+    _check(*_inputs(lead, n_q, n_k, d), causal)
+
+
+@pytest.mark.parametrize("scheme", ["fused", "atomic"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
+)
+def test_other_backward_schemes(scheme, n_q, n_k, causal, small_tiles, monkeypatch):
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+    _check(*_inputs((2,), n_q, n_k, 16), causal)
+
+
+@pytest.mark.parametrize(("n", "d", "causal"), [(100, 32, True), (64, 64, True), (50, 16, False)])
+def test_default_tiles(n, d, causal):
+    _check(*_inputs((1, 2), n, n, d), causal)
+
+
+def test_bfloat16_through_interpreter():
+    q, k, v, do = _inputs((2,), 40, 40, 16, torch.bfloat16)
+    ref = reference_fwd_bwd(q, k, v, do, True)
+    out = run_fwd_bwd(FlashAttention2Triton.apply, q, k, v, do, True)
+    for name in ("o", "dq", "dk", "dv"):  # bf16 output rounding, 2^-9 relative
+        assert rel_err(out[name], ref[name]) < 1e-2, name
+
+
+def test_layouts_leading_dims_and_stride0_grad():
+    """(B, N, H, d) buffers seen as (B, H, N, d), 5-D inputs, and o.sum().backward()."""
+    b, n, h, d = 2, 37, 3, 16
+    x = torch.randn(b, n, 3, h, d)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, d) strided views
+    ref = reference_fwd_bwd(q, k, v, torch.ones(b, h, n, d), True)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    o = flash_attention(qq, kk, vv, causal=True, backend="triton")
+    assert o.shape == (b, h, n, d)
+    o.sum().backward()  # dO is an expanded stride-0 tensor
+    assert rel_err(o, ref["o"]) < 1e-5
+    for t, name in ((qq.grad, "dq"), (kk.grad, "dk"), (vv.grad, "dv")):
+        assert rel_err(t, ref[name]) < 1e-5, name
+    q5, k5, v5, do5 = _inputs((2, 2, 1), 20, 20, 16)
+    out = run_fwd_bwd(lambda *a: flash_attention(*a, backend="triton"), q5, k5, v5, do5, False)
+    ref5 = reference_fwd_bwd(q5, k5, v5, do5, False)
+    assert all(rel_err(out[n], ref5[n]) < 1e-5 for n in out)
+
+
+def test_softmax_scale_and_3d_lse_shape():
+    q, k, v, do = _inputs((3,), 21, 21, 16)
+    o = FlashAttention2Triton.apply(q.requires_grad_(), k, v, False, 0.7)
+    assert saved_lse(o, q).shape == (3, 21)
+    ref = reference_fwd_bwd(q, k, v, do, False, 0.7)
+    assert rel_err(o, ref["o"]) < 1e-5
+
+
+def test_empty_sequences():
+    q, k, v, _ = _inputs((2,), 0, 5, 16)
+    assert flash_attention(q, k, v, backend="triton").shape == (2, 0, 16)
+    q, k, v, do = _inputs((2,), 4, 0, 16)
+    out = run_fwd_bwd(lambda *a: flash_attention(*a, backend="triton"), q, k, v, do, False)
+    assert torch.equal(out["o"], torch.zeros_like(out["o"]))
+    assert torch.equal(out["dq"], torch.zeros_like(out["dq"]))
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    """Dynamo traces flash_attention and FlashAttention2Triton.apply into one graph."""
+
+    def layer(q, k, v):
+        return flash_attention(q * 2.0, k, v, causal=True, backend="triton").relu()
+
+    q, k, v, do = _inputs((1, 2), 24, 24, 16)
+    eager = run_fwd_bwd(lambda a, b, c, causal: layer(a, b, c), q, k, v, do, True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = run_fwd_bwd(lambda a, b, c, causal: compiled(a, b, c), q, k, v, do, True)
+    for name in eager:
+        assert rel_err(got[name], eager[name]) < 1e-6, name
+    apply = torch.compile(FlashAttention2Triton.apply, fullgraph=True, backend="aot_eager")
+    qq = q.reshape(2, 24, 16).requires_grad_()
+    apply(qq, k.reshape(2, 24, 16), v.reshape(2, 24, 16), True).sum().backward()
+    assert torch.isfinite(qq.grad).all()
+
+
+def test_custom_ops_pass_opcheck():
+    q, k, v, do = _inputs((1, 2), 20, 20, 16)
+    torch.library.opcheck(torch.ops.flashattn_triton.fwd.default, (q, k, v, True, 0.25))
+    o, lse = torch.ops.flashattn_triton.fwd(q, k, v, True, 0.25)
+    torch.library.opcheck(torch.ops.flashattn_triton.bwd.default, (do, q, k, v, o, lse, True, 0.25))
