@@ -46,7 +46,7 @@ def _serve(rank: int, world_size: int, backend: str, init_method: str, tasks: An
             init_method=init_method,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=300),
         )
         while (task := tasks.get()) is not None:
             fn, args = task
@@ -87,7 +87,7 @@ class WorkerPool:
             p.start()
         self.alive = True
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0) -> list[Any]:
         """`fn(rank, world_size, device, *args)` on every rank; the return values by rank."""
         assert self.alive, "this pool was closed after a failure"
         for q in self._tasks:
@@ -148,7 +148,7 @@ class Pools:
         *args: Any,
         backend: str = "gloo",
         world_size: int = 2,
-        timeout: float = 180.0,
+        timeout: float = 600.0,
     ) -> list[Any]:
         key = (backend, world_size)
         pool = self._pools.get(key)

@@ -95,7 +95,17 @@ class ShardedOptimizer(Optimizer):
         self._local = optimizer_cls([self._local_group(g) for g in self.param_groups], **kwargs)
         self._pull_hparams()  # the wrapper's groups now show optimizer_cls's defaults too
         self.defaults = dict(self._local.defaults)
-        self.state = self._local.state  # this rank's shard only
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        """The local optimizer's state: entries for this rank's parameters only."""
+        local = self.__dict__.get("_local")
+        return local.state if local is not None else self.__dict__["_base_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # Optimizer.__init__ assigns an empty state before the local optimizer exists.
+        self.__dict__["_base_state"] = value
 
     # ------------------------------------------------------------------ introspection
     @property
