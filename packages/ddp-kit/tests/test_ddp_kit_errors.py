@@ -77,3 +77,10 @@ ERROR_CASES = [
 def test_misuse_raises_clear_error(error_results: list[dict[str, str]], case: str) -> None:
     for rank, per_rank in enumerate(error_results):
         assert per_rank[case] == "", f"rank {rank}: {per_rank[case]}"
+
+
+def test_nccl_group_rejects_a_cpu_module(error_results: list[dict[str, str]]) -> None:
+    if "nccl-cpu-module" not in error_results[0]:
+        pytest.skip("only an NCCL group refuses CPU tensors")
+    for rank, per_rank in enumerate(error_results):
+        assert per_rank["nccl-cpu-module"] == "", f"rank {rank}: {per_rank['nccl-cpu-module']}"
