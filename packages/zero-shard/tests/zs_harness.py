@@ -113,9 +113,11 @@ class WorkerPool:
                     raise RuntimeError(f"rank {rank} of {self.world_size} raised:\n{payload}")
                 values[rank] = payload
         except (RuntimeError, TimeoutError) as exc:
-            self.close(graceful=False)
-            pytest.fail(f"[{self.backend}, {self.world_size} ranks] {exc}", pytrace=False)
-        return [values[r] for r in range(self.world_size)]
+            failure = f"[{self.backend}, {self.world_size} ranks] {exc}"
+        else:
+            return [values[r] for r in range(self.world_size)]
+        self.close(graceful=False)
+        pytest.fail(failure, pytrace=False)
 
     def close(self, graceful: bool = True) -> None:
         if not self.alive:

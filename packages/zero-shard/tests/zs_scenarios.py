@@ -424,17 +424,16 @@ def scenario_errors(rank: int, world: int, device: torch.device) -> None:
     run = Run(model, "manual", device)
     run.opt = opt
     run.step("tied", 0, rank, device)
-    opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        full = opt.state_dict()
-    else:
-        _expect(RuntimeError, "not consolidated", opt.state_dict)
-        full = None
-    holder = [full]
-    dist.broadcast_object_list(holder, src=0)
-    full = holder[0]
+    full = None
+    for target in range(world):  # consolidate on every rank in turn
+        opt.consolidate_state_dict(to=target)
+        if rank == target:
+            full = opt.state_dict()
+        else:
+            _expect(RuntimeError, "not consolidated", opt.state_dict)
+    assert full is not None
     run.step("tied", 1, rank, device)
-    if rank == 0:
+    if rank == world - 1:  # the last target: its snapshot is stale now
         _expect(RuntimeError, "a step has run since", opt.state_dict)
 
     _expect(ValueError, "keys 'state' and 'param_groups'", lambda: opt.load_state_dict({"a": 1}))
