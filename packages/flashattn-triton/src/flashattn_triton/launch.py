@@ -30,9 +30,12 @@ def _kernels():
 
 def interpreting() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    import triton.runtime.interpreter as interp
+    try:
+        import triton.runtime.interpreter as interp
 
-    return isinstance(_kernels().attn_fwd_kernel, interp.InterpretedFunction)
+        return isinstance(_kernels().attn_fwd_kernel, interp.InterpretedFunction)
+    except ImportError:  # no triton, or the interpreter's numpy missing
+        return False
 
 
 def require_runnable(t: torch.Tensor) -> None:
