@@ -35,8 +35,10 @@ class TiedLM(nn.Module):
     tokens (B, T) -> logits (B, T, VOCAB). Seven parameter tensors of four sizes and two dtypes.
     """
 
-    def __init__(self, d: int = 16, hidden: int = 24) -> None:
+    def __init__(self, d: int = 16, hidden: int = 24, transposed: bool = False) -> None:
         super().__init__()
+        # `transposed`: one more parameter, stored non-contiguous (a transposed view).
+        self.mix = nn.Parameter(0.1 * torch.randn(d, d).t()) if transposed else None
         self.emb = nn.Embedding(VOCAB, d)
         self.up = nn.Linear(d, hidden)
         self.down = nn.Linear(hidden, d)
@@ -49,6 +51,8 @@ class TiedLM(nn.Module):
         h = self.emb(tokens)  # (B, T, d)
         h = h + self.down(torch.relu(self.up(h)))
         h = self.norm(h) + self.shift.to(h.dtype)
+        if self.mix is not None:
+            h = h + h @ self.mix
         return self.head(h)  # (B, T, VOCAB)
 
 
@@ -65,14 +69,14 @@ class OneTensor(nn.Module):
 
 def make_model(kind: str, device: torch.device, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    model = {"tied": TiedLM, "one": OneTensor}[kind]()
+    model = {"tied": TiedLM, "one": OneTensor, "tied-t": lambda: TiedLM(transposed=True)}[kind]()
     return model.to(device)
 
 
 def batch(kind: str, step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Fresh random data, different on every rank and step."""
     g = torch.Generator().manual_seed(10_007 * step + 101 * rank + 7)
-    if kind == "tied":
+    if kind.startswith("tied"):
         tokens = torch.randint(0, VOCAB, (4, 8), generator=g)
         targets = torch.randint(0, VOCAB, (4, 8), generator=g)
         return tokens.to(device), targets.to(device)
@@ -84,7 +88,7 @@ def batch(kind: str, step: int, rank: int, device: torch.device) -> tuple[torch.
 def loss_of(kind: str, model: nn.Module, data: tuple[torch.Tensor, ...]) -> torch.Tensor:
     inputs, targets = data
     out = model(inputs)
-    if kind == "tied":
+    if kind.startswith("tied"):
         return F.cross_entropy(out.reshape(-1, VOCAB), targets.reshape(-1))  # (B*T, V)
     return F.mse_loss(out, targets)
 
@@ -181,35 +185,46 @@ def pair(
     return sharded, reference
 
 
-def grouped_factory(opt_name: str, bucket_cap_mb: float = 16.0):
+def grouped_factory(opt_name: str, bucket_cap_mb: float = 16.0, param_sync: str = "broadcast"):
     cls, defaults = optimizer_spec(opt_name)
 
     def make(model: nn.Module, shard: bool) -> Optimizer:
         groups = two_groups(model, defaults["lr"])
         if shard:
-            return ShardedOptimizer(groups, cls, bucket_cap_mb=bucket_cap_mb, **defaults)
+            return ShardedOptimizer(
+                groups, cls, bucket_cap_mb=bucket_cap_mb, param_sync=param_sync, **defaults
+            )
         return cls(groups, **defaults)
 
     return make
+
+
+# Sync settings every comparison runs under: buckets that hold every parameter, a 1 KB cap
+# (large tensors broadcast in place), and all-gather with large and with ~200-byte chunks
+# (parameters spanning chunk boundaries).
+SYNCS = [(16.0, "broadcast"), (1 / 1024, "broadcast"), (16.0, "allgather"), (2e-4, "allgather")]
 
 
 # ------------------------------------------------------------------ scenarios
 def scenario_matches_reference(
     rank: int, world: int, device: torch.device, opt_name: str, wrapper: str = "manual"
 ) -> None:
-    """Tied weights, two dtypes, two groups with their own lr and weight decay, 10 steps;
-    with buckets that hold every parameter and with a 1 KB cap (big tensors in place)."""
-    for cap in (16.0, 1 / 1024):
-        sharded, reference = pair("tied", wrapper, device, grouped_factory(opt_name, cap))
+    """Tied weights, two dtypes, two groups with their own lr and weight decay, 10 steps, under
+    every sync setting; with the manual all-reduce also a non-contiguous parameter."""
+    kind = "tied-t" if wrapper == "manual" else "tied"
+    for cap, sync in SYNCS:
+        factory = grouped_factory(opt_name, cap, sync)
+        sharded, reference = pair(kind, wrapper, device, factory)
         opt = sharded.opt
         assert isinstance(opt, ShardedOptimizer)
         assert sum(opt.shard_numels()) == sum(p.numel() for p in sharded.model.parameters())
         assert max(opt.shard_numels()) > 0
         assert len(opt.local_optimizer.param_groups) == 2
         for step in range(STEPS):
-            sharded.step("tied", step, rank, device)
-            reference.step("tied", step, rank, device)
-        assert_same(sharded.model, reference.model, device, f"{opt_name} cap={cap}MB {wrapper}")
+            sharded.step(kind, step, rank, device)
+            reference.step(kind, step, rank, device)
+        what = f"{opt_name} {sync} cap={cap}MB {wrapper}"
+        assert_same(sharded.model, reference.model, device, what)
         assert sharded.model.head.weight is sharded.model.emb.weight
 
 
@@ -222,23 +237,28 @@ def scenario_under_wrapper(rank: int, world: int, device: torch.device, wrapper:
 def scenario_one_tensor(rank: int, world: int, device: torch.device) -> None:
     """More ranks than parameter tensors: the rank with an empty shard steps and syncs too."""
     for opt_name in ("sgd", "adamw"):
-        cls, defaults = optimizer_spec(opt_name)
+        for sync in ("broadcast", "allgather"):
+            _one_tensor_run(rank, world, device, opt_name, sync)
 
-        def make(model: nn.Module, shard: bool, cls=cls, defaults=defaults) -> Optimizer:
-            if shard:
-                return ShardedOptimizer(model.parameters(), cls, **defaults)
-            return cls(model.parameters(), **defaults)
 
-        sharded, reference = pair("one", "manual", device, make)
-        opt = sharded.opt
-        assert isinstance(opt, ShardedOptimizer)
-        assert sorted(opt.shard_numels()) == [0] * (world - 1) + [21]
-        mine = sum(len(g["params"]) for g in opt.local_optimizer.param_groups)
-        assert mine == (1 if opt.owner(sharded.model.w) == rank else 0)
-        for step in range(STEPS):
-            sharded.step("one", step, rank, device)
-            reference.step("one", step, rank, device)
-        assert_same(sharded.model, reference.model, device, f"one tensor, {opt_name}")
+def _one_tensor_run(rank: int, world: int, device: torch.device, opt_name: str, sync: str):
+    cls, defaults = optimizer_spec(opt_name)
+
+    def make(model: nn.Module, shard: bool) -> Optimizer:
+        if shard:
+            return ShardedOptimizer(model.parameters(), cls, param_sync=sync, **defaults)
+        return cls(model.parameters(), **defaults)
+
+    sharded, reference = pair("one", "manual", device, make)
+    opt = sharded.opt
+    assert isinstance(opt, ShardedOptimizer)
+    assert sorted(opt.shard_numels()) == [0] * (world - 1) + [21]
+    mine = sum(len(g["params"]) for g in opt.local_optimizer.param_groups)
+    assert mine == (1 if opt.owner(sharded.model.w) == rank else 0)
+    for step in range(STEPS):
+        sharded.step("one", step, rank, device)
+        reference.step("one", step, rank, device)
+    assert_same(sharded.model, reference.model, device, f"one tensor, {opt_name}, {sync}")
 
 
 def scenario_add_group_midrun(rank: int, world: int, device: torch.device, opt_name: str) -> None:

@@ -2,11 +2,12 @@
 `optimizer_state_sharding_accounting`): `python -m perf_tools.zero`.
 
 Trains lm_core's TransformerLM data-parallel on N ranks (spawned here: one command does the
-job) with three optimizers in turn, each wrapped around the same optimizer class:
+job) with each optimizer kind in turn, all around the same optimizer class:
 
-    ddp         the plain optimizer on every rank (full state everywhere)
-    zero-shard  zero_shard.ShardedOptimizer (this repo)
-    torch-zero  torch.distributed.optim.ZeroRedundancyOptimizer
+    ddp            the plain optimizer on every rank (full state everywhere)
+    zero-shard     zero_shard.ShardedOptimizer (this repo), owners broadcast parameters
+    zero-shard-ag  the same with param_sync="allgather" (chunked all-gathers of flat shards)
+    torch-zero     torch.distributed.optim.ZeroRedundancyOptimizer
 
 For each it reports, at three points -- after model init (model, wrapper and optimizer
 built), right before the optimizer step (after forward, backward and gradient sync) and
@@ -59,7 +60,7 @@ from torch import nn
 
 from perf_tools import _cli, report, timing
 
-VARIANTS = ("ddp", "zero-shard", "torch-zero")
+VARIANTS = ("ddp", "zero-shard", "zero-shard-ag", "torch-zero")
 WRAPPERS = ("torch", "naive", "flat", "individual", "bucketed")
 _DDP_KIT = {
     "naive": "NaiveDDP",
@@ -139,10 +140,11 @@ def _optimizer(variant: str, model: nn.Module, job: Job) -> torch.optim.Optimize
     kwargs = {"lr": job.lr, "weight_decay": 0.01}
     if variant == "ddp":
         return cls(model.parameters(), **kwargs)
-    if variant == "zero-shard":
+    if variant in ("zero-shard", "zero-shard-ag"):
         from zero_shard import ShardedOptimizer
 
-        return ShardedOptimizer(model.parameters(), cls, **kwargs)
+        sync = "allgather" if variant == "zero-shard-ag" else "broadcast"
+        return ShardedOptimizer(model.parameters(), cls, param_sync=sync, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)

@@ -20,7 +20,14 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from zero_shard.partition import greedy_partition
-from zero_shard.sync import SyncUnit, broadcast_params, build_plan
+from zero_shard.sync import (
+    GatherGroup,
+    SyncUnit,
+    allgather_params,
+    broadcast_params,
+    build_gather_plan,
+    build_plan,
+)
 from zero_shard.transfer import recv_object, send_object, to_cpu
 
 _NOT_HPARAMS = ("params", "param_names")
@@ -36,7 +43,11 @@ class ShardedOptimizer(Optimizer):
             subclass, e.g. `torch.optim.AdamW`).
         process_group: the ranks to shard across; None means the default (WORLD) group.
         bucket_cap_mb: parameters smaller than this are packed into buckets of up to this size
-            for the post-step broadcast; larger ones are broadcast in place.
+            for the post-step broadcast; larger ones are broadcast in place. With
+            `param_sync="allgather"`: the size each rank contributes to one all-gather.
+        param_sync: "broadcast" (each owner broadcasts its parameters; no copies) or
+            "allgather" (flat shards exchanged in chunks by all-gather: every rank sends and
+            receives at once, at the cost of a pack and an unpack copy). See `sync.py`.
         **kwargs: the optimizer's hyperparameters (lr, weight_decay, ...), forwarded to
             `optimizer_cls` as its defaults.
 
@@ -53,6 +64,7 @@ class ShardedOptimizer(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         *,
         bucket_cap_mb: float = 16.0,
+        param_sync: str = "broadcast",
         **kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
@@ -62,6 +74,8 @@ class ShardedOptimizer(Optimizer):
             )
         if issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError("optimizer_cls: a ShardedOptimizer cannot wrap another one")
+        if param_sync not in ("broadcast", "allgather"):
+            raise ValueError(f"param_sync: expected 'broadcast' or 'allgather', got {param_sync!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb: expected a positive size in MB, got {bucket_cap_mb}")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -87,7 +101,9 @@ class ShardedOptimizer(Optimizer):
         self._owner: dict[torch.Tensor, int] = {}
         self._loads = [0] * self._world_size  # elements owned per rank
         self._local: Optimizer | None = None
+        self._param_sync = param_sync
         self._plan: list[SyncUnit] | None = None
+        self._gather_plan: list[GatherGroup] = []
         self._consolidated: dict[str, Any] | None = None
 
         super().__init__(params, kwargs)  # calls self.add_param_group for every group
@@ -202,13 +218,22 @@ class ShardedOptimizer(Optimizer):
             return
         if self._plan is None:
             params = self._all_params()
+            owners = [self._owner[p] for p in params]
+            gather = [self._param_sync == "allgather" and p.is_contiguous() for p in params]
+            self._gather_plan = build_gather_plan(
+                [p for p, g in zip(params, gather) if g],
+                [o for o, g in zip(owners, gather) if g],
+                self._world_size,
+                self._bucket_cap_bytes,
+            )
             self._plan = build_plan(
-                params,
-                [self._owner[p] for p in params],
+                [p for p, g in zip(params, gather) if not g],
+                [o for o, g in zip(owners, gather) if not g],
                 self._world_size,
                 self._bucket_cap_bytes,
                 self._group,
             )
+        allgather_params(self._gather_plan, self._rank, self._world_size, self._group)
         broadcast_params(self._plan, self._rank, self._group)
 
     # ------------------------------------------------------------------ checks
