@@ -83,3 +83,8 @@ def test_needs_an_initialized_process_group() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, lr=0.1)
+
+
+def test_param_sync_must_be_known() -> None:
+    with pytest.raises(ValueError, match="param_sync: expected 'broadcast' or 'allgather'"):
+        ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, param_sync="ring")
