@@ -22,6 +22,8 @@
 #   attention  attention --quick (naive eager vs compiled; flash vs SDPA), then
 #              the leaderboard shape                                             ~2-3 min
 #   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-4 min
+#   speed      xl bf16 and small fp32 (strict, then TF32) train steps: eager vs compiled x
+#              launched kernel by kernel vs one CUDA graph per step                 ~3-4 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 # Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
@@ -69,6 +71,14 @@ if want compile; then
     --context 512 --warmup 3 --steps 5 --csv "$WORK/compile_small.csv" --json "$WORK/compile_small.json"
   run compile_xl $B --size xl --precision bf16 --mode train --compile on \
     --context 512 --warmup 3 --steps 5 --csv "$WORK/compile_xl.csv" --json "$WORK/compile_xl.json"
+fi
+if want speed; then
+  S="--mode train --compile both --cuda-graph both --context 512 --warmup 3 --steps 10"
+  run speed_xl $B --size xl --precision bf16 $S --csv "$WORK/speed_xl.csv" --json "$WORK/speed_xl.json"
+  run speed_small $B --size small --precision fp32 $S \
+    --csv "$WORK/speed_small.csv" --json "$WORK/speed_small.json"
+  run speed_small_tf32 $B --size small --precision fp32 --tf32 $S \
+    --csv "$WORK/speed_small_tf32.csv" --json "$WORK/speed_small_tf32.json"
 fi
 if want hf; then
   run hf_small $B --size small --precision fp32 --mode train --compare hf \

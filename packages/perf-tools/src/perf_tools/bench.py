@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import math
 import sys
 import time
@@ -43,6 +44,7 @@ from perf_tools.steps import (
     PRECISIONS,
     Annotator,
     PhaseTimer,
+    capture_cuda_graph,
     lm_core_annotations,
     make_step,
 )
@@ -56,6 +58,7 @@ TABLE_COLUMNS = [
     "size",
     "attention",
     "compile",
+    "cuda_graph",
     "precision",
     "mode",
     "context",
@@ -86,6 +89,7 @@ class BenchSpec:
     precision: str
     mode: str
     context: int
+    graph: bool = False  # the whole step captured in one CUDA graph and replayed
 
     @property
     def model_key(self) -> tuple[str, str, str | None, bool]:
@@ -97,6 +101,8 @@ class BenchSpec:
         parts.append(f"ctx{self.context}")
         if self.compile:
             parts.append("compiled")
+        if self.graph:
+            parts.append("graphed")
         return "-".join(str(p) for p in parts)
 
 
@@ -151,6 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="off",
         type=_cli.choice(("off", "on", "both")),
         help="torch.compile the model: --compile (on), --compile both (eager and compiled)",
+    )
+    g.add_argument(
+        "--cuda-graph",
+        nargs="?",
+        const="on",
+        default="off",
+        type=_cli.choice(("off", "on", "both")),
+        help="capture each whole step (forward, backward, optimizer) in a CUDA graph and "
+        "time its replays: --cuda-graph (on), --cuda-graph both (eager launches and graphed). "
+        "GPU only; per-phase times are not reported for graphed rows",
     )
     g.add_argument(
         "--compare",
@@ -302,11 +318,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = _cli.flatten(args.mode) or (["train"] if on_gpu else list(MODES))
     args.precisions = _cli.flatten(args.precision) or (["fp32", "bf16"] if on_gpu else ["fp32"])
     args.compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    args.graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     args.competitors = _cli.flatten(args.compare) or []
     if args.no_warmup:
         args.warmup = 0
     if args.nvtx and not on_gpu:
         parser.error("argument --nvtx: NVTX ranges need a CUDA device (Nsight Systems reads them)")
+    if args.cuda_graph != "off" and not on_gpu:
+        parser.error("argument --cuda-graph: CUDA graphs need a CUDA device (use --device cuda)")
+    if args.cuda_graph != "off" and args.profile is not None:
+        parser.error("argument --cuda-graph: not combined with --profile (kernels inside a graph)")
     if args.memory_snapshot is not None and not on_gpu:
         parser.error(
             "argument --memory-snapshot: the allocator history is recorded by the CUDA "
@@ -326,10 +347,17 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                 for compiled in args.compiles:
                     for precision in args.precisions:
                         for context in sorted(args.contexts):
-                            for mode in args.modes:
+                            for mode, graph in itertools.product(args.modes, args.graphs):
                                 specs.append(
                                     BenchSpec(
-                                        impl, size, attention, compiled, precision, mode, context
+                                        impl,
+                                        size,
+                                        attention,
+                                        compiled,
+                                        precision,
+                                        mode,
+                                        context,
+                                        graph,
                                     )
                                 )
     return specs
@@ -385,8 +413,11 @@ def make_cell_step(
         precision=spec.precision,
         optimizer=optimizer,
         annotator=annotator,
-        timer=timer,
+        timer=None if spec.graph else timer,
+        graph_safe=spec.graph,
     )
+    if spec.graph:
+        step = capture_cuda_graph(step)
     return step, optimizer
 
 
@@ -604,6 +635,7 @@ def _row(
         "size": spec.size,
         "attention": spec.attention if spec.impl == OURS else "sdpa",
         "compile": spec.compile,
+        "cuda_graph": spec.graph,
         "precision": spec.precision,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "mode": spec.mode,
@@ -621,7 +653,7 @@ def _row(
 
 def add_hf_speedups(rows: list[dict[str, Any]]) -> None:
     """vs_hf = HF step time / ours, for cells measured for both (same size/precision/...)."""
-    key = ("size", "compile", "precision", "mode", "context")
+    key = ("size", "compile", "cuda_graph", "precision", "mode", "context")
     hf = {
         tuple(r[k] for k in key): r["mean_ms"]
         for r in rows
@@ -663,7 +695,7 @@ def _outer_bar(total: int, enabled: bool) -> _Bar:
 def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Step time against context (several contexts) or against model size (one context)."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    cols = ["model", "size", "attention", "compile", "precision", "mode"]
+    cols = ["model", "size", "attention", "compile", "cuda_graph", "precision", "mode"]
     contexts = {r["context"] for r in rows}
     x = "context" if len(contexts) > 1 else "params_M"
     group = [c for c in cols if (len({r.get(c) for r in rows}) > 1 and c != "size") or c == "mode"]

@@ -113,10 +113,17 @@ class PhaseTimer:
         return {k: sum(s.get(k, 0.0) for s in recent) / len(recent) for k in names}
 
 
-def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on `device`, or nothing for fp32."""
+def autocast_context(
+    precision: str, device: torch.device, *, cache_enabled: bool = True
+) -> contextlib.AbstractContextManager:
+    """bf16 autocast on `device`, or nothing for fp32.
+
+    `cache_enabled=False` for steps captured in a CUDA graph: autocast's cache of casted
+    weights would otherwise hold tensors from outside the graph's memory pool."""
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(
+            device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled
+        )
     if precision == "fp32":
         return contextlib.nullcontext()
     raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
@@ -133,12 +140,15 @@ def make_step(
     optimizer: torch.optim.Optimizer | None = None,
     annotator: Annotator | None = None,
     timer: PhaseTimer | None = None,
+    graph_safe: bool = False,
 ) -> Callable[[], None]:
     """A closure running one step of `mode` on (B, T) `inputs` / `targets`.
 
     forward: logits under torch.no_grad (inference); fwd-bwd: loss and backward (gradients
     reset to None first, so they never accumulate across steps); train: fwd-bwd then
     `optimizer.step()`. `loss_fn(logits (B*T, V), targets (B*T,))` -> scalar.
+    `graph_safe=True` builds a step that `capture_cuda_graph` can record (no autocast cache;
+    pass no timer: events inside a graph do not time its replays).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -147,9 +157,10 @@ def make_step(
     device = inputs.device
     ann = annotator or Annotator()
     clock = timer
+    cache = not graph_safe
 
     def forward_loss() -> torch.Tensor:
-        with autocast_context(precision, device):
+        with autocast_context(precision, device, cache_enabled=cache):
             logits = model(inputs)  # (B, T, V)
             flat = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
             return loss_fn(flat, targets.reshape(-1))  # targets (B*T,)
@@ -159,7 +170,11 @@ def make_step(
             if clock is not None:
                 clock.start()
             if mode == "forward":
-                with ann.range("forward"), torch.no_grad(), autocast_context(precision, device):
+                with (
+                    ann.range("forward"),
+                    torch.no_grad(),
+                    autocast_context(precision, device, cache_enabled=cache),
+                ):
                     model(inputs)
                 if clock is not None:
                     clock.mark("forward")
@@ -184,3 +199,29 @@ def make_step(
                 clock.finish()
 
     return step
+
+
+def capture_cuda_graph(step: Callable[[], None], *, warmup: int = 3) -> Callable[[], None]:
+    """Record one call of `step` into a CUDA graph; returns the graph's replay.
+
+    The whole step (forward, backward, optimizer) becomes one launch, so the host no longer
+    paces the GPU: what eager mode spends issuing hundreds of kernels one by one disappears.
+    `step` must be built with `make_step(..., graph_safe=True)` on fixed input tensors, with
+    an optimizer whose step counters live on the device (lm_core's fused AdamW, torch's
+    fused/capturable AdamW). `warmup` eager calls run first on a side stream, as CUDA graph
+    capture requires (optimizer state and cuBLAS/Triton workspaces get created there).
+    The step's gradients end up in the graph's private memory pool and are rewritten in
+    place by every replay.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("capture_cuda_graph: CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
