@@ -192,3 +192,50 @@ def test_attention_table_ratios():
 )
 def test_classify(name, cls):
     assert ta.classify(name) == cls
+
+
+def _chrome_trace() -> dict:
+    """A profiled step as `export_chrome_trace` writes it: annotations, launches, kernels."""
+
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    return {
+        "traceEvents": [
+            x("user_annotation", "step", 0, 100),
+            x("user_annotation", "forward", 0, 40),
+            x("user_annotation", "optimizer", 60, 30),
+            x("cpu_op", "aten::mm", 1, 5),
+            x("cuda_runtime", "cudaLaunchKernel", 2, 1, correlation=7),
+            x("cuda_driver", "cuLaunchKernel", 10, 1, correlation=8),  # a Triton kernel
+            x("cuda_runtime", "cudaLaunchKernel", 61, 1, correlation=9),
+            x("kernel", "sm90_gemm", 50, 20, correlation=7),  # runs after its range ended
+            x("kernel", "triton_fused_rms", 71, 5, correlation=8),
+            x("kernel", "multi_tensor_apply_kernel", 120, 30, correlation=9),
+            x("gpu_memcpy", "Memcpy DtoD", 160, 4, correlation=99),  # launch not recorded
+            x("gpu_user_annotation", "forward", 50, 26),  # GPU-side copy: not a span
+            {"ph": "f", "cat": "ac2g", "id": 7, "ts": 2},  # flow events are ignored
+        ]
+    }
+
+
+def test_chrome_trace_counts_each_device_event_once_by_launch_time():
+    items, spans, unit = ta.extract_trace(_chrome_trace())
+    assert unit == "kernel"
+    assert sorted(i.name for i in items) == [
+        "Memcpy DtoD",
+        "multi_tensor_apply_kernel",
+        "sm90_gemm",
+        "triton_fused_rms",
+    ]
+    assert sum(i.dur_us for i in items) == 59.0
+    assert {s.name for s in spans} == {"step", "forward", "optimizer"}
+    ranges = {r["range"]: r for r in ta.range_table(items, ta.RangeIndex(spans), steps=1)}
+    assert ranges["forward"]["ms_per_step"] == pytest.approx(25e-3)
+    assert ranges["optimizer"]["ms_per_step"] == pytest.approx(30e-3)
+    assert ranges[ta.OUTSIDE]["ms_per_step"] == pytest.approx(4e-3)
+    level0 = [r["share_pct"] for r in ranges.values() if r["level"] == 0]
+    assert sum(level0) == pytest.approx(100.0)
+    # the events list alone works too
+    again, _, _ = ta.extract_trace(_chrome_trace()["traceEvents"])
+    assert again == items

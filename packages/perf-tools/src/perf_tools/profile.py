@@ -23,8 +23,10 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +49,7 @@ from perf_tools.trace_analysis import (
     RangeIndex,
     attention_table,
     extract,
+    extract_trace,
     kernel_table,
     range_table,
     split_table,
@@ -193,7 +196,10 @@ class Profiler:
         cell_dir.mkdir(parents=True, exist_ok=True)
         if self.trace:
             prof.export_chrome_trace(str(cell_dir / "trace.json.gz"))
-        items, spans, unit = extract(prof.events(), RANGE_NAMES)
+        if device.type == "cuda":
+            items, spans, unit = extract_trace(_trace_json(prof, cell_dir, self.trace), RANGE_NAMES)
+        else:
+            items, spans, unit = extract(prof.events(), RANGE_NAMES)
         del prof
         tables = analyze(items, spans, opts.steps, config, opts.batch, spec)
         self.tables[spec.label()] = tables
@@ -216,6 +222,17 @@ class Profiler:
             "top_item_pct": top["share_pct"] if top else None,
             "dir": str(cell_dir),
         }
+
+
+def _trace_json(prof: Any, cell_dir: Path, exported: bool) -> dict[str, Any]:
+    """The profile's chrome trace as JSON (the one just written, or a temporary export)."""
+    if exported:
+        with gzip.open(cell_dir / "trace.json.gz", "rt") as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
 
 
 def analyze(

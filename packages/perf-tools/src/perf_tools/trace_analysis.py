@@ -8,9 +8,14 @@ GPU, but they are launched from inside the range, so the launch time is what ide
 the autograd engine's thread that launches backward kernels runs inside the "backward" range
 of the main thread, which is why ranges are matched by time and not by thread.
 
-Launch link: torch's profiler attaches every kernel to the CPU event whose correlation id
-matches the kernel's (`FunctionEvent.kernels`), a stable API since torch 1.8. Kernels with no
-launching event (rare) are counted in the totals as "(no launching op)".
+Launch link, GPU (`extract_trace`): read from the exported chrome trace, where every device
+event (kernel, memcpy, memset) carries the correlation id of the runtime or driver call that
+launched it (cudaLaunchKernel, cuLaunchKernel for Triton); that call's CPU timestamp is the
+kernel's anchor. Each device event counts once. (`FunctionEvent.kernels` is not used on GPU:
+torch 2.11 attached each of fused AdamW's kernels to dozens of CPU events, counting one
+step's optimizer kernels ~50 times.) Device events whose launch was not recorded count in
+the totals, outside every range.
+CPU (`extract`): operators' self time from the profiler's FunctionEvents.
 
 Matmul rule (`classify`, on the lower-cased name): a fused attention kernel when it contains
 flash, fmha, sdpa, scaled_dot_product, attention or attn (our Triton kernels); else a matmul
@@ -139,6 +144,46 @@ def extract(
         if _is_cpu(e) and id(e) not in annotation_ids and e.self_cpu_time_total > 0
     ]
     return items, spans, "cpu op"
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def extract_trace(
+    trace: dict[str, Any] | Sequence[dict[str, Any]], range_names: Iterable[str] | None = None
+) -> tuple[list[Item], list[Span], str]:
+    """Items (device events, each once), named spans and 'kernel' from a chrome trace.
+
+    `trace`: the JSON of `prof.export_chrome_trace` (or its "traceEvents" list). Spans are the
+    CPU-side user annotations (record_function) and CPU ops named in `range_names`.
+    """
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    wanted = set(range_names or ())
+    launch_ts: dict[Any, float] = {}
+    spans: list[Span] = []
+    device: list[dict[str, Any]] = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat")
+        args = e.get("args") or {}
+        if cat in DEVICE_CATEGORIES:
+            device.append(e)
+        elif cat in LAUNCH_CATEGORIES and "correlation" in args:
+            launch_ts[args["correlation"]] = float(e["ts"])
+        elif cat == "user_annotation" or (cat == "cpu_op" and e.get("name") in wanted):
+            start = float(e["ts"])
+            spans.append(Span(e["name"], start, start + float(e.get("dur", 0.0))))
+    items = [
+        Item(
+            e.get("name", "?"),
+            float(e.get("dur", 0.0)),
+            launch_ts.get((e.get("args") or {}).get("correlation")),
+        )
+        for e in device
+    ]
+    return items, spans, "kernel"
 
 
 # ----------------------------------------------------------------------------- tables
