@@ -21,6 +21,9 @@
 #   mixed      mixed_precision accumulate + toy-dtypes                            ~10 s
 #   attention  attention --quick (naive eager vs compiled; flash vs SDPA), then
 #              the leaderboard shape                                             ~2-3 min
+#   attention_full  the handout's full grids: naive (batch 8, d 16..128, seq 256..16384,
+#              eager and compiled) and flash (batch 1, causal, seq 128..65536, d 16..128,
+#              bf16 and fp32, ours vs naive vs SDPA flash / cuDNN)                ~5-7 min
 #   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-4 min
 #   speed      xl bf16 and small fp32 (strict, then TF32) train steps: eager vs compiled x
 #              launched kernel by kernel vs one CUDA graph per step                 ~3-4 min
@@ -95,6 +98,16 @@ if want attention; then
     --csv "$WORK/attention.csv" --json "$WORK/attention.json" --plot "$WORK/attention.png"
   run attention_leaderboard $PY -m perf_tools.attention leaderboard --quiet \
     --csv "$WORK/leaderboard.csv" --json "$WORK/leaderboard.json"
+fi
+if want attention_full; then
+  run attention_naive $PY -m perf_tools.attention naive --quiet \
+    --csv "$WORK/attention_naive.csv" --json "$WORK/attention_naive.json" --plot "$WORK/attention_naive.png"
+  run attention_flash $PY -m perf_tools.attention flash --quiet \
+    --csv "$WORK/attention_flash.csv" --json "$WORK/attention_flash.json" --plot "$WORK/attention_flash.png"
+fi
+if want profile_bf16; then
+  run profile_bf16 $PY -m perf_tools.profile --quiet --size xl --attention sdpa --precision bf16 \
+    --mode train --context 512 --warmup 2 --steps 2 --top 12 --out "$WORK/profile_bf16"
 fi
 if want mixed; then
   run mixed_accumulate $PY -m perf_tools.mixed_precision accumulate --json "$WORK/accumulate.json"
