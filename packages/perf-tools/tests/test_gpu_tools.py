@@ -96,7 +96,8 @@ def test_bench_peak_memory_grows_with_mode(tmp_path):
 
 def test_memory_snapshot_and_nvtx(tmp_path):
     snap = tmp_path / "mem.pickle"
-    argv = [*TINY, "--mode", "train", "--quiet", "--memory-snapshot", str(snap), "--nvtx"]
+    argv = [*TINY, "--mode", "train", "--precision", "bf16", "--quiet", "--nvtx"]
+    argv += ["--memory-snapshot", str(snap)]
     assert bench.main(argv) == 0
     data = pickle.loads(snap.read_bytes())
     assert "segments" in data
