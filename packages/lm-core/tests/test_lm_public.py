@@ -11,6 +11,7 @@ EXPECTED = {
     "TransformerLM",
     "annotate",
     "annotations_enabled",
+    "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
     "cosine_lr",
@@ -37,6 +38,7 @@ def test_exports():
 
 
 def test_module_paths_named_in_the_spec():
+    from lm_core.activation_ckpt import apply_activation_checkpointing  # noqa: F401
     from lm_core.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
     from lm_core.data import get_batch  # noqa: F401
     from lm_core.flops import forward_flops, train_step_flops  # noqa: F401

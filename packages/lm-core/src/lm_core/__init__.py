@@ -3,6 +3,7 @@ SwiGLU, AdamW, checkpoints, activation checkpointing, a fused LM-head + cross-en
 CLI `python -m lm_core.train`).
 """
 
+from lm_core.activation_ckpt import apply_activation_checkpointing
 from lm_core.annotate import annotate, annotations_enabled, set_annotations
 from lm_core.attention import available_backends, get_attention
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
@@ -24,6 +25,7 @@ __all__ = [
     "__version__",
     "annotate",
     "annotations_enabled",
+    "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
     "cosine_lr",
