@@ -11,11 +11,13 @@ EXPECTED = {
     "TransformerLM",
     "annotate",
     "annotations_enabled",
+    "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
     "cosine_lr",
     "cross_entropy",
     "forward_flops",
+    "fused_linear_cross_entropy",
     "get_attention",
     "get_batch",
     "get_config",
@@ -36,9 +38,11 @@ def test_exports():
 
 
 def test_module_paths_named_in_the_spec():
+    from lm_core.activation_ckpt import apply_activation_checkpointing  # noqa: F401
     from lm_core.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
     from lm_core.data import get_batch  # noqa: F401
     from lm_core.flops import forward_flops, train_step_flops  # noqa: F401
+    from lm_core.fused_loss import fused_linear_cross_entropy  # noqa: F401
     from lm_core.loss import cross_entropy  # noqa: F401
     from lm_core.model import MODEL_SIZES, ModelConfig, TransformerLM, get_config  # noqa: F401
     from lm_core.optim import AdamW, clip_grad_norm, cosine_lr  # noqa: F401

@@ -62,6 +62,24 @@ def test_grad_accumulation_matches_one_big_batch():
     assert one.final_loss == pytest.approx(two.final_loss, rel=1e-5)
 
 
+def test_fused_loss_and_activation_checkpointing_match_plain_training():
+    # The fused loss equals cross_entropy of the logits up to fp32 rounding, and checkpointed
+    # blocks recompute the same values (gradients: test_lm_fused_loss, test_lm_activation_ckpt).
+    # Over three AdamW steps the losses agree closely; weights to a fraction of the learning
+    # rate (1e-3): AdamW divides each gradient element by its own magnitude, so an element
+    # with |g| near eps turns a rounding-level difference into a step-sized one.
+    common = [*FAST, "--steps", "3", "--log-every", "1", "--batch-size", "4", "--num-layers", "3"]
+    plain = main(common)
+    other = main([*common, "--fused-loss", "--activation-checkpointing", "1"])
+    for a, b in zip(other.history, plain.history):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for key, value in _weights(plain).items():
+        torch.testing.assert_close(other.model.state_dict()[key], value, rtol=1e-5, atol=1e-4)
+    evals = main([*common, "--fused-loss", "--activation-checkpointing", "optimal", "--bf16",
+                  "--eval-every", "3"])  # fmt: skip
+    assert np.isfinite(evals.evals[-1]["val_loss"])
+
+
 def test_token_files_and_bf16(tmp_path):
     tokens = synthetic_tokens(20_000, 256, "pattern", seed=3).astype(np.uint16)
     tokens.tofile(tmp_path / "train.bin")
@@ -88,6 +106,8 @@ def test_token_files_and_bf16(tmp_path):
         (["--d-model", "30", "--num-heads", "4"], "d_model=30"),
         (["--size", "huge"], "--size"),
         (["--ddp", "magic"], "--ddp"),
+        (["--activation-checkpointing", "0"], "--activation-checkpointing"),
+        (["--activation-checkpointing", "often"], "--activation-checkpointing"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(argv, flag, capsys):

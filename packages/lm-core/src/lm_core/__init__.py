@@ -1,13 +1,16 @@
 """A fast, readable Transformer language model and its training primitives (RMSNorm, RoPE,
-SwiGLU, AdamW, checkpoints, trainer CLI `python -m lm_core.train`).
+SwiGLU, AdamW, checkpoints, activation checkpointing, a fused LM-head + cross-entropy, trainer
+CLI `python -m lm_core.train`).
 """
 
+from lm_core.activation_ckpt import apply_activation_checkpointing
 from lm_core.annotate import annotate, annotations_enabled, set_annotations
 from lm_core.attention import available_backends, get_attention
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.data import get_batch, load_tokens, synthetic_tokens
 from lm_core.flops import forward_flops, train_step_flops
+from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
@@ -22,11 +25,13 @@ __all__ = [
     "__version__",
     "annotate",
     "annotations_enabled",
+    "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
     "cosine_lr",
     "cross_entropy",
     "forward_flops",
+    "fused_linear_cross_entropy",
     "get_attention",
     "get_batch",
     "get_config",

@@ -8,8 +8,10 @@ Same parameters and math as the course model, laid out for fewer, larger kernels
 - attention goes through a backend chosen by name (default: PyTorch SDPA, a fused kernel);
 - RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers);
 - RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back).
-Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, compilation
-and mixed precision are applied from outside (see `lm_core.train`).
+Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, activation
+checkpointing (`lm_core.activation_ckpt`), compilation and mixed precision are applied from
+outside (see `lm_core.train`). `model(token_ids, targets)` returns the loss through the fused
+LM-head + cross-entropy (`lm_core.fused_loss`), without the (B, T, V) logits.
 
 Shapes: B batch, T sequence, D d_model, H heads, Dh head dim, F d_ff, V vocab.
 """
@@ -25,6 +27,7 @@ from torch import nn
 from lm_core.annotate import annotate
 from lm_core.attention import get_attention
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
+from lm_core.fused_loss import fused_linear_cross_entropy
 
 __all__ = ["MODEL_SIZES", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
 
@@ -194,13 +197,33 @@ class TransformerLM(nn.Module):
         d, v = self.config.d_model, self.config.vocab_size
         _trunc_normal_(self.lm_head.weight, _linear_std(d, v))
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) for token ids (B, T) of an integer dtype, T <= context_length."""
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T) of an integer dtype, T <= context_length.
+
+        With `targets` (B, T) (next-token ids in [0, V)): the mean cross-entropy instead, a
+        0-dim fp32 tensor, computed by `fused_linear_cross_entropy` from the final hidden
+        states and `lm_head.weight` without materializing the (B, T, V) logits (the `lm_head`
+        module itself is not called then: its hooks do not fire).
+        """
+        h = self.hidden_states(token_ids)  # (B, T, D)
+        if targets is None:
+            return self.lm_head(h)  # (B, T, V)
+        return fused_linear_cross_entropy(h, self.lm_head.weight, targets)
+
+    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's input, (B, T, D): embeddings, every block, final RMSNorm."""
         self._check_input(token_ids)
         x = self.token_embeddings(token_ids)  # (B, T, D)
+        x = self.run_blocks(x)  # (B, T, D)
+        return self.ln_final(x)
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream through every block in order: (B, T, D) -> (B, T, D).
+
+        `lm_core.apply_activation_checkpointing` replaces this on an instance."""
         for block in self.layers:
             x = block(x)
-        return self.lm_head(self.ln_final(x))  # (B, T, V)
+        return x
 
     def _check_input(self, token_ids: torch.Tensor) -> None:
         # Shape and dtype checks read metadata only. The value-range check reads the data, which

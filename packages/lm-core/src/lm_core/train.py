@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lm_core.activation_ckpt import parse_every
 from lm_core.config import ATTENTION_BACKENDS, MODEL_SIZES, get_config
 from lm_core.distributed import DDP_CHOICES
 
@@ -71,6 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32)")
     g.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+
+    g = p.add_argument_group("memory")
+    g.add_argument(
+        "--activation-checkpointing",
+        default="none",
+        metavar="{none,sqrt,optimal,K}",
+        help="checkpoint groups of K consecutive blocks; sqrt: K = ceil(sqrt(layers)); "
+        "optimal: the K that minimizes stored activations (lm_core.activation_ckpt)",
+    )
+    g.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="fused LM head + cross-entropy: no (batch, seq, vocab) logits in memory",
+    )
 
     g = p.add_argument_group("distributed (run under torchrun)")
     g.add_argument("--ddp", default="none", choices=list(DDP_CHOICES), help="gradient sync")
@@ -144,6 +159,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--adam-eps must be >= 0, got {args.adam_eps}")
     if args.bucket_size_mb <= 0:
         parser.error(f"--bucket-size-mb must be positive, got {args.bucket_size_mb}")
+    try:
+        args.activation_checkpointing = parse_every(args.activation_checkpointing)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--activation-checkpointing: {exc}")
     if args.zero and args.ddp == "none":
         parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
     if args.eval_every and args.val_data is None and args.data is not None:

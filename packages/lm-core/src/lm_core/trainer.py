@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lm_core.activation_ckpt import apply_activation_checkpointing, block_activation_ratio
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint, unwrap_model
 from lm_core.data import gather_windows, load_tokens, sample_starts, synthetic_tokens
 from lm_core.distributed import (
@@ -90,6 +91,18 @@ def _autocast(args: argparse.Namespace, device: torch.device) -> contextlib.Abst
     return contextlib.nullcontext()
 
 
+def _loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, env: DistEnv
+) -> torch.Tensor:
+    """Mean loss (0-dim fp32) of one batch: through the fused LM head + cross-entropy with
+    --fused-loss (model(x, y)), else logits (B, T, V) then cross_entropy."""
+    with _autocast(args, env.device):
+        if args.fused_loss:
+            return model(x, y)
+        logits = model(x)  # (B, T, V)
+    return cross_entropy(logits, y)
+
+
 def _step_starts(
     tokens: np.ndarray, args: argparse.Namespace, micro_steps: int, generator: torch.Generator
 ) -> np.ndarray:
@@ -131,9 +144,7 @@ def train_step(
         x, y = _rank_batch(data.train, starts[micro], args, env)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else pm.no_sync():
-            with _autocast(args, env.device):
-                logits = pm.module(x)  # (b, T, V)
-            loss = cross_entropy(logits, y)
+            loss = _loss(pm.module, x, y, args, env)
             (loss / accum).backward()
         loss_sum += loss.detach()
     pm.finish_sync()
@@ -162,9 +173,7 @@ def evaluate(model: nn.Module, data: Data, args: argparse.Namespace, env: DistEn
     starts = _step_starts(data.val, args, args.eval_batches, generator)  # (batches, batch)
     for batch_starts in starts:
         x, y = _rank_batch(data.val, batch_starts, args, env)
-        with _autocast(args, env.device):
-            logits = model(x)
-        total += cross_entropy(logits, y)
+        total += _loss(model, x, y, args, env)
     return all_reduce_mean(total / args.eval_batches, env).item()
 
 
@@ -267,6 +276,9 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     data = load_data(args)
     with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
         model = TransformerLM(args.model_config)
+    # activation checkpointing, then compile, then data-parallel wrappers (wrap_model)
+    ratio = block_activation_ratio(args.model_config, autocast=args.bf16)
+    apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
     pm = wrap_model(model, args.ddp, env, compile=args.compile, bucket_size_mb=args.bucket_size_mb)
     optimizer = build_optimizer(
         list(model.parameters()),
