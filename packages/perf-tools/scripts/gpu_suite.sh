@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The single-GPU measurements of perf-tools, for an H100 (or H200) machine, in sections.
+# The measurements of perf-tools on a GPU machine (H100 / H200; the multi-GPU sections need 2+
+# GPUs of one host), in sections.
 #
-#   OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh                  # call 1
-#   SECTIONS="attention compile" OUT=/some/dir bash packages/perf-tools/scripts/h100_suite.sh
+#   OUT=/some/dir bash packages/perf-tools/scripts/gpu_suite.sh                  # call 1
+#   SECTIONS="attention compile" OUT=/some/dir bash packages/perf-tools/scripts/gpu_suite.sh
 #
 # Run from the repository root. Uses the machine's own python3 (torch/triton preinstalled, no
 # network): every package's src/ goes on PYTHONPATH, nothing is installed.
@@ -29,6 +30,13 @@
 #              launched kernel by kernel vs one CUDA graph per step                 ~3-4 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
+# Multi-GPU sections (2 GPUs; NCCL_NVLS_ENABLE=0 is exported):
+#   nccl_tests every package's `nccl` tests (what `nox -s nccl_tests` runs)        ~2-4 min
+#   allreduce  NCCL all-reduce, 1 MiB .. 1 GiB float32, 2 processes (and 4/6 where there are
+#              that many GPUs)                                                      ~1 min
+#   ddp        xl, 2 sequences of 512 per rank, fp32: every ddp-kit wrapper, the bucket-size
+#              sweep and torch DDP side by side                                     ~2 min
+#   zero       xl AdamW memory and step time: DDP, our ShardedOptimizer, torch ZeRO  ~2 min
 # Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
 # (~4-7 min). Each call stays under the device tool's 10-minute command limit.
 set -uo pipefail
@@ -41,7 +49,7 @@ WORK=${WORK:-/tmp/perf-suite-$TAG}
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 export PYTHONPATH="$ROOT/packages/lm-core/src:$ROOT/packages/flashattn-triton/src:$ROOT/packages/ddp-kit/src:$ROOT/packages/zero-shard/src:$ROOT/packages/perf-tools/src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$WORK" "$OUT"
 LOG="$WORK/suite.log"
 : >"$LOG"
@@ -108,6 +116,20 @@ fi
 if want profile_bf16; then
   run profile_bf16 $PY -m perf_tools.profile --quiet --size xl --attention sdpa --precision bf16 \
     --mode train --context 512 --warmup 2 --steps 2 --top 12 --out "$WORK/profile_bf16"
+fi
+if want nccl_tests; then
+  run nccl_tests $PY -m pytest packages/lm-core/tests packages/ddp-kit/tests packages/zero-shard/tests \
+    packages/perf-tools/tests -m nccl -q -p no:cacheprovider --junitxml="$WORK/junit-nccl.xml"
+fi
+if want allreduce; then
+  run allreduce $PY -m perf_tools.allreduce --backend nccl --quiet \
+    --csv "$WORK/allreduce.csv" --json "$WORK/allreduce.json" --plot "$WORK/allreduce.png"
+fi
+if want ddp; then
+  run ddp $PY -m perf_tools.ddp --quiet --csv "$WORK/ddp.csv" --json "$WORK/ddp.json" --plot "$WORK/ddp.png"
+fi
+if want zero; then
+  run zero $PY -m perf_tools.zero --quiet --csv "$WORK/zero.csv" --json "$WORK/zero.json" --plot "$WORK/zero.png"
 fi
 if want mixed; then
   run mixed_accumulate $PY -m perf_tools.mixed_precision accumulate --json "$WORK/accumulate.json"
