@@ -126,7 +126,13 @@ def test_peak_memory_far_below_logits(autocast):
         + n * D * e_h  # dh
         + 256 * 1024**2  # cuBLAS workspace, allocator rounding
     )
-    assert peak <= bound, (peak / GB, bound / GB)
+    from lm_core import fused_loss
+
+    if not fused_loss._FP32_OUT_GEMM.get(("cuda", torch.bfloat16), True):
+        # this torch has no fp32-output GEMM: each chunk's dW partial product is a bf16 (V, D)
+        # temporary before it is added to the fp32 accumulator (seen on torch 2.11)
+        bound += V * D * 2
+    assert peak <= bound, (peak / GB, bound / GB, fused_loss._FP32_OUT_GEMM)
     assert peak < n * V * 2 / 3, f"peak {peak / GB:.2f} GB is not far below the bf16 logits"
     assert e_w in (2, 4)
     assert torch.isfinite(loss)
