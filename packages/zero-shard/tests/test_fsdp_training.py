@@ -38,8 +38,18 @@ def test_bf16_compute_fp32_reduce(backend: str, ranks) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_fallback_collectives(backend: str, ranks) -> None:
+    ranks.run(sc.scenario_fallback_collectives, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gathered_just_in_time_and_freed(backend: str, ranks) -> None:
     ranks.run(sc.scenario_gather_schedule, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_order_other_than_registration(backend: str, ranks) -> None:
+    ranks.run(sc.scenario_order_changes, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
