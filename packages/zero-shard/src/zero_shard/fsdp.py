@@ -2,7 +2,8 @@
 
 Every Linear and Embedding weight (or the parameters of the module classes named in
 `shard_module_types`) lives only as this rank's flat fp32 1/N shard (see `shard.py`); the
-other parameters (norms) are replicated. Life of a step, the same on every rank:
+other parameters (norms) are replicated; `plan.py` decides which and builds the units at
+construction. Life of a step, the same on every rank:
 
 1. forward: before a unit (a Transformer block, the embedding, the head; see `units.py`) runs,
    its weights are all-gathered in `compute_dtype` unless a prefetch already did it, and the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,13 +31,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_shard.plan import (
+    broadcast_from_rank0,
+    check_dtype,
+    check_same_on_all_ranks,
+    check_types,
+    check_units,
+    comm_device,
+    dedup,
+    make_unit,
+    param_slots,
+    plan_units,
+    resolve_group,
+    sharded_params,
+)
 from zero_shard.shard import Collectives, ShardedParam
-from zero_shard.units import Slot, Unit, cast_slots, default_unit_roots
+from zero_shard.units import Unit, cast_slots
 
-DEFAULT_SHARD_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Embedding)
 MAX_GATHERED = 2  # units holding gathered weights at once (the current one and a prefetch)
-
-SlotRef = tuple[nn.Module, str, nn.Parameter]  # module._parameters[attr] holds the parameter
 
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -100,24 +111,24 @@ class FSDP(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP: module: expected a torch.nn.Module, got {type(module)}")
-        self._compute_dtype = _check_dtype(compute_dtype, "compute_dtype")
-        reduce = _check_dtype(reduce_dtype, "reduce_dtype")
-        types = _check_types(shard_module_types)
+        self._compute_dtype = check_dtype(compute_dtype, "compute_dtype")
+        reduce = check_dtype(reduce_dtype, "reduce_dtype")
+        types = check_types(shard_module_types)
         if any(m in _WRAPPED for m in module.modules()):
             raise ValueError("FSDP: module: already (partly) wrapped by an FSDP; wrap it once")
-        slots = _param_slots(module)
-        sharded = _sharded_params(module, slots, types, self._compute_dtype)
-        roots = _check_units(units, module) if units is not None else None
-        group = _resolve_group(process_group)
-        device = _comm_device(module, group)
+        slots = param_slots(module)
+        sharded = sharded_params(module, slots, types, self._compute_dtype)
+        roots = check_units(units, module) if units is not None else None
+        group = resolve_group(process_group)
+        device = comm_device(module, group)
 
         self.process_group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.module = module
-        plan, outside = _plan_units(module, slots, sharded, roots)
-        _check_same_on_all_ranks(module, slots, sharded, plan, group, device)
-        _broadcast_from_rank0(module, group)
+        plan, outside = plan_units(module, slots, sharded, roots)
+        check_same_on_all_ranks(module, slots, sharded, plan, group, device)
+        broadcast_from_rank0(module, group)
 
         self._comm = Collectives(group, device)
         self._by_key: dict[str, ShardedParam] = {}  # state-dict key -> its shard
@@ -133,13 +144,13 @@ class FSDP(nn.Module):
         gather_dtype = self._compute_dtype or first.dtype
         self._reduce_dtype = reduce or self._compute_dtype or first.shard.dtype
         self._units = [
-            _make_unit(name, root, members, made, self._comm, gather_dtype, device, cast)
+            make_unit(name, root, members, made, self._comm, gather_dtype, device, cast)
             for name, root, members in plan
         ]
         for u in self._units:
             u.swap_out()  # from now on the modules hold shards outside forward
         self._outside = outside  # replicated slots outside every unit: cast in forward()
-        self._replicated = list({id(p): p for _, _, p in _dedup(replicated)}.values())
+        self._replicated = list({id(p): p for _, _, p in dedup(replicated)}.values())
         self._hooks = []
         for u in self._units:
             self._hooks.append(u.root.register_forward_pre_hook(functools.partial(self._pre, u)))
@@ -493,229 +504,6 @@ class FSDP(nn.Module):
             raise RuntimeError(f"FSDP.{what}: not allowed during forward or backward")
 
     # ----- construction -------------------------------------------------------------------
-
-
-# ----- construction helpers -------------------------------------------------------------------
-def _check_dtype(dtype: object, arg: str) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(
-            f"FSDP: {arg}: expected a floating torch.dtype (torch.bfloat16, torch.float16, "
-            f"torch.float32) or None, got {dtype!r}"
-        )
-    return dtype
-
-
-def _check_types(types: object) -> tuple[type[nn.Module], ...]:
-    if types is None:
-        return DEFAULT_SHARD_TYPES
-    found = (types,) if isinstance(types, type) else tuple(types)  # type: ignore[arg-type]
-    bad = [t for t in found if not (isinstance(t, type) and issubclass(t, nn.Module))]
-    if bad or not found:
-        raise TypeError(
-            "FSDP: shard_module_types: expected nn.Module subclasses (the classes themselves, "
-            f"e.g. (torch.nn.Linear, torch.nn.Embedding)), got {bad[0] if bad else types!r}"
-        )
-    return found
-
-
-def _check_units(units: Iterable[nn.Module], module: nn.Module) -> list[tuple[str, nn.Module]]:
-    names = {id(m): n for n, m in module.named_modules()}
-    roots = list(units)
-    for r in roots:
-        if not isinstance(r, nn.Module) or id(r) not in names:
-            raise ValueError(f"FSDP: units: every entry must be a submodule of module, got {r!r}")
-    for a in roots:
-        for b in roots:
-            if a is not b and any(m is b for m in a.modules()):
-                raise ValueError(
-                    f"FSDP: units: {names[id(a)] or '<root>'!r} contains {names[id(b)]!r}; "
-                    "units must not nest"
-                )
-    return [(names[id(r)], r) for r in roots]
-
-
-def _param_slots(module: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
-    """(state-dict key, module, attribute, parameter) for every parameter slot."""
-    out = []
-    for name, m in module.named_modules(remove_duplicate=False):
-        for attr, p in m._parameters.items():
-            if p is not None:
-                out.append((f"{name}.{attr}" if name else attr, m, attr, p))
-    return out
-
-
-def _sharded_params(
-    module: nn.Module,
-    slots: list[tuple[str, nn.Module, str, nn.Parameter]],
-    types: tuple[type[nn.Module], ...],
-    compute_dtype: torch.dtype | None,
-) -> set[int]:
-    """Ids of the parameters held directly by a module of `types`; checks what FSDP needs."""
-    sharded = {id(p) for _, m, _, p in slots if isinstance(m, types)}
-    names = ", ".join(t.__name__ for t in types)
-    if not sharded:
-        raise ValueError(
-            f"FSDP: module: no parameter to shard: no module of shard_module_types ({names}) "
-            "holds a parameter. Name the classes that hold the big weights in "
-            "shard_module_types, or use plain data parallelism for this model"
-        )
-    params = [(k, p) for k, _, _, p in slots if id(p) in sharded]
-    for key, p in params:
-        if not p.is_floating_point():
-            raise ValueError(f"FSDP: module: parameter {key!r} is {p.dtype}, not floating")
-    devices = {p.device for _, m, _, p in slots} | {b.device for b in module.buffers()}
-    if len(devices) > 1:
-        raise ValueError(f"FSDP: module: tensors on several devices {sorted(map(str, devices))}")
-    dtypes = {p.dtype for _, p in params}
-    if compute_dtype is None and len(dtypes) > 1:
-        raise ValueError(
-            f"FSDP: compute_dtype: the sharded parameters have several dtypes "
-            f"({sorted(map(str, dtypes))}); pass compute_dtype or convert the module to one"
-        )
-    return sharded
-
-
-def _plan_units(
-    module: nn.Module,
-    slots: list[tuple[str, nn.Module, str, nn.Parameter]],
-    sharded: set[int],
-    roots: list[tuple[str, nn.Module]] | None,
-) -> tuple[list[tuple[str, nn.Module, list[SlotRef]]], list[SlotRef]]:
-    """(name, root module, the slots of its subtree) per unit, in registration order, and
-    the replicated slots outside every unit."""
-    holders = {id(m) for _, m, _, p in slots if id(p) in sharded}
-    if roots is None:
-        has = {id(m) for m in module.modules() if any(id(c) in holders for c in m.modules())}
-        roots = default_unit_roots(module, has)
-    owner: dict[int, int] = {}
-    for i, (_, root) in enumerate(roots):
-        for m in root.modules():
-            owner.setdefault(id(m), i)
-    plan: list[tuple[str, nn.Module, list[SlotRef]]] = [(n, root, []) for n, root in roots]
-    names = {id(m): n for n, m in module.named_modules()}
-    for _, m, _, p in slots:
-        if id(p) in sharded and id(m) not in owner:  # outside every unit: a unit of its own
-            owner[id(m)] = len(plan)
-            plan.append((names[id(m)], m, []))
-    for _, m, attr, p in slots:
-        if id(m) in owner:
-            plan[owner[id(m)]][2].append((m, attr, p))
-    units = [u for u in plan if any(id(p) in sharded for _, _, p in u[2])]
-    inside = {id(m) for _, _, members in units for m, _, _ in members}
-    outside = [(m, attr, p) for _, m, attr, p in slots if id(m) not in inside]
-    position = {id(m): i for i, (_, m) in enumerate(module.named_modules())}
-    return sorted(units, key=lambda u: position[id(u[1])]), _dedup(outside)
-
-
-def _make_unit(
-    name: str,
-    root: nn.Module,
-    members: list[SlotRef],
-    made: dict[int, ShardedParam],
-    comm: Collectives,
-    dtype: torch.dtype,
-    device: torch.device,
-    cast: torch.dtype | None,
-) -> Unit:
-    params: list[ShardedParam] = []
-    index: dict[int, int] = {}
-    slots = []
-    replicated = []
-    for m, attr, p in _dedup(members):
-        if id(p) not in made:
-            replicated.append((m, attr, p))
-            continue
-        if id(p) not in index:
-            index[id(p)] = len(params)
-            params.append(made[id(p)])
-        slots.append(Slot(m, attr, index[id(p)]))
-    unit = Unit(name or "<root>", root, params, slots, comm, dtype, device)
-    unit.replicated, unit.cast = replicated, cast
-    return unit
-
-
-def _dedup(slots: list[SlotRef]) -> list[SlotRef]:
-    """Slots without repeats (a module registered under two names appears once)."""
-    seen: set[tuple[int, str]] = set()
-    out = []
-    for m, attr, p in slots:
-        if (id(m), attr) not in seen:
-            seen.add((id(m), attr))
-            out.append((m, attr, p))
-    return out
-
-
-def _resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "FSDP: process_group: the default process group is not initialized. Call "
-            "torch.distributed.init_process_group(backend='nccl' on GPUs or 'gloo' on CPU) in "
-            "every process before wrapping the model (torchrun sets rank and world size)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
-        raise ValueError(
-            f"FSDP: process_group: this process (global rank {dist.get_rank()}) is not a "
-            "member of the given group"
-        )
-    return group
-
-
-def _comm_device(module: nn.Module, group: dist.ProcessGroup) -> torch.device:
-    device = next(module.parameters()).device
-    if "nccl" in str(dist.get_backend(group)).lower() and device.type != "cuda":
-        raise ValueError(
-            f"FSDP: module: its parameters are on {device} but the process group backend is "
-            "NCCL, which only moves CUDA tensors; move the module to this rank's GPU first "
-            "or use the gloo backend"
-        )
-    return device
-
-
-def _check_same_on_all_ranks(
-    module: nn.Module,
-    slots: list[tuple[str, nn.Module, str, nn.Parameter]],
-    sharded: set[int],
-    plan: list[tuple[str, nn.Module, list]],
-    group: dist.ProcessGroup,
-    device: torch.device,
-) -> None:
-    """Collective: raise on every rank (instead of hanging later) when the ranks' models or
-    sharding plans differ."""
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    sig = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
-    layout = [[k for k, _, _, p in slots if id(p) in sharded], [u[0] for u in plan]]
-    mine = [len(sig), zlib.crc32(repr(sig).encode()), zlib.crc32(repr(layout).encode())]
-    world = dist.get_world_size(group)
-    everyone = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
-    rows = [t.tolist() for t in everyone]
-    if any(r[:2] != rows[0][:2] for r in rows):
-        counts = ", ".join(f"rank {i}: {r[0]} tensors" for i, r in enumerate(rows))
-        raise ValueError(
-            f"FSDP: module: parameters/buffers (names, shapes, dtypes) differ across ranks "
-            f"({counts}); build the same model on every rank before wrapping it"
-        )
-    if any(r[2] != rows[0][2] for r in rows):
-        raise ValueError(
-            "FSDP: shard_module_types / units: the sharding plan differs across ranks; pass "
-            "the same arguments on every rank"
-        )
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Collective: every rank starts from group rank 0's parameters and buffers."""
-    if dist.get_world_size(group) == 1:
-        return
-    src = dist.get_global_rank(group, 0)
-    for t in [*module.parameters(), *module.buffers()]:
-        buf = t.data if t.data.is_contiguous() else t.data.contiguous()
-        dist.broadcast(buf, src=src, group=group)
-        if buf is not t.data:
-            t.data.copy_(buf)
 
 
 # ----- small helpers --------------------------------------------------------------------------
