@@ -1,12 +1,17 @@
-"""Optimizer-state sharding (ZeRO stage 1) for any torch.optim.Optimizer.
+"""Sharded data parallelism for any torch.optim.Optimizer. Depends on torch only.
 
-`ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` keeps the state of
-`optimizer_cls` only for this rank's shard of the parameters and broadcasts updated
-parameters from their owners after each step. Depends on torch only.
+`ShardedOptimizer(params, optimizer_cls, process_group=None, **kwargs)` (ZeRO stage 1) keeps
+the state of `optimizer_cls` only for this rank's shard of the parameters and broadcasts
+updated parameters from their owners after each step.
+
+`FSDP(module, compute_dtype=None, shard_module_types=None, process_group=None)` (ZeRO
+stage 3) keeps only this rank's fp32 shard of every Linear/Embedding weight, gathers weights
+just in time for forward and backward and reduce-scatters their gradients.
 """
 
+from zero_shard.fsdp import FSDP
 from zero_shard.optimizer import ShardedOptimizer
 from zero_shard.partition import greedy_partition
 
-__all__ = ["ShardedOptimizer", "greedy_partition"]
+__all__ = ["FSDP", "ShardedOptimizer", "greedy_partition"]
 __version__ = "0.1.0"

@@ -1,0 +1,539 @@
+"""`FSDP`: fully sharded data parallelism (ZeRO stage 3) for any `nn.Module`.
+
+Every Linear and Embedding weight (or the parameters of the module classes named in
+`shard_module_types`) lives only as this rank's flat fp32 1/N shard (see `shard.py`); the
+other parameters (norms) are replicated; `plan.py` decides which and builds the units at
+construction. Life of a step, the same on every rank:
+
+1. forward: before a unit (a Transformer block, the embedding, the head; see `units.py`) runs,
+   its weights are all-gathered in `compute_dtype` unless a prefetch already did it, and the
+   next unit's all-gather is launched asynchronously; after the unit, its weights are freed
+   (the last unit stays gathered: backward needs it first).
+2. backward: a hook on the unit's outputs re-gathers its weights into the storage autograd
+   saved and prefetches the unit that ran before it; when the unit's weight gradients are all
+   in, the custom autograd Function that handed out the weights launches one reduce-scatter of
+   them (the previous one is completed then: at most one stays in flight) and frees the
+   weights. At most two units are gathered at any time.
+3. `finish_gradient_synchronization()`: completes the last reduce-scatter (the shards' `.grad`
+   now hold the gradient averaged over ranks, in fp32) and all-reduces the replicated
+   parameters' gradients.
+4. `optimizer.step()` over `fsdp.parameters()`: the shards and the replicated parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_shard.plan import (
+    broadcast_from_rank0,
+    check_dtype,
+    check_same_on_all_ranks,
+    check_types,
+    check_units,
+    comm_device,
+    dedup,
+    make_unit,
+    param_slots,
+    plan_units,
+    resolve_group,
+    sharded_params,
+)
+from zero_shard.shard import Collectives, ShardedParam
+from zero_shard.units import Unit, cast_slots
+
+MAX_GATHERED = 2  # units holding gathered weights at once (the current one and a prefetch)
+
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: a unit's gathered weights (already in place) as autograd outputs, aliases of
+    its buffers. Backward: hands their gradients to `FSDP._post_backward` and returns no
+    gradient to the shards (their `.grad` is set when the reduce-scatter lands)."""
+
+    @staticmethod
+    def forward(ctx: Any, owner: FSDP, unit: Unit, *shards: torch.Tensor) -> tuple:
+        ctx.owner, ctx.unit = owner, unit
+        ctx.set_materialize_grads(False)
+        outs = tuple(t.detach() for t in unit.full)
+        frozen = [o for o, s in zip(outs, shards) if not s.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        ctx.owner._post_backward(ctx.unit, grads)
+        return (None, None, *(None for _ in grads))
+
+
+class FSDP(nn.Module):
+    """Wrap `module` so that its Linear/Embedding weights are sharded across the ranks.
+
+    Args:
+        module: the model (any `nn.Module`), the same on every rank, already on this rank's
+            device (CUDA for NCCL). Rank 0's parameters and buffers are broadcast first.
+        compute_dtype: dtype of the gathered weights, of the forward and backward math and of
+            the all-gathers (e.g. `torch.bfloat16`); replicated parameters and floating inputs
+            are cast to it too. None: the parameters' own dtype.
+        shard_module_types: module classes whose directly held parameters are sharded;
+            default `(nn.Linear, nn.Embedding)` (subclasses included).
+        process_group: the ranks to shard over; None means WORLD.
+        reduce_dtype: dtype of the gradient reduce-scatter; None: `compute_dtype` (half the
+            traffic in bf16), or the master dtype (fp32) when `compute_dtype` is None.
+        units: modules whose sharded parameters are gathered together (one all-gather each);
+            default: the children of the outermost `nn.ModuleList`/`nn.Sequential`, then
+            each remaining module holding a sharded parameter.
+
+    `fsdp.parameters()` are the local fp32 shards, `(ceil(numel / N),)` each, plus the
+    replicated parameters: build any torch optimizer over them. The constructor,
+    `finish_gradient_synchronization()` and `gather_full_params()` are collectives, and so is
+    every forward and backward: every rank must make the same calls in the same order.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        shard_module_types: Iterable[type[nn.Module]] | type[nn.Module] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+        units: Iterable[nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP: module: expected a torch.nn.Module, got {type(module)}")
+        self._compute_dtype = check_dtype(compute_dtype, "compute_dtype")
+        reduce = check_dtype(reduce_dtype, "reduce_dtype")
+        types = check_types(shard_module_types)
+        if any(m in _WRAPPED for m in module.modules()):
+            raise ValueError("FSDP: module: already (partly) wrapped by an FSDP; wrap it once")
+        slots = param_slots(module)
+        sharded = sharded_params(module, slots, types, self._compute_dtype)
+        roots = check_units(units, module) if units is not None else None
+        group = resolve_group(process_group)
+        device = comm_device(module, group)
+
+        self.process_group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.module = module
+        plan, outside = plan_units(module, slots, sharded, roots)
+        check_same_on_all_ranks(module, slots, sharded, plan, group, device)
+        broadcast_from_rank0(module, group)
+
+        self._comm = Collectives(group, device)
+        self._by_key: dict[str, ShardedParam] = {}  # state-dict key -> its shard
+        made: dict[int, ShardedParam] = {}
+        for key, _, _, p in slots:
+            if id(p) in sharded:
+                if id(p) not in made:
+                    made[id(p)] = ShardedParam(key, p, self.rank, self.world_size)
+                self._by_key[key] = made[id(p)]
+        first = next(iter(made.values()))
+        cast = self._compute_dtype  # replicated parameters are cast to it while in use
+        replicated = [(m, attr, p) for _, m, attr, p in slots if id(p) not in sharded]
+        gather_dtype = self._compute_dtype or first.dtype
+        self._reduce_dtype = reduce or self._compute_dtype or first.shard.dtype
+        self._units = [
+            make_unit(name, root, members, made, self._comm, gather_dtype, device, cast)
+            for name, root, members in plan
+        ]
+        for u in self._units:
+            u.swap_out()  # from now on the modules hold shards outside forward
+        self._outside = outside  # replicated slots outside every unit: cast in forward()
+        self._replicated = list({id(p): p for _, _, p in dedup(replicated)}.values())
+        self._hooks = []
+        for u in self._units:
+            self._hooks.append(u.root.register_forward_pre_hook(functools.partial(self._pre, u)))
+            self._hooks.append(u.root.register_forward_hook(functools.partial(self._post, u)))
+        _WRAPPED.update([module, *(u.root for u in self._units)])
+
+        self._fwd_order: list[Unit] = list(self._units)  # guess until a forward has run
+        self._order: list[Unit] = []  # units called in this forward, in order
+        self._stack: list[tuple[Unit, int]] = []  # (unit, position) of calls in progress
+        self._in_backward = False
+        self._backward_seen = False
+        self._finish_calls = 0
+        self._reductions: list[tuple] = []
+        self.stats = _zero_stats()
+
+    # ----- public API ---------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module; floating inputs are cast to `compute_dtype` when given.
+
+        Outputs come out in `compute_dtype` (e.g. bf16 logits): upcast before the loss if
+        you want it in fp32.
+        """
+        for u in self._units:  # a unit kept for a backward that never came
+            if u.active == 0 and u.holds_memory:
+                u.free()
+        self._order = []
+        if self._compute_dtype is not None:
+            cast = functools.partial(_cast_float, dtype=self._compute_dtype)
+            args, kwargs = _map_tensors((args, kwargs), cast)
+        self._cast_replicated()
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            self._reset()
+            raise
+        finally:
+            self._restore_replicated()
+        if self._order:
+            self._fwd_order = self._order
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules:
+                return getattr(modules["module"], name)
+            raise
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every gradient is averaged over the ranks; call before `optimizer.step()`.
+
+        Collective: every rank must call it once after the backward pass(es) of a step.
+        Afterwards each shard's `.grad` (fp32, `(chunk,)`) is the average over ranks of the
+        gradients summed over the backward passes since the last call, and so is each
+        replicated parameter's `.grad` (None where no rank had one). Raises RuntimeError when
+        no backward ran since the last call (called twice, or before any backward).
+        """
+        name = "FSDP.finish_gradient_synchronization()"
+        if self._in_backward:
+            raise RuntimeError(f"{name}: called during backward; call it after loss.backward()")
+        if not self._backward_seen:
+            if self._finish_calls:
+                raise RuntimeError(
+                    f"{name} called twice without a backward pass in between; call it exactly "
+                    "once per step, after loss.backward()"
+                )
+            raise RuntimeError(f"{name} called before any backward pass; call it after backward")
+        while self._reductions:
+            self._complete_reduction()
+        self._allreduce_replicated()
+        self._backward_seen = False
+        self._finish_calls += 1
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale all gradients so that their global 2-norm (that of the full, unsharded
+        gradients) is at most `max_norm`; returns the norm before clipping (a 0-dim fp32
+        tensor). Collective: call it on every rank after `finish_gradient_synchronization()`.
+        """
+        if not (isinstance(max_norm, int | float) and 0 < max_norm < float("inf")):
+            raise ValueError(f"max_norm: expected a positive finite number, got {max_norm!r}")
+        if self._backward_seen:
+            raise RuntimeError(
+                "FSDP.clip_grad_norm_(): gradients are not synchronized yet; call "
+                "finish_gradient_synchronization() first"
+            )
+        shards = [sp.shard for sp in {id(sp): sp for sp in self._by_key.values()}.values()]
+        device = shards[0].device
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for p in shards:
+            if p.grad is not None:
+                local += p.grad.float().square().sum()
+        dist.all_reduce(local, group=self.process_group)  # shards: disjoint pieces
+        for p in self._replicated:  # identical on every rank: counted once
+            if p.grad is not None:
+                local += p.grad.float().square().sum()
+        total = local.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for p in [*shards, *self._replicated]:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    @torch.no_grad()
+    def gather_full_params(self, device: torch.device | str | None = None) -> dict[str, Any]:
+        """The full state dict on every rank: the keys, shapes and dtypes of the unwrapped
+        module's `state_dict()` (tied weights: one tensor under both keys), as copies.
+
+        Collective: every rank must call it. Sharded parameters are all-gathered one at a time
+        from the fp32 shards (and cast back to their original dtype); `device` (default: where
+        the module lives) receives each tensor as soon as it is complete.
+        """
+        self._check_idle("gather_full_params()")
+        out: dict[str, Any] = {}
+        done: dict[int, torch.Tensor] = {}
+        for key, value in self.module.state_dict().items():
+            sp = self._by_key.get(key)
+            if sp is None:
+                full = value.detach().clone()
+            elif id(sp) in done:
+                full = done[id(sp)]
+            else:
+                shard = sp.shard.detach()
+                recv = torch.empty(
+                    self.world_size * sp.chunk, dtype=shard.dtype, device=shard.device
+                )
+                self._comm.all_gather(recv, shard).wait()
+                full = recv[: sp.numel].view(sp.shape).to(sp.dtype)  # (N chunk,) -> shape
+            if device is not None:
+                full = full.to(device)
+            if sp is not None:
+                done[id(sp)] = full
+            out[key] = full
+        return out
+
+    @torch.no_grad()
+    def load_full_params(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict (as `gather_full_params()` returns, or the unwrapped module's
+        `state_dict()`): each rank keeps its own rows of the sharded parameters. Local (no
+        communication); every rank must load the same values."""
+        self._check_idle("load_full_params()")
+        expected = self.module.state_dict().keys()
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"state_dict: keys differ from the module's: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for key, sp in self._by_key.items():
+            value = state_dict[key]
+            if tuple(value.shape) != sp.shape:
+                raise ValueError(
+                    f"state_dict: {key!r} has shape {tuple(value.shape)}, expected {sp.shape}"
+                )
+            value = value.to(device=sp.shard.device, dtype=sp.shard.dtype)
+            sp.shard.copy_(sp.rows(value, self.world_size)[self.rank])
+        rest = {k: v for k, v in state_dict.items() if k not in self._by_key}
+        self.module.load_state_dict(rest, strict=False)
+
+    @property
+    def unit_names(self) -> list[str]:
+        """Names (module paths) of the gathering units, in registration order."""
+        return [u.name for u in self._units]
+
+    def gathered_units(self) -> list[str]:
+        """Units whose full weights are in memory now (or on their way)."""
+        return [u.name for u in self._units if u.holds_memory]
+
+    def reset_stats(self) -> None:
+        """Zero `stats`: all_gathers, prefetches, reduce_scatters, peak_gathered_units."""
+        self.stats = _zero_stats()
+
+    def full_shape(self, param: torch.Tensor) -> torch.Size:
+        """The original shape of a parameter of `parameters()` (a shard or a replicated one),
+        e.g. to put matrices and vectors in different weight-decay groups."""
+        for sp in self._by_key.values():
+            if sp.shard is param:
+                return torch.Size(sp.shape)
+        if any(p is param for p in self._replicated):
+            return param.shape
+        raise ValueError("param: not a parameter of this FSDP module")
+
+    # ----- forward ------------------------------------------------------------------------
+    def _pre(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if self._in_backward:
+            # Activation-checkpoint recompute. Non-reentrant checkpointing may stop the
+            # recompute early, skipping `_post`: change no count here; `_post_backward` and
+            # `_end_backward` put the shards back.
+            self._ensure(unit)
+        else:
+            pos = len(self._order)
+            self._order.append(unit)
+            self._stack.append((unit, pos))
+            self._ensure(unit)
+            order = self._fwd_order
+            if pos + 1 < len(order) and order[pos] is unit:
+                self._prefetch(order[pos + 1])
+            unit.active += 1
+        unit.swap_in(_Gather.apply(self, unit, *(p.shard for p in unit.params)))
+
+    def _post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        unit.swap_out()
+        if self._in_backward:  # recompute: its own backward re-gathers if we free it here
+            if unit.active == 0:
+                unit.free()
+            return
+        _, pos = self._stack.pop()
+        unit.active -= 1
+        training = torch.is_grad_enabled()
+        if training:
+            self._hook_outputs(output, unit, self._order[pos - 1] if pos > 0 else None)
+        order = self._fwd_order
+        keep = training and pos == len(order) - 1 and order[pos] is unit
+        if unit.active == 0 and not keep:
+            unit.free()
+
+    def _hook_outputs(self, output: Any, unit: Unit, prev: Unit | None) -> None:
+        """Re-gather `unit` (and prefetch `prev`) when the first output gradient arrives."""
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                self._pre_backward(unit, prev)
+
+        for t in tensors:
+            t.register_hook(hook)
+
+    def _cast_replicated(self) -> None:
+        if self._compute_dtype is None:
+            return
+        cast_slots(self._outside, self._compute_dtype)
+
+    def _restore_replicated(self) -> None:
+        for m, attr, p in self._outside:
+            m._parameters[attr] = p
+
+    def _reset(self) -> None:
+        """After an exception in forward: shards back in place, nothing gathered."""
+        for u in self._units:
+            u.swap_out()
+            u.active = 0
+            u.free()
+        self._stack.clear()
+
+    # ----- backward -----------------------------------------------------------------------
+    def _pre_backward(self, unit: Unit, prev: Unit | None) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._backward_seen = True
+        self._ensure(unit)
+        unit.active += 1
+        if prev is not None:
+            self._prefetch(prev)
+
+    def _post_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self._backward_seen = True
+        if any(p.shard.requires_grad for p in unit.params):
+            rows = unit.grad_rows(grads, self._reduce_dtype)  # (N S,)
+            out = torch.empty(unit.row, dtype=self._reduce_dtype, device=rows.device)  # (S,)
+            self._reductions.append((unit, self._comm.reduce_scatter(out, rows), out, rows))
+            self.stats["reduce_scatters"] += 1
+            while len(self._reductions) > 1:  # keep one in flight
+                self._complete_reduction()
+        unit.swap_out()
+        unit.active = max(0, unit.active - 1)
+        if unit.active == 0:
+            unit.free()
+
+    def _complete_reduction(self) -> None:
+        """Wait for the oldest reduce-scatter; add its averaged rows to the shards' grads."""
+        unit, pending, out, _ = self._reductions.pop(0)
+        pending.wait()
+        for p, off in zip(unit.params, unit.offsets):
+            if p.shard.requires_grad:
+                g = out[off : off + p.chunk].to(p.shard.dtype) / self.world_size  # (chunk,)
+                if p.shard.grad is None:
+                    p.shard.grad = g
+                else:
+                    p.shard.grad.add_(g)
+
+    def _end_backward(self) -> None:
+        """Runs when the autograd engine finishes: free whatever is still gathered."""
+        self._in_backward = False
+        for u in self._units:
+            u.swap_out()
+            u.active = 0
+            if u.holds_memory:
+                u.free()
+
+    @torch.no_grad()
+    def _allreduce_replicated(self) -> None:
+        """One all-reduce per dtype of the replicated grads plus a has-grad flag each."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self._replicated:
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            device = params[0].device
+            grads = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
+            ]
+            flags = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=device)
+            flat = torch.cat([*grads, flags])  # (sum numel + n_params,)
+            dist.all_reduce(flat, group=self.process_group)
+            has = None if all(p.grad is not None for p in params) else flat[-len(params) :].tolist()
+            offset = 0
+            for i, p in enumerate(params):
+                avg = flat[offset : offset + p.numel()].view_as(p) / self.world_size
+                offset += p.numel()
+                if has is None or has[i] > 0:
+                    p.grad = avg
+
+    # ----- gathering ----------------------------------------------------------------------
+    def _ensure(self, unit: Unit) -> None:
+        """Make `unit`'s weights available now (waiting for its prefetch, if any)."""
+        if unit.gathered:
+            return
+        if not unit.holds_memory:
+            for other in self._units:  # evict stale prefetches to stay within the cap
+                if self._n_gathered() < MAX_GATHERED:
+                    break
+                if other is not unit and other.active == 0 and other.holds_memory:
+                    other.free()
+            self._start(unit)
+        unit.finish_gather()
+
+    def _prefetch(self, unit: Unit) -> None:
+        if unit.holds_memory or self._n_gathered() >= MAX_GATHERED:
+            return
+        self._start(unit)
+        self.stats["prefetches"] += 1
+
+    def _start(self, unit: Unit) -> None:
+        unit.start_gather()
+        self.stats["all_gathers"] += 1
+        self.stats["peak_gathered_units"] = max(
+            self.stats["peak_gathered_units"], self._n_gathered()
+        )
+
+    def _n_gathered(self) -> int:
+        return sum(u.holds_memory for u in self._units)
+
+    def _check_idle(self, what: str) -> None:
+        if self._in_backward or self._stack:
+            raise RuntimeError(f"FSDP.{what}: not allowed during forward or backward")
+
+    # ----- construction -------------------------------------------------------------------
+
+
+# ----- small helpers --------------------------------------------------------------------------
+def _zero_stats() -> dict[str, int]:
+    return {"all_gathers": 0, "prefetches": 0, "reduce_scatters": 0, "peak_gathered_units": 0}
+
+
+def _cast_float(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`obj` with `fn` applied to every tensor in nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    return obj
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            yield from _tensors_in(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors_in(o)
