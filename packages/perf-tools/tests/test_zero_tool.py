@@ -109,3 +109,18 @@ def test_bad_arguments_exit_with_a_message(capsys) -> None:
         with pytest.raises(SystemExit):
             zero.main(["--device", "cuda"])
         assert "needs that many GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.nccl
+def test_variants_do_not_inherit_memory_on_gpus(tmp_path) -> None:
+    """Each variant starts from an empty allocator: torch DDP keeps its model alive after a
+    variant, so variants sharing processes carried the previous one's memory."""
+    out = tmp_path / "z.json"
+    argv = ["--size", "tiny", "--seq", "32", "--warmup", "1", "--steps", "2", "--quiet"]
+    assert zero.main([*argv, "--json", str(out)]) == 0
+    rows = _by_key(json.loads(out.read_text())["rows"])
+    base = rows[("ddp", "init")]
+    for variant in zero.VARIANTS:
+        init = rows[(variant, "init")]
+        # same model and DDP buckets at init (optimizer state is lazy): the same allocation
+        assert init["alloc_gib"] <= base["alloc_gib"] + 0.1 * base["params_meas_gib"]

@@ -306,8 +306,10 @@ def _worker(
 def _launch(job: Job, world: int, variants: list[str], timeout: float) -> dict[str, Any]:
     """Run `variants` on `world` spawned ranks; per variant: list of rank dicts or a failure.
 
-    A variant that fails (OOM or error) on any rank ends that launch; the remaining variants
-    run in a fresh one, so one failure costs one row, never the whole table.
+    Each variant gets fresh processes: torch DDP's reducer keeps its model, gradient buckets
+    and optimizer reachable after the variant ends (its hooks cannot be removed), which in
+    one long-lived process added ~15 GiB per variant to the next one's memory (xl, seen on
+    2x H200). A variant that fails (OOM or error) costs its own row only.
     """
     import torch.multiprocessing as mp
 
@@ -318,29 +320,30 @@ def _launch(job: Job, world: int, variants: list[str], timeout: float) -> dict[s
         results = ctx.Queue()
         tmp = tempfile.mkdtemp(prefix="perf-zero-")
         init = f"file://{os.path.join(tmp, 'store')}"
+        pending = todo[:1]
         procs = [
-            ctx.Process(target=_worker, args=(r, world, job, todo, init, results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, job, pending, init, results), daemon=True)
             for r in range(world)
         ]
         for p in procs:
             p.start()
-        got: dict[str, dict[int, Any]] = {v: {} for v in todo}
+        got: dict[str, dict[int, Any]] = {v: {} for v in pending}
         failed: tuple[str, str] | None = None
         deadline = time.monotonic() + timeout
         try:
-            while todo and failed is None:
+            while pending and failed is None:
                 try:
                     msg = results.get(timeout=2.0)
                 except queue_mod.Empty:
                     dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                     if dead:
-                        failed = (todo[0], f"error: a rank died (exit code {dead[0]})")
+                        failed = (pending[0], f"error: a rank died (exit code {dead[0]})")
                     elif time.monotonic() > deadline:
-                        failed = (todo[0], f"timeout after {timeout:.0f}s")
+                        failed = (pending[0], f"timeout after {timeout:.0f}s")
                     continue
                 if msg[0] == "fail":
                     _, rank, variant, oom, tb = msg
-                    variant = variant or todo[0]
+                    variant = variant or pending[0]
                     if not oom:
                         print(f"[perf_tools.zero] rank {rank}, {variant}:\n{tb}", file=sys.stderr)
                     failed = (variant, "OOM" if oom else f"error: {tb.strip().splitlines()[-1]}")
@@ -350,7 +353,7 @@ def _launch(job: Job, world: int, variants: list[str], timeout: float) -> dict[s
                 if len(got[variant]) == world:
                     out[variant] = list(got[variant].values())
                     todo.remove(variant)
-                    deadline = time.monotonic() + timeout
+                    pending.remove(variant)
         finally:
             for p in procs:
                 p.join(timeout=30 if failed is None else 0.1)
