@@ -135,11 +135,12 @@ def finish_grads(model: nn.Module, wrapped: nn.Module, kind: str) -> None:
         world = dist.get_world_size()
         for p in model.parameters():
             if p.grad is not None:
-                # NCCL reduces only contiguous tensors; a weight used transposed can get a
-                # transposed gradient layout (gloo accepts it, NCCL raises).
-                if not p.grad.is_contiguous():
-                    p.grad = p.grad.contiguous()
-                dist.all_reduce(p.grad)
+                # NCCL reduces only contiguous tensors (gloo takes any); a gradient keeps its
+                # parameter's layout, which fused optimizers require, so reduce a copy.
+                grad = p.grad.contiguous()
+                dist.all_reduce(grad)
+                if grad is not p.grad:
+                    p.grad.copy_(grad)
                 p.grad.div_(world)
     elif kind != "torch-ddp":
         wrapped.finish_gradient_synchronization()
