@@ -33,12 +33,19 @@ def test_presets_match_handout(name):
     assert cfg.attention == "sdpa"
 
 
+def test_8b_preset_of_issue_7():
+    cfg = MODEL_SIZES["8B"]
+    dims = (cfg.vocab_size, cfg.d_model, cfg.d_ff, cfg.num_layers, cfg.num_heads)
+    assert dims == (151_936, 4096, 11_008, 34, 32)
+    assert (cfg.head_dim, cfg.context_length, cfg.rope_theta) == (128, 32_768, 10000.0)
+
+
 def test_tiny_preset_exists_and_builds():
     model = TransformerLM(MODEL_SIZES["tiny"])
     assert model.config.vocab_size == 256
 
 
-@pytest.mark.parametrize("name", list(HANDOUT_TABLE_1))
+@pytest.mark.parametrize("name", [*HANDOUT_TABLE_1, "8B"])
 def test_param_count_matches_course_formula(name):
     """Fused QKV / gate-up keep the course model's parameter count:
     V*D (embedding) + L*(4D^2 + 3*D*F + 2D) + D (final norm) + D*V (head)."""
@@ -51,6 +58,8 @@ def test_param_count_matches_course_formula(name):
     expected = v * d + n_layers * (4 * d * d + 3 * d * f + 2 * d) + d + d * v
     assert model.num_params() == expected
     assert model.num_params(non_embedding=True) == expected - v * d
+    if name == "8B":  # the README's table; built on the meta device only (no memory)
+        assert expected == 8_125_698_048
 
 
 @pytest.mark.parametrize(
