@@ -306,6 +306,54 @@ def scenario_gather_schedule(rank: int, world: int, device: torch.device) -> Non
     assert fsdp.full_shape(shards["module.layers.0.up.weight"]) == torch.Size([23, 16])
 
 
+def scenario_gather_waits(rank: int, world: int, device: torch.device) -> None:
+    """record_gather_waits: one record per all-gather waited for, with its unit, phase and
+    whether it was prefetched; a peer that joins late shows as a long wait on the ranks that
+    were on time (and only there); nothing is recorded unless asked."""
+    import time
+
+    fsdp = FSDP(make_model(device))
+    units = fsdp.unit_names
+    n = len(units)
+    loss_of(fsdp, batch(0, rank, device)).backward()
+    fsdp.finish_gradient_synchronization()
+    assert fsdp.gather_waits() == [], "off by default"
+    fsdp.record_gather_waits()
+    for step in range(2):
+        fsdp.reset_stats()
+        if rank == 1 and step == 1:
+            time.sleep(0.6)  # rank 0 reaches the first all-gather 0.6 s before rank 1
+        loss = loss_of(fsdp, batch(step, rank, device))
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        timing_sync(device)
+        waits = fsdp.gather_waits()
+        assert fsdp.gather_waits() == [], "read once"
+        # every all-gather is waited for once: forward all units, backward all but the last
+        assert len(waits) == fsdp.stats["all_gathers"] == 2 * n - 1, waits
+        fwd = [w for w in waits if w.phase == "forward"]
+        bwd = [w for w in waits if w.phase == "backward"]
+        assert [w.unit for w in fwd] == units
+        assert [w.unit for w in bwd] == units[-2::-1]
+        assert [w.prefetched for w in fwd] == [False] + [True] * (n - 1)
+        assert all(w.prefetched for w in bwd)
+        assert all(w.ms >= 0 for w in waits)
+        first = fwd[0].ms
+        if step == 1 and rank == 0:
+            assert first >= 300, f"rank 0 waited {first:.1f} ms for the late rank"
+        else:
+            assert first < 300, f"rank {rank}, step {step}: {first:.1f} ms with nobody late"
+    fsdp.record_gather_waits(False)
+    loss_of(fsdp, batch(2, rank, device)).backward()
+    fsdp.finish_gradient_synchronization()
+    assert fsdp.gather_waits() == []
+
+
+def timing_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def scenario_order_changes(rank: int, world: int, device: torch.device) -> None:
     """Blocks run in another order than registered: the first step's prefetch guesses are
     wrong (evicted, cap kept), the next step follows the recorded order; FSDP still equals

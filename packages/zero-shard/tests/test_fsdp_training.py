@@ -48,6 +48,11 @@ def test_gathered_just_in_time_and_freed(backend: str, ranks) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_wait_timing(backend: str, ranks) -> None:
+    ranks.run(sc.scenario_gather_waits, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_order_other_than_registration(backend: str, ranks) -> None:
     ranks.run(sc.scenario_order_changes, backend=backend)
 

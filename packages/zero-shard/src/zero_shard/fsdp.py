@@ -18,14 +18,19 @@ construction. Life of a step, the same on every rank:
    now hold the gradient averaged over ranks, in fp32) and all-reduces the replicated
    parameters' gradients.
 4. `optimizer.step()` over `fsdp.parameters()`: the shards and the replicated parameters.
+
+Overlap check: `record_gather_waits()` times how long each unit's forward or backward waits
+for its all-gather (CUDA events on the compute stream around the wait, or the host clock on
+CPU); `gather_waits()` returns the records. A prefetch that finished in time costs ~0 ms.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +56,21 @@ from zero_shard.units import Unit, cast_slots
 MAX_GATHERED = 2  # units holding gathered weights at once (the current one and a prefetch)
 
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class GatherWait(NamedTuple):
+    """How long the compute waited for one unit's all-gather (`FSDP.gather_waits()`).
+
+    unit: the unit's name; phase: "forward" or "backward" (activation-checkpoint recomputes
+    count as backward); prefetched: the all-gather was launched ahead of time (a prefetch)
+    rather than by this wait; ms: the time from reaching the wait to the weights having
+    arrived (on CUDA: of the compute stream, so ~0 when the all-gather was already done).
+    """
+
+    unit: str
+    phase: str
+    prefetched: bool
+    ms: float
 
 
 class _Gather(torch.autograd.Function):
@@ -164,6 +184,7 @@ class FSDP(nn.Module):
         self._backward_seen = False
         self._finish_calls = 0
         self._reductions: list[tuple] = []
+        self._waits: list[tuple] | None = None  # None: not recording (record_gather_waits)
         self.stats = _zero_stats()
 
     # ----- public API ---------------------------------------------------------------------
@@ -322,6 +343,36 @@ class FSDP(nn.Module):
         """Units whose full weights are in memory now (or on their way)."""
         return [u.name for u in self._units if u.holds_memory]
 
+    def record_gather_waits(self, enabled: bool = True) -> None:
+        """Start (or, with False, stop) timing every wait for a unit's all-gather.
+
+        Each time a unit's forward or backward needs weights that are not gathered yet, the
+        wait is bracketed: on CUDA by two timing events on the current (compute) stream, so
+        nothing synchronizes during the step; on CPU by the host clock. Read the records with
+        `gather_waits()`. Costs two events per all-gather while enabled; off by default.
+        Starting or stopping drops the records not yet read.
+        """
+        self._waits = [] if enabled else None
+
+    def gather_waits(self) -> list[GatherWait]:
+        """The waits recorded since the last call (oldest first), and forget them.
+
+        On CUDA this blocks until the recorded events have happened: call it after the step
+        (e.g. after `torch.cuda.synchronize()`). Empty when not recording.
+        """
+        if self._waits is None:
+            return []
+        out = []
+        for name, phase, prefetched, start, end in self._waits:
+            if isinstance(start, float):
+                ms = (end - start) * 1e3
+            else:
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            out.append(GatherWait(name, phase, prefetched, ms))
+        self._waits = []
+        return out
+
     def reset_stats(self) -> None:
         """Zero `stats`: all_gathers, prefetches, reduce_scatters, peak_gathered_units."""
         self.stats = _zero_stats()
@@ -474,14 +525,36 @@ class FSDP(nn.Module):
         """Make `unit`'s weights available now (waiting for its prefetch, if any)."""
         if unit.gathered:
             return
-        if not unit.holds_memory:
+        prefetched = unit.holds_memory
+        if not prefetched:
             for other in self._units:  # evict stale prefetches to stay within the cap
                 if self._n_gathered() < MAX_GATHERED:
                     break
                 if other is not unit and other.active == 0 and other.holds_memory:
                     other.free()
             self._start(unit)
-        unit.finish_gather()
+        if self._waits is None:
+            unit.finish_gather()
+        else:
+            unit.finish_gather(functools.partial(self._timed_wait, unit, prefetched))
+
+    def _timed_wait(self, unit: Unit, prefetched: bool, wait: Callable[[], None]) -> None:
+        """Run `wait` (the all-gather's) between two timestamps; see `record_gather_waits`."""
+        assert self._waits is not None
+        phase = "backward" if self._in_backward else "forward"
+        device = unit.padded[0].device
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            wait()
+            end.record(stream)
+            self._waits.append((unit.name, phase, prefetched, start, end))
+        else:
+            t0 = time.perf_counter()
+            wait()
+            self._waits.append((unit.name, phase, prefetched, t0, time.perf_counter()))
 
     def _prefetch(self, unit: Unit) -> None:
         if unit.holds_memory or self._n_gathered() >= MAX_GATHERED:

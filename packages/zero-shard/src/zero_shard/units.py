@@ -15,6 +15,7 @@ that autograd checks untouched).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,12 +87,20 @@ class Unit:
         recv = torch.empty(self.comm.world * self.row, dtype=self.dtype, device=device)
         self._gather = (self.comm.all_gather(recv, send), recv, send)  # send: (S,), recv: (N S,)
 
-    def finish_gather(self) -> None:
-        """Wait for the all-gather and copy each parameter out into its padded buffer."""
+    def finish_gather(
+        self, around_wait: Callable[[Callable[[], None]], None] | None = None
+    ) -> None:
+        """Wait for the all-gather and copy each parameter out into its padded buffer.
+
+        `around_wait(wait)`, when given, must call `wait()` (the wait alone, not the copy):
+        FSDP times it there (`FSDP.record_gather_waits`)."""
         if self._gather is None:
             return
         pending, recv, _ = self._gather
-        pending.wait()
+        if around_wait is None:
+            pending.wait()
+        else:
+            around_wait(pending.wait)
         cols = recv.view(self.comm.world, self.row)  # (N, S)
         for buf, p, off in zip(self.padded, self.params, self.offsets):
             buf.untyped_storage().resize_(buf.numel() * buf.element_size())
