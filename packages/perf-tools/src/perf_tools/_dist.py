@@ -90,8 +90,13 @@ def run_ranks(
     progress_total: int | None = None,
     label: str = "",
     quiet: bool = False,
+    on_message: Callable[[int, Any], None] | None = None,
 ) -> list[Any]:
-    """`fn(rank, world, *args)` on `nprocs` spawned ranks; returns the ranks' results."""
+    """`fn(rank, world, *args)` on `nprocs` spawned ranks; returns the ranks' results.
+
+    Workers' `tick(n)` (an int) advances the progress bar; any other payload a worker sends
+    with `ddp_kit.launch.report_progress` goes to `on_message(rank, payload)`.
+    """
     from ddp_kit.launch import spawn
 
     bar = None
@@ -100,6 +105,14 @@ def run_ranks(
 
         bar = tqdm(total=progress_total, desc=label, dynamic_ncols=True, leave=False)
     env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
+
+    def handle(rank: int, payload: Any) -> None:
+        if isinstance(payload, int) and not isinstance(payload, bool):
+            if bar is not None:
+                bar.update(payload)
+        elif on_message is not None:
+            on_message(rank, payload)
+
     try:
         return spawn(
             fn,
@@ -107,7 +120,7 @@ def run_ranks(
             backend=backend,
             args=args,
             timeout_s=timeout_s,
-            on_progress=(lambda _rank, n: bar.update(n)) if bar is not None else None,
+            on_progress=handle if bar is not None or on_message is not None else None,
             env=env,
         )
     finally:

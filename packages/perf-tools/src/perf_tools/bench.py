@@ -7,12 +7,22 @@ included), then measured steps, each followed by a device synchronize. Reports m
 median ms, per-phase ms (forward, backward, optimizer; CUDA events, no extra sync), tokens/s,
 achieved TFLOP/s, MFU and peak memory. Out-of-memory configurations are rows saying OOM.
 
+Multi-GPU mode (`--nprocs N --fsdp ours|torch`, see `perf_tools.bench_dist`): every cell
+trains on N ranks (spawned here, or under torchrun), the model sharded by zero_shard.FSDP or
+torch's fully_shard; `--batch` is per rank. Rows report the slowest rank's step time (median
+over steps), tokens/s over all ranks, MFU and peak memory per GPU, and for `--fsdp ours` how
+long the compute waited for the all-gathers (`gather_wait_ms`, `units_waited`).
+
 Examples:
   python -m perf_tools.bench              # a small default on CPU, the full sizes on a GPU
   python -m perf_tools.bench --size small xl --precision fp32 bf16 --mode forward train
   python -m perf_tools.bench --size xl --precision bf16 --compile both --compare hf
   python -m perf_tools.bench --size 2.7B --mode train --steps 3 --memory-snapshot mem.pickle
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
+  python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
+  python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \
+      --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \
+      --attention flash-triton --warmup 1 --steps 3
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import contextlib
 import gc
 import itertools
 import math
+import os
 import sys
 import time
 import traceback
@@ -31,10 +42,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from perf_tools import _cli, hardware, report, timing
+from perf_tools import _cli, _dist, hardware, report, timing
 from perf_tools._compile import compile_for_bench
+from perf_tools.bench_dist import (
+    FSDP_KINDS,
+    WAIT_THRESHOLD_MS,
+    DistJob,
+    spawn_cell,
+    torch_fully_shard,
+    torchrun_cell,
+)
 from perf_tools.flops import step_flops
 from perf_tools.models import DIM_FIELDS, build_model, count_params, random_batch, resolve_config
 from perf_tools.steps import (
@@ -62,20 +82,29 @@ TABLE_COLUMNS = [
     "precision",
     "mode",
     "context",
+    "nprocs",
+    "fsdp",
+    "act_ckpt",
+    "fused_loss",
     "status",
     "mean_ms",
     "std_ms",
     "median_ms",
     "fwd_ms",
     "bwd_ms",
+    "sync_ms",
     "opt_ms",
     "tokens_per_s",
     "tflops",
     "mfu_pct",
     "peak_mem_gib",
+    "gather_wait_ms",
+    "units_waited",
     "warmup_s",
     "vs_hf",
 ]
+# configuration columns shown in the table only when some row uses them
+OPTIONAL_CONFIG_COLUMNS = {"act_ckpt": "none", "fused_loss": False}
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,7 @@ class BenchSpec:
     mode: str
     context: int
     graph: bool = False  # the whole step captured in one CUDA graph and replayed
+    fsdp: str | None = None  # multi-GPU mode: "ours" or "torch" (None: one process)
 
     @property
     def model_key(self) -> tuple[str, str, str | None, bool]:
@@ -103,6 +133,8 @@ class BenchSpec:
             parts.append("compiled")
         if self.graph:
             parts.append("graphed")
+        if self.fsdp:
+            parts.append(f"fsdp-{self.fsdp}")
         return "-".join(str(p) for p in parts)
 
 
@@ -121,6 +153,11 @@ class BenchOptions:
     memory_snapshot: Path | None = None
     progress: bool = True
     snapshot_paths: list[Path] | None = None
+    fused_loss: bool = False  # lm_core rows: loss = model(x, targets) (fused head + CE)
+    act_ckpt: str | int = "none"  # lm_core rows: activation checkpointing policy
+    nprocs: int | None = None  # multi-GPU mode: ranks per cell (None: one process)
+    backend: str = "gloo"  # multi-GPU mode: nccl (GPUs) or gloo (CPU)
+    timeout_s: float = 1800.0  # multi-GPU mode: limit per cell
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -176,8 +213,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time a competitor at the same dims: hf = transformers LlamaForCausalLM "
         "(SDPA attention, fused torch AdamW); skipped with a note if not installed",
     )
+    m = p.add_argument_group(
+        "multi-GPU (FSDP)",
+        "train each cell on N ranks with a sharded model (spawned here, or run the command "
+        "under torchrun); --batch is then per rank",
+    )
+    m.add_argument(
+        "--nprocs",
+        type=_cli.positive_int,
+        help="ranks per cell: one GPU each over NCCL (gloo on CPU); needs --fsdp",
+    )
+    m.add_argument(
+        "--fsdp",
+        nargs="+",
+        type=_cli.listed(_cli.choice(FSDP_KINDS)),
+        help="ours = zero_shard.FSDP (bf16 compute for --precision bf16), torch = "
+        "torch.distributed.fsdp.fully_shard per block and root (MixedPrecisionPolicy bf16, "
+        "fp32 reduce); both: one row each",
+    )
+    m.add_argument(
+        "--timeout-s",
+        type=_cli.positive_float,
+        default=1800.0,
+        help="multi-GPU mode: kill a cell's ranks after this long (default 1800)",
+    )
     t = p.add_argument_group("timing")
-    t.add_argument("--batch", type=_cli.positive_int, default=4, help="batch size (default 4)")
+    t.add_argument(
+        "--batch",
+        type=_cli.positive_int,
+        default=4,
+        help="batch size (default 4); per rank with --nprocs",
+    )
     t.add_argument(
         "--warmup", type=_cli.nonneg_int, default=5, help="warm-up steps, not timed (default 5)"
     )
@@ -233,7 +299,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--size",
         nargs="+",
         type=_cli.listed(str),
-        help="lm_core preset(s) (tiny, small, medium, large, xl, 2.7B) or custom. "
+        help="lm_core preset(s) (tiny, small, medium, large, xl, 2.7B, 8B) or custom. "
         "Default: tiny on CPU; small medium large xl 2.7B on GPU",
     )
     g.add_argument(
@@ -257,8 +323,38 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
             help=f"override the preset's {name} (or define a custom model)",
         )
     g.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="lm_core: the loss from model(x, targets), the fused LM head + cross-entropy "
+        "(no (B, T, V) logits), instead of logits and cross_entropy (competitor rows unchanged)",
+    )
+    g.add_argument(
+        "--activation-checkpointing",
+        type=act_ckpt_arg,
+        default="none",
+        metavar="{none,sqrt,optimal,K}",
+        help="lm_core: checkpoint the blocks in groups of K (lm_core."
+        "apply_activation_checkpointing): sqrt, optimal (the memory-optimal K) or none",
+    )
+    g.add_argument(
         "--device", type=_cli.device_arg, default=None, help="cpu or cuda (default: cuda if any)"
     )
+
+
+def act_ckpt_arg(text: str) -> str | int:
+    """none, sqrt, optimal or a positive int K (blocks per checkpointed group)."""
+    t = text.strip().lower()
+    if t in ("none", "sqrt", "optimal"):
+        return t
+    try:
+        k = int(t)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected none, sqrt, optimal or a positive integer K (blocks per group), got {text!r}"
+        )
+    return k
 
 
 def resolve_model_args(
@@ -333,11 +429,88 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "argument --memory-snapshot: the allocator history is recorded by the CUDA "
             "caching allocator; run on a GPU (use --device cuda)"
         )
+    check_multi_args(parser, args)
     return args
+
+
+def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate the multi-GPU flags; sets args.fsdps (None: one process), args.backend."""
+    args.fsdps = _cli.flatten(args.fsdp)
+    args.backend = "nccl" if args.device.type == "cuda" else "gloo"
+    torchrun = _dist.under_torchrun()
+    if args.fsdps is None:
+        if args.nprocs is not None:
+            parser.error(
+                "argument --nprocs: the multi-GPU mode trains a sharded model; add "
+                "--fsdp ours or --fsdp torch"
+            )
+        return
+    if args.nprocs is None and not torchrun:
+        parser.error(
+            "argument --fsdp: needs --nprocs N (ranks to spawn), or run the command under torchrun"
+        )
+    if torchrun:
+        world = int(os.environ["WORLD_SIZE"])
+        if args.nprocs is not None and args.nprocs != world:
+            parser.error(
+                f"argument --nprocs: {args.nprocs} ranks asked, torchrun started {world}; "
+                "leave --nprocs out under torchrun"
+            )
+        args.nprocs = world
+    if args.mode is None:
+        args.modes = ["train"]
+    if "forward" in args.modes:
+        parser.error(
+            "argument --fsdp: the multi-GPU mode times fwd-bwd and train steps; drop --mode forward"
+        )
+    for flag, used in (
+        ("--compile", args.compile != "off"),
+        ("--cuda-graph", args.cuda_graph != "off"),
+        ("--compare", bool(args.competitors)),
+        ("--nvtx", args.nvtx),
+        ("--memory-snapshot", args.memory_snapshot is not None),
+        ("--profile", args.profile is not None),
+    ):
+        if used:
+            parser.error(f"argument {flag}: not available in the multi-GPU mode (--fsdp)")
+    if args.backend == "nccl":
+        have = torch.cuda.device_count()
+        if not torchrun and args.nprocs > have:
+            parser.error(
+                f"argument --nprocs: {args.nprocs} ranks need {args.nprocs} GPUs (one each), "
+                f"{have} visible"
+            )
+        if not (dist.is_available() and dist.is_nccl_available()):
+            parser.error("argument --nprocs: this torch has no NCCL for GPU ranks")
+    elif not dist.is_available():
+        parser.error("argument --nprocs: this torch has no torch.distributed")
+    if "torch" in args.fsdps:
+        try:
+            torch_fully_shard()
+        except ImportError as exc:
+            parser.error(f"argument --fsdp: torch is not available here: {exc}; use --fsdp ours")
+    if "ours" in args.fsdps:
+        try:
+            import zero_shard  # noqa: F401
+        except ImportError:
+            parser.error(
+                "argument --fsdp: ours needs the zero-shard package (pip install zero-shard)"
+            )
 
 
 def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     """The cartesian product, grouped so each model is built once and reused."""
+    fsdps = getattr(args, "fsdps", None)
+    if fsdps:
+        return [
+            BenchSpec(OURS, size, attention, False, precision, mode, context, fsdp=kind)
+            for size in args.sizes
+            for attention in args.attentions
+            for kind in fsdps
+            for precision in args.precisions
+            for context in sorted(args.contexts)
+            for mode in args.modes
+        ]
     specs = []
     impls = [OURS] + ([HF] if "hf" in args.competitors else [])
     for impl in impls:
@@ -402,14 +575,17 @@ def make_cell_step(
     timer: PhaseTimer,
 ) -> tuple[Any, torch.optim.Optimizer | None]:
     """The step closure of one cell (patched in tests to simulate failures)."""
+    if spec.impl == OURS:
+        apply_act_ckpt(model, config, opts.act_ckpt, spec.precision)
     x, y = random_batch(opts.batch, spec.context, config.vocab_size, opts.device, opts.seed)
     optimizer = _optimizer(spec.impl, model, opts.device) if spec.mode == "train" else None
+    fused = opts.fused_loss and spec.impl == OURS
     step = make_step(
         runner,
         spec.mode,
         inputs=x,
         targets=y,
-        loss_fn=_loss_fn(spec.impl),
+        loss_fn=None if fused else _loss_fn(spec.impl),
         precision=spec.precision,
         optimizer=optimizer,
         annotator=annotator,
@@ -419,6 +595,24 @@ def make_cell_step(
     if spec.graph:
         step = capture_cuda_graph(step)
     return step, optimizer
+
+
+def apply_act_ckpt(model: nn.Module, config: Any, policy: str | int, precision: str) -> int:
+    """Checkpoint an lm_core model's blocks per `policy` (none, sqrt, optimal, K) unless it
+    already is in the same way; returns the group size (0: none). "optimal" uses the block
+    activation ratio of the precision (bf16 autocast keeps an fp32 residual stream)."""
+    from lm_core.activation_ckpt import (
+        apply_activation_checkpointing,
+        block_activation_ratio,
+        checkpoint_group_size,
+        resolve_group_size,
+    )
+
+    ratio = block_activation_ratio(config, autocast=precision == "bf16")
+    k = resolve_group_size(policy, config.num_layers, ratio)
+    if checkpoint_group_size(model) != k:
+        apply_activation_checkpointing(model, k if k > 0 else "none")
+    return k
 
 
 def _peak(spec: BenchSpec, opts: BenchOptions) -> float | None:
@@ -483,6 +677,11 @@ def measure_cell(
                     if opts.snapshot_paths is not None:
                         opts.snapshot_paths.append(snapshot)
     peak_mem = timing.peak_memory_bytes(device)
+    ckpt_k = None
+    if spec.impl == OURS:
+        from lm_core.activation_ckpt import checkpoint_group_size
+
+        ckpt_k = checkpoint_group_size(model)
     del step, optimizer
     stats = result.stats.scaled(1e3)
     phases = timer.mean_ms(opts.steps)
@@ -509,6 +708,7 @@ def measure_cell(
         "peak_mem_gib": None if peak_mem is None else peak_mem / 2**30,
         "warmup_s": result.warmup_s,
         "first_step_s": None if math.isnan(result.first_step_s) else result.first_step_s,
+        "act_ckpt_k": ckpt_k,
     }
 
 
@@ -641,10 +841,15 @@ def _row(
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,
+        "fused_loss": opts.fused_loss and spec.impl == OURS,
+        "act_ckpt": opts.act_ckpt if spec.impl == OURS else "none",
         "warmup_steps": opts.warmup,
         "steps": opts.steps,
         "device": str(opts.device),
     }
+    if spec.fsdp is not None:
+        row.update(nprocs=opts.nprocs, fsdp=spec.fsdp, global_batch=opts.batch * opts.nprocs)
+        row["device"] = f"{opts.backend}: {opts.nprocs} x {opts.device.type}"
     row.update(info)
     row["attention"] = row.get("attention") or spec.attention or "default"
     row.update(measured)
@@ -735,11 +940,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_snapshot=args.memory_snapshot,
         progress=not args.quiet,
         snapshot_paths=[],
+        fused_loss=args.fused_loss,
+        act_ckpt=args.activation_checkpointing,
+        nprocs=args.nprocs,
+        backend=args.backend,
+        timeout_s=args.timeout_s,
     )
     specs = specs_from_args(args)
-    rows = run_sweep(specs, opts)
-    cols = [c for c in TABLE_COLUMNS if any(r.get(c) is not None for r in rows)]
+    if args.fsdps and _dist.under_torchrun():
+        rows = run_torchrun_sweep(specs, opts)
+        if rows is None:  # ranks other than 0 print nothing
+            return 0
+    elif args.fsdps:
+        rows = run_dist_sweep(specs, opts)
+    else:
+        rows = run_sweep(specs, opts)
+    cols = [c for c in TABLE_COLUMNS if _shown(c, rows)]
     report.print_table(rows, cols, title=_title(opts))
+    for line in gather_wait_notes(rows):
+        print(line)
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)
     if args.plot is not None and any(r.get("status") == "ok" for r in rows):
         print(f"plot: {plot_rows(rows, args.plot)}")
@@ -755,8 +974,108 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _shown(col: str, rows: Sequence[dict[str, Any]]) -> bool:
+    """A column is in the table when some row has it (config columns: a non-default value)."""
+    if col in OPTIONAL_CONFIG_COLUMNS:
+        return any(r.get(col) not in (None, OPTIONAL_CONFIG_COLUMNS[col]) for r in rows)
+    return any(r.get(col) is not None for r in rows)
+
+
+def gather_wait_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Lines under the table: where our FSDP's compute waited for an all-gather."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or r.get("gather_wait_ms") is None:
+            continue
+        out.append(
+            f"{r['size']} {r['precision']} ctx {r['context']} (fsdp {r['fsdp']}): all-gather "
+            f"waits {r['gather_wait_ms']:.3g} ms per step (forward {r['gather_wait_fwd_ms']:.3g}, "
+            f"backward {r['gather_wait_bwd_ms']:.3g}); {r['units_waited']:g} of "
+            f"{r['gathers']:g} gathers waited > {WAIT_THRESHOLD_MS} ms; longest wait "
+            f"{r['gather_wait_max_ms']:.3g} ms ({r['gather_wait_max_unit']})"
+        )
+    return out
+
+
+def _dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
+    assert spec.fsdp is not None
+    return DistJob(
+        size=spec.size,
+        attention=spec.attention,
+        precision=spec.precision,
+        mode=spec.mode,
+        context=spec.context,
+        fsdp=spec.fsdp,
+        batch=opts.batch,
+        warmup=opts.warmup,
+        steps=opts.steps,
+        overrides=opts.overrides,
+        backend=opts.backend,
+        seed=opts.seed,
+        fused_loss=opts.fused_loss,
+        act_ckpt=opts.act_ckpt,
+        peak_tflops=opts.peak_tflops,
+        quiet=not opts.progress,
+    )
+
+
+def run_dist_sweep(specs: Sequence[BenchSpec], opts: BenchOptions) -> list[dict[str, Any]]:
+    """The multi-GPU mode: every cell on `opts.nprocs` freshly spawned ranks."""
+    assert opts.nprocs is not None
+    rows = []
+    bar = _outer_bar(len(specs), opts.progress)
+    for spec in specs:
+        info: dict[str, Any] = {}
+        try:
+            config = resolve_config(
+                spec.size,
+                context_length=spec.context,
+                attention=spec.attention,
+                overrides=opts.overrides,
+            )
+        except (ValueError, TypeError) as exc:
+            rows.append(_row(spec, info, opts, {"status": f"error: {exc}"}))
+            bar.update(1)
+            continue
+        info.update({f: getattr(config, f) for f in ("d_model", "num_layers", "num_heads")})
+        info.update(d_ff=config.d_ff, vocab_size=config.vocab_size, attention=config.attention)
+        measured = spawn_cell(_dist_job(spec, opts), opts.nprocs, opts.timeout_s)
+        if str(measured.get("status", "")).startswith("error") and measured.get("error"):
+            print(f"[perf_tools.bench] {spec.label()}:\n{measured['error']}", file=sys.stderr)
+        rows.append(_row(spec, info, opts, measured))
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def run_torchrun_sweep(
+    specs: Sequence[BenchSpec], opts: BenchOptions
+) -> list[dict[str, Any]] | None:
+    """The multi-GPU mode under torchrun: every cell in turn on torchrun's ranks; the rows on
+    rank 0 (None elsewhere). A failure other than OOM ends the run (ranks cannot skip a
+    collective and stay in step)."""
+    _dist.init_from_env(opts.backend, timeout_s=opts.timeout_s)
+    rows: list[dict[str, Any]] = []
+    try:
+        for spec in specs:
+            measured = torchrun_cell(_dist_job(spec, opts))
+            if measured is not None:
+                rows.append(_row(spec, {}, opts, measured))
+        dist.barrier()
+    finally:
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+    return rows if rank == 0 else None
+
+
 def _title(opts: BenchOptions) -> str:
     dev = report.run_metadata()["device"]
+    if opts.nprocs is not None:
+        return (
+            f"perf_tools.bench on {opts.nprocs} x {dev} ({opts.backend}): batch {opts.batch} "
+            f"per rank, {opts.warmup} warm-up + {opts.steps} measured steps (median ms per step "
+            "of the slowest rank; tokens/s of all ranks; TFLOP/s, MFU, memory per GPU)"
+        )
     return (
         f"perf_tools.bench on {dev}: batch {opts.batch}, {opts.warmup} warm-up + "
         f"{opts.steps} measured steps (ms per step; MFU vs peak TFLOP/s)"

@@ -313,6 +313,8 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         overrides=args.overrides,
         seed=args.seed,
         progress=not args.quiet,
+        fused_loss=getattr(args, "fused_loss", False),
+        act_ckpt=getattr(args, "activation_checkpointing", "none"),
     )
     profiler = Profiler(
         out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)

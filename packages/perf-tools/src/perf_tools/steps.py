@@ -135,20 +135,25 @@ def make_step(
     *,
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     precision: str,
     optimizer: torch.optim.Optimizer | None = None,
     annotator: Annotator | None = None,
     timer: PhaseTimer | None = None,
     graph_safe: bool = False,
+    sync: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """A closure running one step of `mode` on (B, T) `inputs` / `targets`.
 
     forward: logits under torch.no_grad (inference); fwd-bwd: loss and backward (gradients
     reset to None first, so they never accumulate across steps); train: fwd-bwd then
-    `optimizer.step()`. `loss_fn(logits (B*T, V), targets (B*T,))` -> scalar.
-    `graph_safe=True` builds a step that `capture_cuda_graph` can record (no autocast cache;
-    pass no timer: events inside a graph do not time its replays).
+    `optimizer.step()`. `loss_fn(logits (B*T, V), targets (B*T,))` -> scalar; `loss_fn=None`:
+    the model computes the loss itself, `model(inputs, targets)` -> scalar (lm_core's fused
+    LM head + cross-entropy, no (B, T, V) logits), in forward mode too.
+    `sync`, when given, runs after backward as its own phase "sync" (a data-parallel wrapper's
+    `finish_gradient_synchronization`). `graph_safe=True` builds a step that
+    `capture_cuda_graph` can record (no autocast cache; pass no timer: events inside a graph
+    do not time its replays).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -161,6 +166,8 @@ def make_step(
 
     def forward_loss() -> torch.Tensor:
         with autocast_context(precision, device, cache_enabled=cache):
+            if loss_fn is None:
+                return model(inputs, targets)  # 0-dim: the model's own (fused) loss
             logits = model(inputs)  # (B, T, V)
             flat = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
             return loss_fn(flat, targets.reshape(-1))  # targets (B*T,)
@@ -175,7 +182,10 @@ def make_step(
                     torch.no_grad(),
                     autocast_context(precision, device, cache_enabled=cache),
                 ):
-                    model(inputs)
+                    if loss_fn is None:
+                        model(inputs, targets)
+                    else:
+                        model(inputs)
                 if clock is not None:
                     clock.mark("forward")
             else:
@@ -189,6 +199,11 @@ def make_step(
                     loss.backward()
                 if clock is not None:
                     clock.mark("backward")
+                if sync is not None:
+                    with ann.range("sync"):
+                        sync()
+                    if clock is not None:
+                        clock.mark("sync")
                 if mode == "train":
                     assert optimizer is not None
                     with ann.range("optimizer"):

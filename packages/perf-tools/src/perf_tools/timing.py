@@ -73,12 +73,15 @@ def time_steps(
     device: torch.device | str,
     progress: str | None = None,
     on_measure: Callable[[], Any] | None = None,
+    after_step: Callable[[], Any] | None = None,
 ) -> StepTiming:
     """Run `step` `warmup` times untimed, then `iters` times, synchronizing around each step.
 
     `progress`, when given, labels a tqdm bar (if tqdm is installed). `on_measure`, when given,
     is called once between the warm-up and the measured steps, outside every timed interval
-    (e.g. to reset the peak-memory counter or start a memory / Nsight capture).
+    (e.g. to reset the peak-memory counter or start a memory / Nsight capture). `after_step`,
+    when given, is called after every step (warm-up included) once the device is synchronized,
+    outside the timed interval (e.g. to read CUDA events recorded during the step).
     """
     if warmup < 0:
         raise ValueError(f"warmup: expected >= 0, got {warmup}")
@@ -94,6 +97,8 @@ def time_steps(
         synchronize(device)
         if i == 0:
             first = time.perf_counter() - t0
+        if after_step is not None:
+            after_step()
         bar.update(1)
     warmup_s = time.perf_counter() - t_warm
     if on_measure is not None:
@@ -105,6 +110,8 @@ def time_steps(
         step()
         synchronize(device)
         samples.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step()
         bar.update(1)
     bar.close()
     return StepTiming(Stats.of(samples), samples, warmup_s, first)

@@ -1,0 +1,487 @@
+"""The multi-GPU mode of `python -m perf_tools.bench`: sharded (FSDP) training steps on N ranks.
+
+`bench --nprocs N --fsdp ours|torch` runs each cell of the sweep on N ranks: spawned by the
+tool itself (`_dist.run_ranks`, i.e. `ddp_kit.launch.spawn`: file-store rendezvous, NCCL with
+one GPU per rank, gloo on CPU), fresh processes for every cell so that no cell inherits another
+one's memory; or, under `torchrun`, the ranks torchrun started (every cell in turn).
+
+Each rank builds the model directly on its device, applies activation checkpointing, wraps it
+and trains on its own random batch (`--batch` sequences per rank):
+
+  ours   zero_shard.FSDP(model, compute_dtype=bf16 for --precision bf16, else None); lm_core
+         AdamW over fsdp.parameters() (the fp32 shards and the replicated norms); the step is
+         zero_grad, forward, backward, finish_gradient_synchronization() ("sync"), AdamW.
+  torch  torch.distributed.fsdp.fully_shard on every block, then on the root, with
+         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16; lm_core AdamW
+         over the (DTensor) parameters. Gradients are reduced inside backward (no sync phase).
+
+No autocast in this mode: the wrapper's compute dtype is the precision (bf16 weights,
+activations and matmuls; fp32 master weights, gradients and optimizer state).
+
+Per cell: warm-up steps, then measured steps, each ending with a device synchronize. A step's
+time is the slowest rank's (a collective step ends when every rank is done); the row shows the
+median over the measured steps and derives tokens/s (all ranks' tokens), TFLOP/s and MFU per
+GPU (FLOPs of the global batch / N / step time / peak) from that median; peak memory is the
+largest `max_memory_allocated` over the ranks. With `--fsdp ours` every wait of a unit for its
+all-gather is timed (`FSDP.record_gather_waits`: CUDA events on the compute stream): per step
+the summed wait (`gather_wait_ms`, forward and backward apart) and the number of units whose
+wait exceeded WAIT_THRESHOLD_MS (`units_waited`, of `gathers`): 0 means every prefetch
+arrived before its unit needed it.
+
+Out of memory: a rank that runs out catches the error and reports it to the parent, which
+ends the cell at once (killing its ranks: a peer may be waiting inside a collective that the
+failed rank will never join) and records OOM. Under torchrun, where no parent watches, the
+ranks free what they can and agree through an all-reduce of an OOM flag (so no rank hangs
+when, as in SPMD training, all of them run out at the same point); a rank stuck in a
+collective its peer left ends at the process-group timeout (`--timeout-s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from perf_tools import _dist, hardware, timing
+
+FSDP_KINDS = ("ours", "torch")
+WAIT_THRESHOLD_MS = 0.05  # a wait above this is compute stalled on an all-gather (events: ~us)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistJob:
+    """One cell of the multi-GPU mode; picklable (it travels to the spawned ranks)."""
+
+    size: str
+    attention: str | None
+    precision: str
+    mode: str
+    context: int
+    fsdp: str
+    batch: int  # per rank
+    warmup: int
+    steps: int
+    overrides: dict[str, Any]
+    backend: str
+    seed: int = 0
+    fused_loss: bool = False
+    act_ckpt: str | int = "none"
+    peak_tflops: float | None = None
+    quiet: bool = True
+
+
+def torch_fully_shard() -> tuple[Callable[..., Any], type]:
+    """torch's `fully_shard` and `MixedPrecisionPolicy` (public since torch 2.6, under
+    `torch.distributed._composable.fsdp` since 2.4); ImportError naming the need otherwise."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        return fully_shard, MixedPrecisionPolicy
+    except ImportError:
+        pass
+    try:
+        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
+
+        return fully_shard, MixedPrecisionPolicy
+    except ImportError:
+        raise ImportError(
+            f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard "
+            "(torch >= 2.4 needed)"
+        ) from None
+
+
+# ----------------------------------------------------------------------------- memory model
+
+
+def fsdp_memory_estimate(
+    config: Any,
+    *,
+    world: int,
+    batch: int,
+    context: int,
+    group_size: int,
+    compute_bytes: int = 2,
+) -> dict[str, float]:
+    """Bytes per GPU of a training step of lm_core's model under zero_shard.FSDP, lm_core
+    AdamW and the fused loss (`--fsdp ours --fused-loss --mode train`), batch per rank.
+
+    P_s sharded parameters (every Linear / Embedding weight), P_r replicated (the norms),
+    N ranks, b = `compute_bytes` (2 for bf16), a = batch * context * d_model * b (one block
+    input), k = `group_size` blocks per checkpointed group (0: none):
+      params  4 P_s / N + 4 P_r      fp32 shards and norms
+      grads   4 P_s / N + 4 P_r      created during backward (None during forward)
+      optim   8 P_s / N + 8 P_r      AdamW's two fp32 moments
+      activations  (activation_memory(L, k, r) + 2) * a   stored block inputs and the last
+                   group's activations (r = lm_core's single-dtype block ratio: no autocast
+                   under FSDP), plus the final norm's input and output
+      head    V D (b + 4 + b) + C V b + a   at the LM head, end of forward: the gathered
+              weight, the fused loss's fp32 dW accumulator (b < 4) and its result in b bytes,
+              one logits chunk of C = default_chunk_size rows, dh
+    end_of_forward = params + optim + activations + head; end_of_backward = params + grads +
+    optim + 3 V D b (the embedding gathered, its gradient, the reduce-scatter input); peak =
+    their maximum, `upper_bound` = everything at once. Not counted: the CUDA context, NCCL
+    buffers and allocator fragmentation (`peak_reserved_gib` shows the latter).
+    """
+    from lm_core.activation_ckpt import activation_memory, block_activation_ratio
+    from lm_core.fused_loss import default_chunk_size
+
+    d, f, n_layers, vocab = config.d_model, config.d_ff, config.num_layers, config.vocab_size
+    replicated = 2 * d * n_layers + d
+    sharded = 2 * vocab * d + n_layers * (4 * d * d + 3 * d * f)
+    b = compute_bytes
+    params = 4 * sharded / world + 4 * replicated
+    grads = params
+    optim = 2 * params
+    a = batch * context * d * b
+    stored = activation_memory(n_layers, group_size, block_activation_ratio(config))
+    activations = (stored + 2) * a
+    tokens = batch * context
+    head = vocab * d * (b + (4 if b < 4 else 0) + b)
+    head += default_chunk_size(tokens, d, vocab) * vocab * b + a
+    end_fwd = params + optim + activations + head
+    end_bwd = params + grads + optim + 3 * vocab * d * b
+    return {
+        "params": params,
+        "grads": grads,
+        "optim": optim,
+        "activations": activations,
+        "head": head,
+        "end_of_forward": end_fwd,
+        "end_of_backward": end_bwd,
+        "peak": max(end_fwd, end_bwd),
+        "upper_bound": params + grads + optim + activations + head,
+    }
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, int]:
+    """The lm_core model on `device` (built there: no host copy), checkpointed as asked."""
+    from perf_tools.models import build_model
+
+    torch.manual_seed(job.seed)
+    model = build_model(config, device)
+    model.train()
+    k = 0
+    if job.act_ckpt != "none":
+        from lm_core.activation_ckpt import (
+            apply_activation_checkpointing,
+            block_activation_ratio,
+            checkpoint_group_size,
+        )
+
+        # one dtype throughout under FSDP (no autocast): the single-dtype ratio
+        ratio = block_activation_ratio(config)
+        apply_activation_checkpointing(model, job.act_ckpt, activation_ratio=ratio)
+        k = checkpoint_group_size(model)
+    return model, k
+
+
+def _wrap(job: DistJob, model: nn.Module) -> tuple[nn.Module, Callable[[], None] | None, Any]:
+    """(runner, gradient sync to call after backward, our FSDP or None)."""
+    bf16 = job.precision == "bf16"
+    if job.fsdp == "ours":
+        from zero_shard import FSDP
+
+        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
+        return fsdp, fsdp.finish_gradient_synchronization, fsdp
+    fully_shard, policy_cls = torch_fully_shard()
+    kwargs: dict[str, Any] = {}
+    if bf16:
+        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, None, None
+
+
+def _wait_summary(waits: Sequence[Any]) -> dict[str, Any]:
+    """One step's gather waits (`zero_shard.fsdp.GatherWait` records) in a few numbers."""
+    worst = max(waits, key=lambda w: w.ms, default=None)
+    return {
+        "wait_ms": sum(w.ms for w in waits),
+        "fwd_ms": sum(w.ms for w in waits if w.phase == "forward"),
+        "bwd_ms": sum(w.ms for w in waits if w.phase == "backward"),
+        "waited": sum(w.ms > WAIT_THRESHOLD_MS for w in waits),
+        "gathers": len(waits),
+        "max_ms": worst.ms if worst is not None else 0.0,
+        "max_unit": f"{worst.unit} {worst.phase}" if worst is not None else None,
+    }
+
+
+def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
+    """Build, wrap, warm up and time this rank; raises on failure (OOM included)."""
+    from lm_core import AdamW, cross_entropy
+    from perf_tools.models import count_params, random_batch, resolve_config
+    from perf_tools.steps import PhaseTimer, make_step
+
+    config = resolve_config(
+        job.size, context_length=job.context, attention=job.attention, overrides=job.overrides
+    )
+    t0 = time.perf_counter()
+    model, k = _build(job, config, device)
+    n_params = count_params(model)
+    runner, sync, fsdp = _wrap(job, model)
+    timing.synchronize(device)
+    build_s = time.perf_counter() - t0
+    optimizer = None
+    if job.mode == "train":
+        optimizer = AdamW(
+            list(runner.parameters()), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+        )
+    # every rank its own tokens, as data parallelism has
+    x, y = random_batch(job.batch, job.context, config.vocab_size, device, job.seed + rank)
+    timer = PhaseTimer(device)
+    step = make_step(
+        runner,
+        job.mode,
+        inputs=x,
+        targets=y,
+        loss_fn=None if job.fused_loss else cross_entropy,
+        precision="fp32",  # the wrapper casts: no autocast on top
+        optimizer=optimizer,
+        timer=timer,
+        sync=sync,
+    )
+    waits: list[dict[str, Any]] = []
+    if fsdp is not None:
+        fsdp.record_gather_waits()
+
+    def after_step() -> None:
+        if fsdp is not None:
+            waits.append(_wait_summary(fsdp.gather_waits()))
+
+    def on_measure() -> None:
+        timing.reset_peak_memory(device)
+        waits.clear()
+
+    label = None if job.quiet or rank != 0 else f"{job.size} {job.fsdp} FSDP rank 0"
+    result = timing.time_steps(
+        step,
+        warmup=job.warmup,
+        iters=job.steps,
+        device=device,
+        progress=label,
+        on_measure=on_measure,
+        after_step=after_step,
+    )
+    out: dict[str, Any] = {
+        "rank": rank,
+        "samples": result.samples,
+        "warmup_s": result.warmup_s,
+        "first_step_s": result.first_step_s,
+        "phases": timer.mean_ms(job.steps),
+        "peak_mem": timing.peak_memory_bytes(device),
+        "peak_reserved": (
+            int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+        ),
+        "waits": waits,
+        "params": n_params,
+        "build_s": build_s,
+        "act_ckpt_k": k,
+        "config": dataclasses.asdict(config),
+    }
+    if rank == 0:
+        peak = job.peak_tflops
+        if peak is None:
+            peak = hardware.peak_tflops(job.precision, device)
+        out["peak_tflops"] = peak
+    del step, optimizer, runner, model
+    return out
+
+
+def run_rank(rank: int, world: int, job: DistJob) -> dict[str, Any]:
+    """One rank of one cell (a collective: every rank runs it); its measurements or OOM."""
+    local = int(os.environ.get("LOCAL_RANK", rank)) if _dist.under_torchrun() else rank
+    device = _dist.device_for(job.backend, local)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    flag = torch.zeros(1, device=device)  # (1,): allocated before anything large
+    out: dict[str, Any] | None = None
+    try:
+        out = _measure(job, rank, device)
+    except Exception as exc:
+        if not timing.is_oom(exc):
+            raise
+        # tell the parent first: if a peer is stuck in a collective, the flag below never
+        # completes and the parent learns of the OOM only from this message
+        from ddp_kit.launch import report_progress
+
+        report_progress(("oom", rank))
+        flag.fill_(1.0)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks agree on OOM
+    if flag.item() > 0:
+        return {"rank": rank, "status": "OOM"}
+    assert out is not None
+    return out
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The row's measured columns from every rank's measurements."""
+    from lm_core import ModelConfig
+    from perf_tools.flops import step_flops
+
+    if any(r.get("status") == "OOM" for r in per_rank):
+        return {"status": "OOM"}
+    world = len(per_rank)
+    steps = _dist.slowest_per_step([r["samples"] for r in per_rank])
+    stats = timing.Stats.of(steps).scaled(1e3)
+    median_s = stats.median / 1e3
+    r0 = per_rank[0]
+    config = ModelConfig(**r0["config"])
+    flops = step_flops(config, job.batch * world, job.context, job.mode)  # the global batch
+    per_gpu = flops / world
+    peak = r0.get("peak_tflops")
+    mfu = hardware.mfu(per_gpu, median_s, peak)
+
+    def phase(name: str) -> float | None:
+        vals = [r["phases"][name] for r in per_rank if name in r["phases"]]
+        return max(vals) if vals else None
+
+    mems = [r["peak_mem"] for r in per_rank if r["peak_mem"] is not None]
+    reserved = [r["peak_reserved"] for r in per_rank if r["peak_reserved"] is not None]
+    row: dict[str, Any] = {
+        "status": "ok",
+        "mean_ms": stats.mean,
+        "std_ms": stats.std,
+        "median_ms": stats.median,
+        "min_ms": stats.min,
+        "max_ms": stats.max,
+        "first_measured_ms": steps[0] * 1e3,
+        "fwd_ms": phase("forward"),
+        "bwd_ms": phase("backward"),
+        "sync_ms": phase("sync"),
+        "opt_ms": phase("optimizer"),
+        "tokens_per_s": job.batch * world * job.context / median_s,
+        "tflops": per_gpu / median_s / 1e12,
+        "mfu_pct": None if mfu is None else 100.0 * mfu,
+        "peak_tflops": peak,
+        "gflop_per_step": flops / 1e9,
+        "peak_mem_gib": max(mems) / 2**30 if mems else None,
+        "peak_reserved_gib": max(reserved) / 2**30 if reserved else None,
+        "warmup_s": max(r["warmup_s"] for r in per_rank),
+        "first_step_s": _first_step(per_rank),
+        "params_M": r0["params"] / 1e6,
+        "build_s": max(r["build_s"] for r in per_rank),
+        "act_ckpt_k": r0["act_ckpt_k"],
+        "d_model": config.d_model,
+        "num_layers": config.num_layers,
+        "num_heads": config.num_heads,
+        "d_ff": config.d_ff,
+        "vocab_size": config.vocab_size,
+        "attention": config.attention,
+    }
+    if job.fsdp == "ours":
+        row.update(_wait_columns([r["waits"] for r in per_rank]))
+        if job.fused_loss and job.mode == "train":
+            est = fsdp_memory_estimate(
+                config,
+                world=world,
+                batch=job.batch,
+                context=job.context,
+                group_size=r0["act_ckpt_k"],
+                compute_bytes=2 if job.precision == "bf16" else 4,
+            )
+            row["est_peak_mem_gib"] = est["peak"] / 2**30
+    return row
+
+
+def _first_step(per_rank: Sequence[dict[str, Any]]) -> float | None:
+    vals = [r["first_step_s"] for r in per_rank if r["first_step_s"] == r["first_step_s"]]
+    return max(vals) if vals else None  # NaN (no warm-up) on every rank -> None
+
+
+def _wait_columns(waits_by_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
+    """Per step the slowest rank's wait, then the median over steps."""
+    n = min(len(w) for w in waits_by_rank)
+    if n == 0:
+        return {}
+
+    def med(key: str) -> float:
+        return statistics.median(max(w[i][key] for w in waits_by_rank) for i in range(n))
+
+    worst = max(
+        (w[i] for w in waits_by_rank for i in range(n)), key=lambda s: s["max_ms"], default=None
+    )
+    return {
+        "gather_wait_ms": med("wait_ms"),
+        "gather_wait_fwd_ms": med("fwd_ms"),
+        "gather_wait_bwd_ms": med("bwd_ms"),
+        "units_waited": med("waited"),
+        "gathers": med("gathers"),
+        "gather_wait_max_ms": worst["max_ms"] if worst else None,
+        "gather_wait_max_unit": worst["max_unit"] if worst else None,
+    }
+
+
+def spawn_cell(
+    job: DistJob,
+    nprocs: int,
+    timeout_s: float,
+    fn: Callable[[int, int, DistJob], dict[str, Any]] = run_rank,
+) -> dict[str, Any]:
+    """Run `job` on `nprocs` fresh ranks; the row's measured columns (status OOM / error).
+
+    `fn` is the rank's body (default `run_rank`; tests pass a module-level wrapper)."""
+    oom: list[int] = []
+
+    def on_message(rank: int, payload: Any) -> None:
+        if isinstance(payload, tuple) and payload and payload[0] == "oom":
+            oom.append(rank)
+            # The cell is OOM whatever the other ranks do: end it now (spawn kills the ranks)
+            # rather than wait for a peer that may be stuck in a collective.
+            raise _CellOOMError(f"rank {rank} ran out of memory")
+
+    try:
+        per_rank = _dist.run_ranks(
+            fn,
+            nprocs,
+            backend=job.backend,
+            args=(job,),
+            timeout_s=timeout_s,
+            quiet=True,
+            on_message=on_message,
+        )
+    except Exception as exc:  # WorkerError (a rank's traceback) or TimeoutError
+        if oom or timing.is_oom(exc):
+            return {"status": "OOM", "note": f"rank(s) {sorted(set(oom))} ran out of memory"}
+        return {"status": _error_status(exc), "error": str(exc)}
+    return aggregate(job, per_rank)
+
+
+class _CellOOMError(RuntimeError):
+    """A rank reported an out-of-memory error: the cell ends as OOM."""
+
+
+def _error_status(exc: BaseException) -> str:
+    """'error: <the failing rank's last traceback line>' (or the exception itself)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    last = next((ln for ln in reversed(lines) if not ln.startswith("---")), "")
+    text = last or f"{type(exc).__name__}: {exc}"
+    return f"error: {text}"[:200]
+
+
+def torchrun_cell(job: DistJob) -> dict[str, Any] | None:
+    """Under torchrun: this process's rank of the cell; the measured columns on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = run_rank(rank, world, job)
+    per_rank = _dist.gather(mine)
+    return aggregate(job, per_rank) if rank == 0 else None
