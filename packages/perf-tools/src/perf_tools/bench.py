@@ -20,8 +20,8 @@ Examples:
   python -m perf_tools.bench --size 2.7B --mode train --steps 3 --memory-snapshot mem.pickle
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
-  python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \
-      --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \
+  python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \\
+      --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \\
       --attention flash-triton --warmup 1 --steps 3
 """
 
@@ -978,6 +978,8 @@ def _shown(col: str, rows: Sequence[dict[str, Any]]) -> bool:
     """A column is in the table when some row has it (config columns: a non-default value)."""
     if col in OPTIONAL_CONFIG_COLUMNS:
         return any(r.get(col) not in (None, OPTIONAL_CONFIG_COLUMNS[col]) for r in rows)
+    if col in ("compile", "cuda_graph") and rows and all(r.get("fsdp") for r in rows):
+        return False  # not available in the multi-GPU mode
     return any(r.get(col) is not None for r in rows)
 
 
