@@ -10,8 +10,9 @@ import torch
 def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
     """Run `python -m lm_core.train` argv lists one after another in this rank's process group.
 
-    Returns, per run, the final weights (CPU) and logged losses; the trainer reuses the
-    group that spawn initialized and leaves it alone.
+    Returns, per run, the final weights (CPU; the full state under --fsdp, gathered while the
+    group is up, complete on rank 0) and logged losses; the trainer reuses the group that
+    spawn initialized and leaves it alone.
     """
     from lm_core.train import main
 
@@ -21,7 +22,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, A
         result = main(argv)
         out.append(
             {
-                "weights": {k: v.detach().cpu() for k, v in result.model.state_dict().items()},
+                "weights": {k: v.detach().cpu() for k, v in result.full_state_dict().items()},
                 "losses": [h["loss"] for h in result.history],
                 "step": result.step,
             }

@@ -71,6 +71,27 @@ def test_compiled_and_wrapped_models_save_plain_keys(tmp_path):
     assert torch.equal(target.module._orig_mod.lm_head.weight, model.lm_head.weight)
 
 
+def test_state_dicts_taken_beforehand_save_like_the_objects(tmp_path):
+    # The trainer under --fsdp gathers full states first and saves them as dicts.
+    model, opt = _trained(4)
+    save_checkpoint(tmp_path / "obj.pt", model, opt, step=2)
+    save_checkpoint(
+        tmp_path / "dict.pt", model.state_dict(), opt.state_dict(), step=2, config=model.config
+    )
+    a, b = read_checkpoint(tmp_path / "obj.pt"), read_checkpoint(tmp_path / "dict.pt")
+    assert a["config"] == b["config"]
+    for key, value in a["model"].items():
+        assert torch.equal(b["model"][key], value), key
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    fresh, fresh_opt = _trained(5, steps=0)
+    assert load_checkpoint(tmp_path / "dict.pt", fresh, fresh_opt) == 2
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(TypeError, match="model"):
+        save_checkpoint(tmp_path / "x.pt", [1, 2], None, step=1)
+    with pytest.raises(TypeError, match="optimizer"):
+        save_checkpoint(tmp_path / "x.pt", model, "adam", step=1)
+
+
 def test_prefixed_keys_from_other_code_are_stripped(tmp_path):
     model, _ = _trained(3)
     save_checkpoint(tmp_path / "a.pt", model, None, step=0)

@@ -334,3 +334,27 @@ def test_model_loss_equals_cross_entropy_of_logits():
     with pytest.raises(ValueError, match="targets: expected shape"):
         model(x, y[:, :3])
     assert model(x).shape == (2, 16, 256)  # logits without targets, as before
+
+
+def test_fused_loss_runs_inside_the_lm_head_module_call():
+    # Wrappers that gather sharded weights in module hooks (zero_shard.FSDP, fully_shard on
+    # the head) must see the head's weight used: the loss is computed in lm_head's call.
+    from lm_core.model import LMHead
+
+    model = TransformerLM(get_config("tiny"))
+    assert isinstance(model.lm_head, LMHead)
+    assert isinstance(model.lm_head, torch.nn.Linear)  # and a Linear, as before
+    assert list(model.state_dict())[-2:] == ["ln_final.weight", "lm_head.weight"]
+    calls = []
+    model.lm_head.register_forward_pre_hook(lambda m, args: calls.append(len(args)))
+    model.lm_head.register_forward_hook(lambda m, args, out: calls.append(tuple(out.shape)))
+    ids = torch.randint(0, 256, (2, 9))
+    loss = model(ids[:, :-1], ids[:, 1:])
+    assert calls == [2, ()]  # (h, targets) in, the 0-dim loss out
+    h = model.hidden_states(ids[:, :-1])
+    torch.testing.assert_close(
+        loss, fused_linear_cross_entropy(h, model.lm_head.weight, ids[:, 1:])
+    )
+    calls.clear()
+    assert model(ids).shape == (2, 9, 256)
+    assert calls == [2, (2, 9, 256)]  # (h, None) in, logits out

@@ -111,6 +111,12 @@ def test_token_files_and_bf16(tmp_path):
         (["--ddp", "magic"], "--ddp"),
         (["--activation-checkpointing", "0"], "--activation-checkpointing"),
         (["--activation-checkpointing", "often"], "--activation-checkpointing"),
+        (["--fsdp", "magic"], "--fsdp"),
+        (["--fsdp", "ours", "--ddp", "naive"], "--fsdp"),
+        (["--fsdp", "torch", "--ddp", "torch"], "excludes --ddp"),
+        (["--fsdp", "ours", "--zero"], "--zero"),
+        (["--fsdp", "torch", "--zero", "--ddp", "none"], "already shards"),
+        (["--fsdp", "ours", "--compile"], "--compile"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(argv, flag, capsys):

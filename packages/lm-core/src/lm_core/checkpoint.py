@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,8 @@ def strip_wrapper_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _config_dict(config: Any, model: nn.Module) -> dict[str, Any] | None:
-    if config is None:
+def _config_dict(config: Any, model: nn.Module | None) -> dict[str, Any] | None:
+    if config is None and model is not None:
         config = getattr(model, "config", None)
     if config is None:
         return None
@@ -83,7 +84,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the torch, Python, NumPy (and CUDA) generators to a checkpoint's `rng` entry."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np_state = state["numpy"]
@@ -103,27 +105,43 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    model: nn.Module | Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | Mapping[str, Any] | None,
     step: int,
     config: ModelConfig | dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Atomically write model/optimizer state, `step`, config and RNG state to `path`.
 
-    config: defaults to `model.config` (after unwrapping). extra: small tensors/plain values
-    to keep (e.g. a data generator's state); read them back with `read_checkpoint(path)`.
-    For a sharded optimizer, call `optimizer.consolidate_state_dict(to=0)` on every rank first
-    and save from rank 0.
+    model / optimizer: the objects (their `state_dict()` is saved) or state dicts already
+    taken (e.g. full state dicts gathered from a sharded model: see `lm_core.distributed`).
+    config: defaults to `model.config` (after unwrapping; give it with a state dict). extra:
+    small tensors/plain values to keep (e.g. a data generator's state); read them back with
+    `read_checkpoint(path)`. For a sharded optimizer, call
+    `optimizer.consolidate_state_dict(to=0)` on every rank first and save from rank 0.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
-    target = unwrap_model(model)
+    if isinstance(model, nn.Module):
+        target: nn.Module | None = unwrap_model(model)
+        model_state = target.state_dict()
+    elif isinstance(model, Mapping):
+        target, model_state = None, dict(model)
+    else:
+        raise TypeError(f"model: expected an nn.Module or a state dict, got {type(model)}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer_state = optimizer.state_dict()
+    elif optimizer is None or isinstance(optimizer, Mapping):
+        optimizer_state = dict(optimizer) if optimizer is not None else None
+    else:
+        raise TypeError(
+            f"optimizer: expected a torch Optimizer, a state dict or None, got {type(optimizer)}"
+        )
     payload = {
         "format": FORMAT,
         "step": step,
-        "model": strip_wrapper_prefixes(target.state_dict()),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "model": strip_wrapper_prefixes(model_state),
+        "optimizer": optimizer_state,
         "config": _config_dict(config, target),
         "rng": _rng_state(),
         "extra": dict(extra) if extra else {},
@@ -162,8 +180,7 @@ def read_checkpoint(
     return payload
 
 
-def _check_config(saved: dict[str, Any] | None, model: nn.Module, path: Path) -> None:
-    current = getattr(model, "config", None)
+def _check_config(saved: dict[str, Any] | None, current: Any, path: Path) -> None:
     if saved is None or not isinstance(current, ModelConfig):
         return
     current_dict = current.to_dict()
@@ -177,7 +194,8 @@ def _check_config(saved: dict[str, Any] | None, model: nn.Module, path: Path) ->
         raise ValueError(f"checkpoint {path} was saved for another model config: {detail}")
 
 
-def _check_state(saved: dict[str, Any], expected: dict[str, Any], path: Path) -> None:
+def _check_state(saved: dict[str, Any], expected: Mapping[str, Any], path: Path) -> None:
+    """`expected`: key -> a tensor or its shape (a torch.Size)."""
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     if missing or unexpected:
@@ -185,12 +203,29 @@ def _check_state(saved: dict[str, Any], expected: dict[str, Any], path: Path) ->
             f"checkpoint {path} does not match the model: missing keys {missing[:8]}, "
             f"unexpected keys {unexpected[:8]}"
         )
-    for key, tensor in expected.items():
-        if tuple(saved[key].shape) != tuple(tensor.shape):
+    for key, value in expected.items():
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(value)
+        if tuple(saved[key].shape) != shape:
             raise ValueError(
                 f"checkpoint {path}: parameter {key} has shape {tuple(saved[key].shape)} in the "
-                f"checkpoint vs {tuple(tensor.shape)} in the model"
+                f"checkpoint vs {shape} in the model"
             )
+
+
+def checked_model_state(
+    payload: dict[str, Any],
+    path: str | os.PathLike[str],
+    config: ModelConfig | None,
+    shapes: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The model state dict of a checkpoint read by `read_checkpoint`, wrapper prefixes
+    stripped, after checking it against `config` and `shapes` (state-dict key -> full shape
+    or tensor): ValueError naming the differing config field, key or shape."""
+    path = Path(path)
+    _check_config(payload["config"], config, path)
+    state = strip_wrapper_prefixes(payload["model"])
+    _check_state(state, shapes, path)
+    return state
 
 
 def load_checkpoint(
@@ -210,9 +245,7 @@ def load_checkpoint(
     path = Path(path)
     payload = read_checkpoint(path, map_location)
     target = unwrap_model(model)
-    _check_config(payload["config"], target, path)
-    state = strip_wrapper_prefixes(payload["model"])
-    _check_state(state, target.state_dict(), path)
+    state = checked_model_state(payload, path, getattr(target, "config", None), target.state_dict())
     target.load_state_dict(state)
     if optimizer is not None:
         if payload["optimizer"] is None:
@@ -224,5 +257,5 @@ def load_checkpoint(
                 f"checkpoint {path}: optimizer state does not match this optimizer: {exc}"
             ) from exc
     if restore_rng:
-        _set_rng_state(payload["rng"])
+        restore_rng_state(payload["rng"])
     return int(payload["step"])

@@ -1,9 +1,12 @@
 """Data parallelism for the trainer, applied beside the model (the model knows none of it).
 
 `setup_distributed` joins (or creates) a process group; `wrap_model` applies torch.compile and
-a data-parallel wrapper in a fixed order; `build_optimizer` optionally shards optimizer state.
-The wrappers come from optional packages imported lazily: `ddp_kit` (naive, flat, individual,
-bucketed) and `zero_shard` (--zero); "torch" is `torch.nn.parallel.DistributedDataParallel`.
+a data-parallel or fully sharded wrapper in a fixed order; `build_optimizer` optionally shards
+optimizer state. The wrappers come from optional packages imported lazily: `ddp_kit` (naive,
+flat, individual, bucketed) and `zero_shard` (--zero, --fsdp ours); "torch" is
+`torch.nn.parallel.DistributedDataParallel` for --ddp and `fully_shard` for --fsdp
+(`lm_core.fsdp`). The result, a `ParallelModel`, also knows how to clip the gradients and how
+to read and load the full (unsharded) model and optimizer state for checkpoints.
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lm_core.checkpoint import unwrap_model
+from lm_core.optim import clip_grad_norm
+
 DDP_CHOICES = ("none", "naive", "flat", "individual", "bucketed", "torch")
+FSDP_CHOICES = ("none", "ours", "torch")  # ours: zero_shard.FSDP; torch: torch's fully_shard
 _DDP_KIT_CLASSES = {
     "naive": "NaiveDDP",
     "flat": "FlatDDP",
@@ -69,24 +76,34 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
-def setup_distributed(ddp: str, device: str = "auto", backend: str = "auto") -> DistEnv:
-    """Join the process group for `ddp` != "none", or run on one device.
+def setup_distributed(
+    ddp: str, device: str = "auto", backend: str = "auto", *, fsdp: str = "none"
+) -> DistEnv:
+    """Join the process group for a data-parallel `ddp` != "none" or a sharded `fsdp` !=
+    "none", or run on one device.
 
     An existing group (initialized by the caller) is used as is. Under torchrun (WORLD_SIZE in
     the environment) a group is created from the environment; with a wrapper chosen but no
     torchrun, a one-process group on localhost (useful to try a wrapper on one device).
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if ddp == "none":
+    if ddp == "none" and fsdp == "none":
         if env_world > 1 or (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 f"--ddp none: this process is one of {max(env_world, 2)} ranks; choose a "
-                f"data-parallel wrapper with --ddp {{{','.join(DDP_CHOICES[1:])}}}"
+                f"data-parallel wrapper with --ddp {{{','.join(DDP_CHOICES[1:])}}} or "
+                f"--fsdp {{{','.join(FSDP_CHOICES[1:])}}}"
             )
         return DistEnv(device=resolve_device(device, 0))
+    flag = f"--fsdp {fsdp}" if fsdp != "none" else f"--ddp {ddp}"
     if not dist.is_available():
-        raise RuntimeError(f"--ddp {ddp}: this torch build has no torch.distributed")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        raise RuntimeError(f"{flag}: this torch build has no torch.distributed")
+    if "LOCAL_RANK" in os.environ:
+        local_rank = int(os.environ["LOCAL_RANK"])
+    elif dist.is_initialized() and torch.cuda.is_available():
+        local_rank = torch.cuda.current_device()  # a caller's group: the GPU it picked
+    else:
+        local_rank = 0
     dev = resolve_device(device, local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -128,11 +145,58 @@ def _import(name: str, extra: str) -> Any:
 
 @dataclass
 class ParallelModel:
-    """A model ready to train: what to call, how to sync gradients, how to skip syncs."""
+    """A model ready to train: what to call, how to sync gradients, how to skip syncs, and
+    the full (unsharded) view of its parameters and optimizer state for checkpoints.
+
+    This class serves unsharded parameters (one device, data-parallel wrappers, sharded
+    optimizer state); `lm_core.fsdp` subclasses it for fully sharded ones. Methods marked
+    collective must be called on every rank.
+    """
 
     module: nn.Module  # call this for forward
     finish_sync: Callable[[], None]  # call after the last backward of a step
     no_sync: Callable[[], contextlib.AbstractContextManager[Any]]  # wrap non-final micro-steps
+    rank: int = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """The model under the wrappers (the TransformerLM; its parameters may be shards)."""
+        return unwrap_model(self.module)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The tensors the optimizer steps."""
+        return list(self.model.parameters())
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that the global L2 norm of the full gradients is at most
+        `max_norm` (collective when sharded); returns the norm before clipping (0-dim fp32,
+        on the device: no host sync)."""
+        return clip_grad_norm([p for p in self.parameters() if p.grad is not None], max_norm)
+
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """State-dict key -> the full (unsharded) shape, to check checkpoints against."""
+        return {k: v.shape for k, v in self.model.state_dict().items()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsharded model state dict, complete on rank 0 (collective when sharded; other
+        ranks may get an empty or a full dict)."""
+        return self.model.state_dict()
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded model state dict (the same on every rank)."""
+        self.model.load_state_dict(state)
+
+    def full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict | None:
+        """Collective. On rank 0: the state dict an unsharded optimizer over
+        `model.parameters()` would have (sharded optimizer state consolidated); None on the
+        other ranks."""
+        if hasattr(optimizer, "consolidate_state_dict"):  # zero_shard.ShardedOptimizer
+            optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if self.rank == 0 else None
+
+    def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load what `full_optimizer_state_dict` returned (every rank passes the same dict)."""
+        optimizer.load_state_dict(state)
 
 
 def wrap_model(
@@ -142,22 +206,45 @@ def wrap_model(
     *,
     compile: bool = False,
     bucket_size_mb: float = 25.0,
+    fsdp: str = "none",
+    bf16: bool = False,
 ) -> ParallelModel:
-    """Apply torch.compile and the data-parallel wrapper `ddp`, in this order:
+    """Apply torch.compile and the data-parallel wrapper `ddp` or the sharding `fsdp`, in
+    this order:
 
     - ddp_kit wrappers: compile the model first, then wrap it, so the wrapper's gradient hooks
       run eagerly around the compiled graphs;
-    - torch DDP: wrap first, then compile (torch's DDPOptimizer splits graphs at buckets).
+    - torch DDP: wrap first, then compile (torch's DDPOptimizer splits graphs at buckets);
+    - fsdp "ours" (`zero_shard.FSDP`, compute dtype bf16 with `bf16`): no compile (refused:
+      the wrapper swaps parameters in module hooks, which dynamo would have to trace);
+    - fsdp "torch" (`fully_shard` per block, then the root; bf16 parameters and fp32
+      gradient reduction with `bf16`): each block compiled in place first (torch skips its
+      FSDP hooks when tracing), as torchtitan does.
+    Activation checkpointing, when wanted, is applied to `model` before this.
     """
     if ddp not in DDP_CHOICES:
         raise ValueError(f"--ddp: expected one of {list(DDP_CHOICES)}, got {ddp!r}")
+    if fsdp not in FSDP_CHOICES:
+        raise ValueError(f"--fsdp: expected one of {list(FSDP_CHOICES)}, got {fsdp!r}")
+    if fsdp != "none":
+        if ddp != "none":
+            raise ValueError(f"--fsdp {fsdp} excludes --ddp (got --ddp {ddp})")
+        from lm_core import fsdp as sharding
+
+        if fsdp == "ours":
+            if compile:
+                raise ValueError(
+                    f"--compile: not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}"
+                )
+            return sharding.ZeroShardFSDP(model, env, bf16=bf16)
+        return sharding.TorchFSDP(model, env, bf16=bf16, compile=compile)
 
     def nothing() -> None:
         return None
 
     if ddp == "none":
         module = torch.compile(model) if compile else model
-        return ParallelModel(module, nothing, contextlib.nullcontext)
+        return ParallelModel(module, nothing, contextlib.nullcontext, env.rank)
     if ddp == "torch":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -166,7 +253,7 @@ def wrap_model(
             model, device_ids=device_ids, bucket_cap_mb=bucket_size_mb
         )
         module = torch.compile(wrapped) if compile else wrapped
-        return ParallelModel(module, nothing, wrapped.no_sync)
+        return ParallelModel(module, nothing, wrapped.no_sync, env.rank)
     ddp_kit = _import("ddp_kit", "ddp")
     cls = getattr(ddp_kit, _DDP_KIT_CLASSES[ddp])
     inner = torch.compile(model) if compile else model
@@ -174,7 +261,16 @@ def wrap_model(
         wrapped = cls(inner, bucket_size_mb=bucket_size_mb)
     else:
         wrapped = cls(inner)
-    return ParallelModel(wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync)
+    return ParallelModel(
+        wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync, env.rank
+    )
+
+
+# Why --compile is refused with --fsdp ours (the parser's message too).
+FSDP_OURS_NO_COMPILE = (
+    "zero_shard.FSDP gathers and swaps weights in module hooks, which torch.compile would "
+    "have to trace; use --fsdp torch to compile a sharded model"
+)
 
 
 def build_optimizer(

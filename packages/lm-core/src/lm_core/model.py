@@ -11,7 +11,9 @@ Same parameters and math as the course model, laid out for fewer, larger kernels
 Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, activation
 checkpointing (`lm_core.activation_ckpt`), compilation and mixed precision are applied from
 outside (see `lm_core.train`). `model(token_ids, targets)` returns the loss through the fused
-LM-head + cross-entropy (`lm_core.fused_loss`), without the (B, T, V) logits.
+LM-head + cross-entropy (`lm_core.fused_loss`), without the (B, T, V) logits; it runs inside a
+call of the `lm_head` module (`LMHead`), so wrappers that gather sharded weights in module hooks
+(zero_shard.FSDP, torch's fully_shard) see the head's weight used.
 
 Shapes: B batch, T sequence, D d_model, H heads, Dh head dim, F d_ff, V vocab.
 """
@@ -29,7 +31,7 @@ from lm_core.attention import get_attention
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.fused_loss import fused_linear_cross_entropy
 
-__all__ = ["MODEL_SIZES", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
+__all__ = ["MODEL_SIZES", "LMHead", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
 
 
 def _is_compiling() -> bool:
@@ -164,6 +166,27 @@ class TransformerBlock(nn.Module):
         return x
 
 
+class LMHead(nn.Linear):
+    """The output projection, and with targets the fused LM head + cross-entropy.
+
+    An `nn.Linear(d_model, vocab_size, bias=False)`: `weight` (V, D), its state-dict key and
+    `isinstance(head, nn.Linear)` are those of a plain Linear. `head(h)` -> logits (..., V);
+    `head(h, targets)` -> the mean cross-entropy (0-dim fp32) by `fused_linear_cross_entropy`
+    on `self.weight`, without the (..., V) logits. Both run inside this module's call, so its
+    forward hooks fire around the loss too: a wrapper that gathers sharded weights in module
+    hooks (zero_shard.FSDP, torch's fully_shard applied to the head) gathers `weight` for it.
+    """
+
+    def __init__(self, d_model: int, vocab_size: int) -> None:
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """h (..., D) -> logits (..., V); with targets (...) int ids: the mean loss (0-dim)."""
+        if targets is None:
+            return super().forward(h)
+        return fused_linear_cross_entropy(h, self.weight, targets)
+
+
 class TransformerLM(nn.Module):
     """Decoder-only Transformer LM: token ids (B, T) int -> logits (B, T, V).
 
@@ -181,7 +204,7 @@ class TransformerLM(nn.Module):
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.d_model, config.vocab_size)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -202,13 +225,11 @@ class TransformerLM(nn.Module):
 
         With `targets` (B, T) (next-token ids in [0, V)): the mean cross-entropy instead, a
         0-dim fp32 tensor, computed by `fused_linear_cross_entropy` from the final hidden
-        states and `lm_head.weight` without materializing the (B, T, V) logits (the `lm_head`
-        module itself is not called then: its hooks do not fire).
+        states and `lm_head.weight` without materializing the (B, T, V) logits. Either way the
+        `lm_head` module is called (`LMHead.forward(h, targets)`): its hooks fire.
         """
         h = self.hidden_states(token_ids)  # (B, T, D)
-        if targets is None:
-            return self.lm_head(h)  # (B, T, V)
-        return fused_linear_cross_entropy(h, self.lm_head.weight, targets)
+        return self.lm_head(h, targets)  # logits (B, T, V), or the loss (0-dim fp32)
 
     def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The LM head's input, (B, T, D): embeddings, every block, final RMSNorm."""

@@ -6,6 +6,8 @@ Examples:
         --batch-size 32 --context-length 512 --steps 5000 --out-dir runs/small
     torchrun --nproc_per_node 2 -m lm_core.train --size xl --bf16 --ddp bucketed \
         --bucket-size-mb 100 --zero --batch-size 8 --context-length 512
+    torchrun --nproc_per_node 2 -m lm_core.train --size 2.7B --bf16 --fsdp ours \
+        --activation-checkpointing optimal --fused-loss --batch-size 8 --context-length 2048
 
 `--batch-size` is the global number of sequences per micro-step, split evenly over ranks;
 each optimizer step sees batch-size x grad-accum-steps sequences. The logic lives in
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from lm_core.activation_ckpt import parse_every
 from lm_core.config import ATTENTION_BACKENDS, MODEL_SIZES, get_config
-from lm_core.distributed import DDP_CHOICES
+from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES, FSDP_OURS_NO_COMPILE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ddp", default="none", choices=list(DDP_CHOICES), help="gradient sync")
     g.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucketed/torch DDP")
     g.add_argument("--zero", action="store_true", help="shard optimizer state (zero_shard)")
+    g.add_argument(
+        "--fsdp",
+        default="none",
+        choices=list(FSDP_CHOICES),
+        help="shard weights, gradients and optimizer state: ours = zero_shard.FSDP, "
+        "torch = torch's fully_shard (per block, then the root); excludes --ddp and --zero",
+    )
     g.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
 
     g = p.add_argument_group("evaluation, checkpoints, logging")
@@ -163,6 +172,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.activation_checkpointing = parse_every(args.activation_checkpointing)
     except (ValueError, TypeError) as exc:
         parser.error(f"--activation-checkpointing: {exc}")
+    if args.fsdp != "none":
+        if args.ddp != "none":
+            parser.error(
+                f"--fsdp {args.fsdp} synchronizes gradients itself: it excludes --ddp "
+                f"(got --ddp {args.ddp})"
+            )
+        if args.zero:
+            parser.error(f"--zero: --fsdp {args.fsdp} already shards the optimizer state")
+        if args.compile and args.fsdp == "ours":
+            parser.error(f"--compile is not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}")
     if args.zero and args.ddp == "none":
         parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
     if args.eval_every and args.val_data is None and args.data is not None:

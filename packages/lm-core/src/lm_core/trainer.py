@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from lm_core.activation_ckpt import apply_activation_checkpointing, block_activation_ratio
-from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint, unwrap_model
+from lm_core.checkpoint import (
+    checked_model_state,
+    read_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from lm_core.data import gather_windows, load_tokens, sample_starts, synthetic_tokens
 from lm_core.distributed import (
     DistEnv,
@@ -37,7 +42,7 @@ from lm_core.distributed import (
 )
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
-from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
+from lm_core.optim import AdamW, cosine_lr
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -46,15 +51,25 @@ CHECKPOINT_NAME = "checkpoint.pt"
 class TrainResult:
     """What a run leaves behind, for callers and tests."""
 
-    model: TransformerLM  # unwrapped
+    model: TransformerLM  # unwrapped (under --fsdp its parameters are this rank's shards)
     optimizer: torch.optim.Optimizer
     step: int  # optimizer steps completed
     history: list[dict[str, Any]] = field(default_factory=list)  # logged train records
     evals: list[dict[str, Any]] = field(default_factory=list)  # {"step", "val_loss"}
+    parallel: ParallelModel | None = None  # how the model was wrapped
 
     @property
     def final_loss(self) -> float | None:
         return self.history[-1]["loss"] if self.history else None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained model's full (unsharded) state dict. Under --fsdp this is a
+        collective: call it on every rank while the process group is still up (a group that
+        the trainer created itself is gone when `train` returns: read the checkpoint then);
+        rank 0 gets the whole dict."""
+        if self.parallel is None:
+            return self.model.state_dict()
+        return self.parallel.full_state_dict()
 
 
 @dataclass
@@ -150,9 +165,7 @@ def train_step(
     pm.finish_sync()
     grad_norm = None
     if args.grad_clip > 0:
-        grad_norm = clip_grad_norm(
-            [p for p in unwrap_model(pm.module).parameters() if p.grad is not None], args.grad_clip
-        )
+        grad_norm = pm.clip_grad_norm(args.grad_clip)  # global norm (sharded: collective)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -236,14 +249,48 @@ def _save(
     args: argparse.Namespace,
     env: DistEnv,
 ) -> None:
-    """Checkpoint from rank 0 (a sharded optimizer is consolidated there first: all ranks)."""
-    if hasattr(optimizer, "consolidate_state_dict"):
-        optimizer.consolidate_state_dict(to=0)
+    """Checkpoint from rank 0: the full model and optimizer states, as one process training
+    alone would have them (sharded parameters gathered, sharded optimizer state consolidated
+    on rank 0 first: every rank takes part)."""
+    model_state = pm.full_state_dict()
+    optimizer_state = pm.full_optimizer_state_dict(optimizer)
     if env.is_main:
         extra = {"data_generator": data.generator.get_state(), "args": _args_record(args)}
-        save_checkpoint(path, pm.module, optimizer, step, extra=extra)
+        save_checkpoint(
+            path, model_state, optimizer_state, step, config=args.model_config, extra=extra
+        )
     if env.world_size > 1:
         torch.distributed.barrier()
+
+
+def _resume(
+    path: Path,
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    data: Data,
+    args: argparse.Namespace,
+) -> int:
+    """Restore model, optimizer, RNG and data-generator state from a checkpoint of any world
+    size and wrapper (full states: see `_save`); returns its step. Every rank reads the file."""
+    payload = read_checkpoint(path)
+    state = checked_model_state(payload, path, args.model_config, pm.full_shapes())
+    start = int(payload["step"])
+    if start > args.steps:
+        raise ValueError(f"--resume: checkpoint is at step {start}, beyond --steps {args.steps}")
+    if payload["optimizer"] is None:
+        raise ValueError(f"checkpoint {path} holds no optimizer state")
+    pm.load_full_state_dict(state)
+    try:
+        pm.load_full_optimizer_state_dict(optimizer, payload["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise ValueError(
+            f"checkpoint {path}: optimizer state does not match this optimizer: {exc}"
+        ) from exc
+    restore_rng_state(payload["rng"])
+    generator_state = payload["extra"].get("data_generator")
+    if generator_state is not None:
+        data.generator.set_state(generator_state)
+    return start
 
 
 def _args_record(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,7 +303,7 @@ def _args_record(args: argparse.Namespace) -> dict[str, Any]:
 
 def train(args: argparse.Namespace) -> TrainResult:
     """Run training as configured by `lm_core.train.parse_args`; returns a TrainResult."""
-    env = setup_distributed(args.ddp, args.device, args.dist_backend)
+    env = setup_distributed(args.ddp, args.device, args.dist_backend, fsdp=args.fsdp)
     try:
         return _train(args, env)
     finally:
@@ -276,12 +323,20 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     data = load_data(args)
     with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
         model = TransformerLM(args.model_config)
-    # activation checkpointing, then compile, then data-parallel wrappers (wrap_model)
+    # activation checkpointing, then compile, then data-parallel / FSDP wrappers (wrap_model)
     ratio = block_activation_ratio(args.model_config, autocast=args.bf16)
     apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
-    pm = wrap_model(model, args.ddp, env, compile=args.compile, bucket_size_mb=args.bucket_size_mb)
+    pm = wrap_model(
+        model,
+        args.ddp,
+        env,
+        compile=args.compile,
+        bucket_size_mb=args.bucket_size_mb,
+        fsdp=args.fsdp,
+        bf16=args.bf16,
+    )
     optimizer = build_optimizer(
-        list(model.parameters()),
+        pm.parameters(),  # under --fsdp: this rank's shards (and the replicated norms)
         AdamW,
         args.zero,
         lr=args.max_lr,
@@ -291,15 +346,8 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     )
     start = 0
     if args.resume is not None:
-        start = load_checkpoint(args.resume, model, optimizer)
-        state = read_checkpoint(args.resume)["extra"].get("data_generator")
-        if state is not None:
-            data.generator.set_state(state)
-        if start > args.steps:
-            raise ValueError(
-                f"--resume: checkpoint is at step {start}, beyond --steps {args.steps}"
-            )
-    result = TrainResult(model=model, optimizer=optimizer, step=start)
+        start = _resume(args.resume, pm, optimizer, data, args)
+    result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
     log = _Log(args, env, start)
     tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length
     ckpt_path = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
