@@ -21,7 +21,7 @@ MULTI = ["--nprocs", "2", "--device", "cpu"]
 CMD_8B = [
     *("--size", "8B", "--context", "32768", "--batch", "1", "--nprocs", "2", "--fsdp", "ours"),
     *("--precision", "bf16", "--mode", "train", "--fused-loss", "--activation-checkpointing"),
-    *("1", "--attention", "flash-triton", "--warmup", "1", "--steps", "3"),
+    *("1", "--attention", "sdpa", "--warmup", "1", "--steps", "3"),
 ]
 
 

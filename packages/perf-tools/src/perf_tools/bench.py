@@ -22,7 +22,7 @@ Examples:
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
   python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \\
       --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \\
-      --attention flash-triton --warmup 1 --steps 3
+      --attention sdpa --warmup 1 --steps 3
 """
 
 from __future__ import annotations
