@@ -68,6 +68,29 @@ SWEEPS = {
         "dkdv": ["32,128,8,3", "32,256,8,3", "32,256,8,2", "32,256,8,4", "32,256,4,3"],
         "dq": ["128,64,8,3", "128,64,8,4"],
     },
+    "d64tma": {  # TMA descriptors for the streamed tiles and Triton's warp specialization
+        "fwd": [
+            "128,128,4,3", "128,128,4,3,tma", "128,128,4,3,ws", "128,128,4,3,tma,ws",
+            "128,128,8,3,tma,ws", "128,64,4,3,tma,ws", "128,128,4,2,tma", "128,128,4,4,tma",
+        ],
+        "dkdv": [
+            "32,128,8,3", "32,128,8,3,tma", "32,128,8,3,ws", "32,128,8,3,tma,ws",
+            "64,128,8,3,tma,ws", "32,128,4,3,tma,ws", "64,128,4,3,tma,ws", "32,128,8,4,tma",
+        ],
+        "dq": [
+            "128,64,8,3", "128,64,8,3,tma", "128,64,8,3,ws", "128,64,8,3,tma,ws",
+            "128,64,4,3,tma,ws", "128,128,8,3,tma,ws", "128,64,8,4,tma",
+        ],
+    },
+    "d64atomic": {  # one-pass backward, dQ added by TMA bulk reductions (5 matmuls, not 7)
+        "fwd": ["128,128,4,3,tma"],
+        "dkdv": ["32,128,8,3"],
+        "dq": ["128,64,8,3,tma"],
+        "atomic": [
+            "32,128,8,3", "32,128,8,3,tma", "64,128,8,3,tma", "64,128,8,2,tma", "32,128,8,4,tma",
+            "64,64,4,3,tma", "64,128,4,3,tma", "32,64,4,3,tma", "128,128,8,2,tma",
+        ],
+    },
     "d128": {
         "fwd": ["128,64,8,3", "128,64,4,3", "128,128,8,2", "64,64,4,3", "128,32,4,3"],
         "dkdv": ["32,128,8,2", "64,128,8,2", "32,64,4,3", "64,64,8,3", "16,128,8,3"],
@@ -128,7 +151,7 @@ def _set_variant(kind: str, spec: str) -> None:
     from flashattn_triton import configs as C
 
     C.OVERRIDES.clear()
-    C.OVERRIDES[kind] = C.TileConfig(*(int(x) for x in spec.split(",")))
+    C.OVERRIDES[kind] = C.TileConfig.parse(spec)
     scheme = {"fused": "fused", "atomic": "atomic"}.get(kind, "split")
     os.environ["FLASHATTN_TRITON_BWD"] = scheme
 
@@ -323,7 +346,7 @@ def main(argv=None) -> int:
             C.OVERRIDES.clear()
             specs = {kind: best[kind][0] for kind in ("fwd", *SCHEME_KINDS[scheme]) if kind in best}
             for kind, spec in specs.items():
-                C.OVERRIDES[kind] = C.TileConfig(*(int(x) for x in spec.split(",")))
+                C.OVERRIDES[kind] = C.TileConfig.parse(spec)
             os.environ["FLASHATTN_TRITON_BWD"] = scheme
             env = ";".join(f"{kd}={sp}" for kd, sp in specs.items())
             row = time_provider(f"ours[{scheme}]", fn, q, k, v, a, f_fb, f_f, f_b)

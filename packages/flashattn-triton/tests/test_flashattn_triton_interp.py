@@ -8,6 +8,8 @@ diagonal tiles, ragged last tiles and tile skipping all run.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from flashattn_testutil import reference_fwd_bwd, rel_err, run_fwd_bwd, saved_lse
@@ -81,6 +83,51 @@ def test_split_backward_small_tiles(lead, n_q, n_k, d, causal, small_tiles):
 def test_other_backward_schemes(scheme, n_q, n_k, causal, small_tiles, monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
     _check(*_inputs((2,), n_q, n_k, 16), causal)
+
+
+@pytest.mark.parametrize("flags", [("tma",), ("ws",), ("tma", "ws")])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "d", "causal"), [(97, 97, 16, True), (70, 40, 24, True), (33, 50, 16, False)]
+)
+def test_tma_and_warp_spec_paths(flags, n_q, n_k, d, causal, monkeypatch):
+    """The TMA-descriptor loads (ragged rows and padded head dims read as zeros) and the
+    warp-specialize loop flag give the same results as the pointer path."""
+    tiles = {
+        kind: replace(cfg, tma="tma" in flags, ws="ws" in flags)
+        for kind, cfg in SMALL_TILES.items()
+        if kind.split(".")[0] in ("fwd", "dkdv", "dq")
+    }
+    monkeypatch.setattr(configs, "OVERRIDES", tiles)
+    q, k, v, do = _inputs((2,), n_q, n_k, d)
+    if "tma" in flags:
+        assert launch.tma_usable(q)
+    _check(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
+)
+def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch):
+    """The atomic backward asked for TMA reductions: the interpreter has none, so it falls
+    back to element atomics (the reduction itself is checked by the GPU tests)."""
+    monkeypatch.setattr(
+        configs, "OVERRIDES", {"atomic.fp32": replace(SMALL_TILES["atomic.fp32"], tma=True)}
+    )
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "atomic")
+    _check(*_inputs((2,), n_q, n_k, 24), causal)
+
+
+def test_tma_needs_aligned_strides():
+    x = torch.randn(2, 3, 10, 17)[..., :16]  # row stride 17 floats = 68 bytes
+    assert not launch.tma_usable(x)
+    assert launch.tma_usable(torch.randn(2, 3, 10, 16))
+
+
+def test_tile_config_spec_round_trip():
+    for spec in ("128,64,4,3", "32,128,8,3,tma", "128,64,8,3,tma,ws", "32,128,8,4,64"):
+        assert configs.TileConfig.parse(spec).spec() == spec
+    with pytest.raises(ValueError, match="m,n,warps,stages"):
+        configs.TileConfig.parse("128,64,4,3,fast")
 
 
 @pytest.mark.parametrize(("n", "d", "causal"), [(100, 32, True), (64, 64, True), (50, 16, False)])

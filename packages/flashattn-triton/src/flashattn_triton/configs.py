@@ -10,8 +10,9 @@ Environment switches (read at each call, never inside traced code):
   instead of using the default table (first call per key takes seconds to minutes).
 - ``FLASHATTN_TRITON_BWD=split|fused|atomic``: the backward scheme (see ``ops``).
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
-- ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3"``: per-kind overrides of the table
-  (block_m, block_n, num_warps, num_stages[, block_n2]), e.g. to replay a benchmark's winner.
+- ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
+  table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws]), e.g. to replay a
+  benchmark's winner (see ``TileConfig.parse``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ class TileConfig:
 
     block_m / block_n: query / key tile. For the fused backward, block_n is the dK/dV key tile
     (and the dQ query tile), block_m the query step of the dK/dV loop and block_n2 the key
-    step of the dQ loop.
+    step of the dQ loop. ``tma``: the tiles streamed through the main loop (K and V in the
+    forward and dQ kernels, Q and dO in the dK/dV kernel) are loaded with Hopper TMA tensor
+    descriptors instead of pointer arithmetic (CUDA, compute capability >= 9, 16-byte aligned
+    strides; ignored elsewhere). ``ws``: ask Triton to warp-specialize the main (unmasked) loop.
+    Neither applies to the fused backward.
     """
 
     block_m: int
@@ -46,9 +51,28 @@ class TileConfig:
     num_warps: int
     num_stages: int
     block_n2: int = 0
+    tma: bool = False
+    ws: bool = False
 
     def kwargs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+
+    @classmethod
+    def parse(cls, spec: str) -> TileConfig:
+        """'m,n,warps,stages[,n2][,tma][,ws]' -> TileConfig, e.g. '128,128,4,3,tma'."""
+        parts = [p.strip().lower() for p in spec.split(",") if p.strip()]
+        flags = {p for p in parts if not p.isdigit()}
+        nums = [int(p) for p in parts if p.isdigit()]
+        if len(nums) not in (4, 5) or not flags <= {"tma", "ws"}:
+            raise ValueError(f"tile config {spec!r}: expected m,n,warps,stages[,n2][,tma][,ws]")
+        return cls(*nums, tma="tma" in flags, ws="ws" in flags)
+
+    def spec(self) -> str:
+        """The inverse of ``parse``."""
+        nums = [self.block_m, self.block_n, self.num_warps, self.num_stages]
+        nums += [self.block_n2] if self.block_n2 else []
+        flags = ["tma"] * self.tma + ["ws"] * self.ws
+        return ",".join([*map(str, nums), *flags])
 
 
 # Defaults for 16-bit inputs (kind -> padded head dim -> config). See benchmarks/NOTES.md.
@@ -211,12 +235,10 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
         kind = kind.strip()
         if kind.removesuffix(".fp32") not in DEFAULTS:
             raise ValueError(f"FLASHATTN_TRITON_CONFIGS: unknown kind {kind!r} in {item!r}")
-        nums = [int(x) for x in vals.split(",")]
-        if len(nums) not in (4, 5):
-            raise ValueError(
-                f"FLASHATTN_TRITON_CONFIGS: expected m,n,warps,stages[,n2] in {item!r}"
-            )
-        out[kind] = TileConfig(*nums)
+        try:
+            out[kind] = TileConfig.parse(vals)
+        except ValueError as e:
+            raise ValueError(f"FLASHATTN_TRITON_CONFIGS: {e} (in {item!r})") from None
     return out
 
 

@@ -84,6 +84,34 @@ def _store_rows(
 
 
 @triton.jit
+def _load_streamed(
+    desc,
+    base,
+    b32,
+    h32,
+    start,
+    n_rows,
+    stride_row,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """A tile of the main loop's streamed operand: through the (B, H, N, d) TMA descriptor
+    (out-of-bounds rows and columns read as zeros) or by pointers as ``_load_rows``."""
+    if USE_TMA:
+        x = desc.load([b32, h32, start, 0]).reshape(BLOCK_R, BLOCK_D)
+    else:
+        x = _load_rows(
+            base, start, n_rows, stride_row, offs_r, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS
+        )
+    return x
+
+
+@triton.jit
 def _visible(rows, cols, n_k, causal_off, CAUSAL: tl.constexpr, CHECK_COLS: tl.constexpr):
     """(len(rows), len(cols)) mask of visible (query, key) pairs; rows, cols absolute."""
     if CAUSAL:
@@ -108,6 +136,10 @@ def _fwd_key_loop(
     q,
     k_base,
     v_base,
+    desc_k,
+    desc_v,
+    b32,
+    h32,
     stride_kn,
     stride_vn,
     lo,
@@ -125,13 +157,15 @@ def _fwd_key_loop(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_rows(
-            k_base, start_n, n_k, stride_kn, offs_n, offs_d,
-            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        k = _load_streamed(
+            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
@@ -148,9 +182,9 @@ def _fwd_key_loop(
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_rows(
-            v_base, start_n, n_k, stride_vn, offs_n, offs_d,
-            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        v = _load_streamed(
+            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -164,6 +198,8 @@ def attn_fwd_kernel(
     V,
     Out,
     LSE,
+    DESC_A,
+    DESC_B,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -189,13 +225,19 @@ def attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
-    """One program: one query tile of one (batch, head). Writes O tile and L (natural log)."""
+    """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
+
+    DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused)."""
     pid_bh = tl.program_id(0)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    b32 = pid_bh // n_heads
+    h32 = pid_bh % n_heads
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -221,15 +263,15 @@ def attn_fwd_kernel(
         full_hi = n_k // BLOCK_N * BLOCK_N
         hi = n_k
     acc, l_i, m_i = _fwd_key_loop(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, 0, full_hi,
-        offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
+        0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_key_loop(
-            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, full_hi, hi,
-            offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
+            full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -310,6 +352,11 @@ def _dkdv_query_loop(
     v,
     q_base,
     do_base,
+    desc_q,
+    desc_do,
+    desc_dq,
+    b32,
+    h32,
     lse_base,
     delta_base,
     dq_base,
@@ -336,16 +383,25 @@ def _dkdv_query_loop(
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    TMA_DQ: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores)."""
-    for start_m in tl.range(lo, hi, BLOCK_M):
+    """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
+
+    With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
+    reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
+    element-wise atomics."""
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPEC):
         start_m = tl.multiple_of(start_m, BLOCK_M)
-        q = _load_rows(
-            q_base, start_m, n_q, stride_qn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
-        )
-        do = _load_rows(
-            do_base, start_m, n_q, stride_don, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
-        )
+        q = _load_streamed(
+            desc_q, q_base, b32, h32, start_m, n_q, stride_qn, offs_tm, offs_d,
+            HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
+        )  # fmt: skip
+        do = _load_streamed(
+            desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
+            HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
+        )  # fmt: skip
         lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, not EVEN_M)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
@@ -358,19 +414,23 @@ def _dkdv_query_loop(
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # eq. 19 (unscaled)
         if ATOMIC_DQ:
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * sm_scale
-            rows = (start_m + offs_tm)[:, None].to(tl.int64)
-            dq_ptrs = dq_base + rows * stride_dqn + offs_d[None, :]
-            if EVEN_M:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+            if TMA_DQ:
+                desc_dq.atomic_add([b32, h32, start_m, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
             else:
-                tl.atomic_add(dq_ptrs, dq, mask=(start_m + offs_tm)[:, None] < n_q, sem="relaxed")
+                rows = (start_m + offs_tm)[:, None].to(tl.int64)
+                dq_ptrs = dq_base + rows * stride_dqn + offs_d[None, :]
+                if EVEN_M:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                else:
+                    rows_in = (start_m + offs_tm)[:, None] < n_q
+                    tl.atomic_add(dq_ptrs, dq, mask=rows_in, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
-    b, h, pid_bh,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
+    b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -382,8 +442,13 @@ def _dkdv_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head)."""
+    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
+    DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
+    (with TMA_DQ)."""
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
     offs_tn = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tn
     offs_tm = tl.arange(0, BLOCK_M)
@@ -414,16 +479,18 @@ def _dkdv_tile(
         mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-            stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
+            delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
+            USE_TMA, False, TMA_DQ,
         )  # fmt: skip
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-        stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
+        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
+        delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
         not EVEN_N, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
+        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ,
     )  # fmt: skip
     dk = dk * sm_scale
     _store_rows(
@@ -445,6 +512,10 @@ def _dq_key_loop(
     delta,
     k_base,
     v_base,
+    desc_k,
+    desc_v,
+    b32,
+    h32,
     stride_kn,
     stride_vn,
     lo,
@@ -462,17 +533,19 @@ def _dq_key_loop(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_rows(
-            k_base, start_n, n_k, stride_kn, offs_n, offs_d,
-            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        k = _load_streamed(
+            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
-        v = _load_rows(
-            v_base, start_n, n_k, stride_vn, offs_n, offs_d,
-            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N,
+        v = _load_streamed(
+            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -487,8 +560,8 @@ def _dq_key_loop(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ,
-    b, h, pid_bh,
+    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B,
+    b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -498,8 +571,12 @@ def _dq_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head)."""
+    """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
+    TMA descriptors of K and V (with USE_TMA)."""
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
     offs_n = tl.arange(0, BLOCK_N)
@@ -528,15 +605,15 @@ def _dq_tile(
         full_hi = n_k // BLOCK_N * BLOCK_N
         hi = n_k
     dq = _dq_key_loop(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, 0, full_hi,
-        offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+        dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
+        stride_vn, 0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         dq = _dq_key_loop(
-            dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, full_hi, hi,
-            offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION,
+            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
+            stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
         )  # fmt: skip
     dq = dq * sm_scale
     _store_rows(
@@ -547,7 +624,7 @@ def _dq_tile(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -561,29 +638,31 @@ def attn_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
-    With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically.
+    With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
+    DESC_C descriptor with TMA_DQ).
     """
     pid_bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
     _dkdv_tile(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, b, h, pid_bh,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
+        pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
+        USE_TMA, WARP_SPEC, TMA_DQ,
     )  # fmt: skip
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -595,19 +674,19 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
     _dq_tile(
-        Q, K, V, DO, LSE, DELTA, DQ, b, h, pid_bh,
+        Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
+        USE_TMA, WARP_SPEC,
     )  # fmt: skip
 
 
@@ -637,24 +716,26 @@ def attn_bwd_fused_kernel(
     """
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
-    b = (pid_bh // n_heads).to(tl.int64)
-    h = (pid_bh % n_heads).to(tl.int64)
+    b32 = pid_bh // n_heads
+    h32 = pid_bh % n_heads
     if tile * BLOCK_N1 < n_k:
         _dkdv_tile(
-            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, b, h, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, None, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
+            False, False, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
-            Q, K, V, DO, LSE, DELTA, DQ, b, h, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DQ, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
+            False, False,
         )  # fmt: skip

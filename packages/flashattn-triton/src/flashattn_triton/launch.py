@@ -117,6 +117,63 @@ def _meta(kind: str, cfg: C.TileConfig, n_q: int, n_k: int) -> dict[str, int | b
     }
 
 
+# The operand pair each kind streams through its main loop, and which tile length it uses.
+_STREAMED = {
+    "fwd": ("K", "V", "block_n"),
+    "dq": ("K", "V", "block_n"),
+    "dkdv": ("Q", "DO", "block_m"),
+    "atomic": ("Q", "DO", "block_m"),
+}
+
+
+def tma_usable(t: torch.Tensor) -> bool:
+    """Whether a (B, H, N, d) tensor can be read through a TMA descriptor: a Hopper or newer
+    GPU (or Triton's interpreter), a 16-byte aligned base and 16-byte multiple strides."""
+    if t.device.type == "cuda":
+        if torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    elif not interpreting():
+        return False
+    elem = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    )
+
+
+def _descriptor(t: torch.Tensor, rows: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+
+
+def _stream_args(kind: str, cfg: C.TileConfig, args: dict, block_d: int) -> dict:
+    """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ for one launch (nothing for the fused kernel).
+
+    For the atomic backward, ``tma`` routes the dQ additions through TMA bulk reductions into
+    the float32 buffer; its loads stay on pointers (TMA loads measured slower in the dK/dV
+    loop, benchmarks/NOTES.md)."""
+    if kind not in _STREAMED:
+        return {}
+    name_a, name_b, rows = _STREAMED[kind]
+    a, b = args[name_a], args[name_b]
+    out = {"DESC_A": None, "DESC_B": None, "USE_TMA": False, "WARP_SPEC": cfg.ws}
+    if kind in ("dkdv", "atomic"):
+        out.update(DESC_C=None, TMA_DQ=False)
+    if not cfg.tma:
+        return out
+    if kind == "atomic":
+        dq = args["DQ"]  # Triton's interpreter has no TMA reductions (triton 3.9)
+        if dq.device.type == "cuda" and tma_usable(dq):
+            out.update(DESC_C=_descriptor(dq, cfg.block_m, block_d), TMA_DQ=True)
+    elif tma_usable(a) and tma_usable(b):
+        block = getattr(cfg, rows)
+        out.update(DESC_A=_descriptor(a, block, block_d), DESC_B=_descriptor(b, block, block_d))
+        out["USE_TMA"] = True
+    return out
+
+
 def _to_tile_config(kind: str, meta: dict) -> C.TileConfig:
     if kind == "fused":
         return C.TileConfig(meta["BLOCK_M1"], meta["BLOCK_N1"], 4, 2, meta["BLOCK_N2"])
@@ -181,7 +238,8 @@ def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem:
         def tuned_grid(meta):
             return grid(_to_tile_config(kind, meta))
 
-        _autotuned(kind)[tuned_grid](**args)
+        plain = C.TileConfig(16, 16, 4, 2)  # tile sizes unused: only the flags (off) matter
+        _autotuned(kind)[tuned_grid](**args, **_stream_args(kind, plain, args, block_d))
         return
     from triton.runtime.errors import OutOfResources
 
@@ -193,6 +251,7 @@ def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem:
             kernel[grid(cfg)](
                 **args,
                 **_meta(kind, cfg, n_q, n_k),
+                **_stream_args(kind, cfg, args, block_d),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             )
