@@ -157,6 +157,20 @@ def test_oom_on_one_rank_is_an_oom_row_not_a_hang():
     assert time.monotonic() - t0 < 120, "ended by the report, not by the timeout"
 
 
+def _tf32_worker(rank: int, world: int, job):
+    out = bench_dist.run_rank(rank, world, job)
+    return {"status": out.get("status"), "tf32": torch.backends.cuda.matmul.allow_tf32}
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_spawned_ranks_apply_the_tf32_flag(tf32):
+    """The flag is per process: a spawned rank sets it from the job, not from its parent."""
+    from ddp_kit.launch import spawn
+
+    out = spawn(_tf32_worker, 2, args=(_job(tf32=tf32),), timeout_s=120)
+    assert [r["tf32"] for r in out] == [tf32, tf32], out
+
+
 def test_runs_under_torchrun(tmp_path):
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

@@ -1018,6 +1018,7 @@ def _dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
         act_ckpt=opts.act_ckpt,
         peak_tflops=opts.peak_tflops,
         quiet=not opts.progress,
+        tf32=bool(torch.backends.cuda.matmul.allow_tf32),
     )
 
 

@@ -76,6 +76,7 @@ class DistJob:
     act_ckpt: str | int = "none"
     peak_tflops: float | None = None
     quiet: bool = True
+    tf32: bool = False  # TF32 matmuls; each spawned rank sets the flag (it is per process)
 
 
 def torch_fully_shard() -> tuple[Callable[..., Any], type]:
@@ -221,12 +222,19 @@ def _wait_summary(waits: Sequence[Any]) -> dict[str, Any]:
     }
 
 
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor-core matmuls (and cuDNN convolutions) on or off in this process."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
     """Build, wrap, warm up and time this rank; raises on failure (OOM included)."""
     from lm_core import AdamW, cross_entropy
     from perf_tools.models import count_params, random_batch, resolve_config
     from perf_tools.steps import PhaseTimer, make_step
 
+    set_tf32(job.tf32)  # a spawned rank does not inherit the parent's backend flags
     config = resolve_config(
         job.size, context_length=job.context, attention=job.attention, overrides=job.overrides
     )
