@@ -9,8 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.flashattn_triton.*)
+from . import launch, ops  # ops registers torch.ops.flashattn_triton.*
 from ._checks import check_qkv, check_triton_dtype_and_dim, resolve_scale
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
+def _fwd(q4, k4, v4, causal: bool, scale: float):
+    """The forward launcher: through the custom op when torch.compile traces (no graph break),
+    called directly in eager mode (skips the op dispatcher's per-call cost)."""
+    if _compiling():
+        return ops.attention_fwd(q4, k4, v4, causal, scale)
+    return launch.forward(q4, k4, v4, causal, scale)
+
+
+def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float):
+    """The backward launcher, dispatched like ``_fwd``."""
+    if _compiling():
+        return ops.attention_bwd(do4, q4, k4, v4, o4, lse, causal, scale)
+    return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale)
 
 
 def as_bhnd(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +63,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         check_triton_dtype_and_dim(q)
         scale = resolve_scale(softmax_scale, q.shape[-1])
         q4, k4, v4 = as_bhnd(q), as_bhnd(k), as_bhnd(v)
-        o4, lse4 = torch.ops.flashattn_triton.fwd(q4, k4, v4, is_causal, scale)
+        o4, lse4 = _fwd(q4, k4, v4, is_causal, scale)
         o = o4.reshape(q.shape)  # (..., Nq, d)
         lse = lse4.reshape(q.shape[:-1])  # (..., Nq)
         ctx.save_for_backward(q, k, v, o, lse)
@@ -55,7 +75,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         q4 = as_bhnd(q)
-        dq4, dk4, dv4 = torch.ops.flashattn_triton.bwd(
+        dq4, dk4, dv4 = _bwd(
             as_bhnd(do), q4, as_bhnd(k), as_bhnd(v), as_bhnd(o), _lse_as_bhn(lse, q4),
             ctx.is_causal, ctx.softmax_scale,
         )  # fmt: skip
