@@ -202,3 +202,16 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.flashattn_triton.fwd.default, (q, k, v, True, 0.25))
     o, lse = torch.ops.flashattn_triton.fwd(q, k, v, True, 0.25)
     torch.library.opcheck(torch.ops.flashattn_triton.bwd.default, (do, q, k, v, o, lse, True, 0.25))
+
+
+def test_eager_calls_bypass_the_custom_ops(monkeypatch):
+    """Eager mode calls the launchers directly (the op dispatcher costs host time); the custom
+    ops are for torch.compile (see test_torch_compile_fullgraph_no_graph_break)."""
+    from flashattn_triton import ops
+
+    def fail(*args, **kwargs):
+        raise AssertionError("eager call went through the custom op")
+
+    monkeypatch.setattr(ops, "attention_fwd", fail)
+    monkeypatch.setattr(ops, "attention_bwd", fail)
+    _check(*_inputs((2,), 40, 40, 16), True)
