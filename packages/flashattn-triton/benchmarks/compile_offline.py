@@ -29,7 +29,10 @@ def _signature(fn, kwargs: dict):
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         val = kwargs[name]
-        if i in fn.constexprs or (fn.params[i].is_constexpr):
+        if val is None:  # an unused descriptor: the JIT specializes None as a constant
+            sig[name] = "constexpr"
+            consts[name] = None
+        elif i in fn.constexprs or (fn.params[i].is_constexpr):
             sig[name] = "constexpr"
             consts[name] = val
         elif isinstance(val, torch.Tensor):
