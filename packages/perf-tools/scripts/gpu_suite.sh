@@ -26,8 +26,9 @@
 #              eager and compiled) and flash (batch 1, causal, seq 128..65536, d 16..128,
 #              bf16 and fp32, ours vs naive vs SDPA flash / cuDNN)                ~5-7 min
 #   compile    small fp32 forward+train eager vs compiled; xl bf16 train compiled ~2-4 min
-#   speed      xl bf16 and small fp32 (strict, then TF32) train steps: eager vs compiled x
-#              launched kernel by kernel vs one CUDA graph per step                 ~3-4 min
+#   speed      xl bf16 and small fp32 (strict with cuBLAS, then TF32, then strict with
+#              cuBLASLt) train steps: eager vs compiled x launched kernel by kernel vs one
+#              CUDA graph per step                                               ~4-5 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 # Multi-GPU sections (2 GPUs; NCCL_NVLS_ENABLE=0 is exported):
@@ -90,6 +91,8 @@ if want speed; then
     --csv "$WORK/speed_small.csv" --json "$WORK/speed_small.json"
   run speed_small_tf32 $B --size small --precision fp32 --tf32 $S \
     --csv "$WORK/speed_small_tf32.csv" --json "$WORK/speed_small_tf32.json"
+  run speed_small_cublaslt $B --size small --precision fp32 --blas cublaslt $S \
+    --csv "$WORK/speed_small_cublaslt.csv" --json "$WORK/speed_small_cublaslt.json"
 fi
 if want hf; then
   run hf_small $B --size small --precision fp32 --mode train --compare hf \

@@ -70,6 +70,23 @@ def test_derived_columns_follow_the_written_formula(tmp_path):
     assert row["min_ms"] <= row["median_ms"] <= row["max_ms"]
 
 
+def test_blas_choice_is_applied_and_recorded(tmp_path, monkeypatch, capsys):
+    """--blas sets torch's CUDA BLAS library (where CUDA exists) and shows in rows and table."""
+    chosen = []
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", chosen.append)
+    out = tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--mode", "forward", "--device", "cpu", "--blas", "cublaslt"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    assert chosen == ["cublaslt"]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["blas"] == "cublaslt"
+    assert "blas" in capsys.readouterr().out
+    assert bench.main([*TINY, *FAST, "--mode", "forward", "--json", str(out)]) == 0
+    assert chosen == ["cublaslt"], "the default leaves torch's choice alone"
+    assert json.loads(out.read_text())["rows"][0]["blas"] == "default"
+
+
 def test_peak_override_gives_mfu(tmp_path):
     out = tmp_path / "b.json"
     assert bench.main([*TINY, *FAST, "--mode", "forward", "--peak-tflops", "2", "--json",

@@ -51,6 +51,7 @@ from perf_tools.bench_dist import (
     FSDP_KINDS,
     WAIT_THRESHOLD_MS,
     DistJob,
+    set_blas,
     spawn_cell,
     torch_fully_shard,
     torchrun_cell,
@@ -86,6 +87,7 @@ TABLE_COLUMNS = [
     "fsdp",
     "act_ckpt",
     "fused_loss",
+    "blas",
     "status",
     "mean_ms",
     "std_ms",
@@ -104,7 +106,8 @@ TABLE_COLUMNS = [
     "vs_hf",
 ]
 # configuration columns shown in the table only when some row uses them
-OPTIONAL_CONFIG_COLUMNS = {"act_ckpt": "none", "fused_loss": False}
+OPTIONAL_CONFIG_COLUMNS = {"act_ckpt": "none", "fused_loss": False, "blas": "default"}
+BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ class BenchOptions:
     nprocs: int | None = None  # multi-GPU mode: ranks per cell (None: one process)
     backend: str = "gloo"  # multi-GPU mode: nccl (GPUs) or gloo (CPU)
     timeout_s: float = 1800.0  # multi-GPU mode: limit per cell
+    blas: str = "default"  # CUDA BLAS library (recorded; set process-wide by set_blas)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -265,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--tf32", action="store_true", help="allow TF32 matmuls in fp32 (torch default: off)"
+    )
+    t.add_argument(
+        "--blas",
+        choices=BLAS_LIBRARIES,
+        default="default",
+        help="CUDA BLAS library for matmuls (torch.backends.cuda.preferred_blas_library); "
+        "'default' keeps torch's choice",
     )
     t.add_argument("--seed", type=int, default=0, help="seed for weights and tokens")
     d = p.add_argument_group("diagnostics")
@@ -838,6 +849,7 @@ def _row(
         "cuda_graph": spec.graph,
         "precision": spec.precision,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "blas": opts.blas,
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,
@@ -924,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    set_blas(args.blas)
     if args.profile is not None:
         from perf_tools import profile
 
@@ -945,6 +958,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nprocs=args.nprocs,
         backend=args.backend,
         timeout_s=args.timeout_s,
+        blas=args.blas,
     )
     specs = specs_from_args(args)
     if args.fsdps and _dist.under_torchrun():
@@ -1019,6 +1033,7 @@ def _dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
         peak_tflops=opts.peak_tflops,
         quiet=not opts.progress,
         tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+        blas=opts.blas,
     )
 
 

@@ -77,6 +77,7 @@ class DistJob:
     peak_tflops: float | None = None
     quiet: bool = True
     tf32: bool = False  # TF32 matmuls; each spawned rank sets the flag (it is per process)
+    blas: str = "default"  # CUDA BLAS library, likewise set by each rank
 
 
 def torch_fully_shard() -> tuple[Callable[..., Any], type]:
@@ -228,6 +229,13 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def set_blas(library: str) -> None:
+    """Make `library` ('cublas', 'cublaslt') torch's CUDA BLAS in this process; 'default'
+    leaves torch's choice. A no-op in a CPU-only torch build (it has no CUDA BLAS)."""
+    if library != "default" and torch.backends.cuda.is_built():
+        torch.backends.cuda.preferred_blas_library(library)
+
+
 def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
     """Build, wrap, warm up and time this rank; raises on failure (OOM included)."""
     from lm_core import AdamW, cross_entropy
@@ -235,6 +243,7 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
     from perf_tools.steps import PhaseTimer, make_step
 
     set_tf32(job.tf32)  # a spawned rank does not inherit the parent's backend flags
+    set_blas(job.blas)
     config = resolve_config(
         job.size, context_length=job.context, attention=job.attention, overrides=job.overrides
     )
