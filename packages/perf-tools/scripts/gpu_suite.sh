@@ -29,6 +29,8 @@
 #   speed      xl bf16 and small fp32 (strict with cuBLAS, then TF32, then strict with
 #              cuBLASLt) train steps: eager vs compiled x launched kernel by kernel vs one
 #              CUDA graph per step                                               ~4-5 min
+#   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
+#              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 # Multi-GPU sections (2 GPUs; NCCL_NVLS_ENABLE=0 is exported):
@@ -115,6 +117,9 @@ if want attention_full; then
     --csv "$WORK/attention_naive.csv" --json "$WORK/attention_naive.json" --plot "$WORK/attention_naive.png"
   run attention_flash $PY -m perf_tools.attention flash --quiet \
     --csv "$WORK/attention_flash.csv" --json "$WORK/attention_flash.json" --plot "$WORK/attention_flash.png"
+fi
+if want fp32gemm; then
+  run fp32_gemm $PY "$ROOT/packages/perf-tools/scripts/fp32_gemm.py" --json "$WORK/fp32_gemm.json"
 fi
 if want profile_bf16; then
   run profile_bf16 $PY -m perf_tools.profile --quiet --size xl --attention sdpa --precision bf16 \
