@@ -11,6 +11,8 @@ computing a float32 matmul, and its error against a float64 product:
 - ``triton-tf32x3``: a Triton GEMM that splits each operand into a TF32 high part and a low
   part and runs three TF32 products per K tile (Triton's ``input_precision="tf32x3"``),
   accumulating in the matrix unit's accumulator;
+- ``triton-tf32x3-kmajor``: ``triton-tf32x3`` after copying the operands K-major (the copy
+  is timed with it);
 - ``triton-tf32x3-kahan``: the same products, but each K tile's result is added to the
   running float32 total outside the matrix unit with Kahan compensation (a cuBLAS TF32 GEMM's
   own accumulation error grows with K: measured 2e-6 at K = 768 to 3e-5 at K = 12288).
@@ -67,6 +69,8 @@ CONFIGS = [
     triton.Config({"BM": 64, "BN": 128, "BK": 32}, num_warps=4, num_stages=4),
     triton.Config({"BM": 128, "BN": 256, "BK": 32}, num_warps=8, num_stages=3),
     triton.Config({"BM": 128, "BN": 128, "BK": 16}, num_warps=8, num_stages=4),
+    triton.Config({"BM": 128, "BN": 128, "BK": 32}, num_warps=8, num_stages=4),
+    triton.Config({"BM": 256, "BN": 128, "BK": 32}, num_warps=8, num_stages=3),
 ]
 
 
@@ -153,7 +157,19 @@ def variants(tune: bool):
         ("tf32x3", True, "triton-tf32x3-kahan"),
     ):
         out[name] = lambda a, b, p=prec, kh=kahan: triton_mm(a, b, p, kh, tune)
+    out["triton-tf32x3-kmajor"] = lambda a, b: triton_mm(*k_major(a, b), "tf32x3", False, tune)
     return out
+
+
+def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies (timed with the product) that make both operands K-major: 32-bit matrix-unit
+    operands (wgmma tf32) must be K-major in shared memory, so Triton otherwise transposes
+    the other layouts on the way (the "nn" and "tn" products)."""
+    if a.stride(1) != 1:
+        a = a.contiguous()  # (M, K) row-major
+    if b.stride(0) != 1:
+        b = b.t().contiguous().t()  # (K, N) with K contiguous
+    return a, b
 
 
 def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:

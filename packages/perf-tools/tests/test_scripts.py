@@ -23,7 +23,7 @@ def test_fp32_gemm_dry_run_checks_every_triton_variant():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
-    for variant in ("triton-ieee", "triton-tf32x3", "triton-tf32x3-kahan"):
+    for variant in ("triton-ieee", "triton-tf32x3", "triton-tf32x3-kahan", "triton-tf32x3-kmajor"):
         for layout in ("nt", "nn", "tn"):
             assert f'"layout": "{layout}", "count": 1, "variant": "{variant}"' in out
     assert "dry run: ok" in out
