@@ -104,6 +104,32 @@ def test_backward_schemes(scheme, monkeypatch):
     _check(q, k, v, do, True)
 
 
+@pytest.mark.parametrize("d", [64, 80])
+@pytest.mark.parametrize("scheme", ["split", "atomic"])
+def test_tma_tile_flags(scheme, d, monkeypatch):
+    """The opt-in `tma` tile flag (TMA loads; for atomic, TMA dQ reductions) on a ragged
+    length and a padded head dim: same accuracy bounds as the default path."""
+    from dataclasses import replace
+
+    from flashattn_triton import configs
+
+    q, k, v, do = _inputs((2, 3, 1000, d), 1000, torch.bfloat16)
+    if not launch.tma_usable(q):
+        pytest.skip("TMA needs compute capability >= 9.0")
+    block_d = configs.block_d_for(d)
+    kinds = ("fwd", "dq", "dkdv") if scheme == "split" else ("fwd", "atomic")
+    monkeypatch.setattr(
+        configs,
+        "OVERRIDES",
+        {
+            kind: replace(configs.default_config(kind, 1000, 1000, block_d, 2), tma=True)
+            for kind in kinds
+        },
+    )
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+    _check(q, k, v, do, True)
+
+
 def test_head_dim_padding():
     """d = 80 (padded to 128 with masked loads)."""
     q, k, v, do = _inputs((1, 2, 257, 80), 257, torch.bfloat16)
