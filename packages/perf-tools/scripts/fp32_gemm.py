@@ -134,30 +134,35 @@ def triton_mm(a: torch.Tensor, b: torch.Tensor, precision: str, kahan: bool, tun
     return c
 
 
+def set_backend(lib: str = "cublas", tf32: bool = False) -> None:
+    """torch's CUDA BLAS library and TF32 switch, set once before a variant runs (not inside
+    the timed calls)."""
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library(lib)
+
+
+def _torch_mm(a, b):
+    return a @ b
+
+
 def variants(tune: bool):
-    """name -> fn(a, b) -> a @ b (float32)."""
-
-    def torch_mm(lib: str | None, tf32: bool):
-        def fn(a, b):
-            torch.backends.cuda.matmul.allow_tf32 = tf32
-            if lib is not None:
-                torch.backends.cuda.preferred_blas_library(lib)
-            return a @ b
-
-        return fn
-
+    """name -> (backend settings for set_backend, fn(a, b) -> a @ b float32)."""
     out = {}
     if torch.cuda.is_available():
-        out["cublas"] = torch_mm("cublas", False)
-        out["cublaslt"] = torch_mm("cublaslt", False)
-        out["cublas-tf32"] = torch_mm("cublas", True)
+        out["cublas"] = ({"lib": "cublas"}, _torch_mm)
+        out["cublaslt"] = ({"lib": "cublaslt"}, _torch_mm)
+        out["cublas-tf32"] = ({"lib": "cublas", "tf32": True}, _torch_mm)
     for prec, kahan, name in (
         ("ieee", False, "triton-ieee"),
         ("tf32x3", False, "triton-tf32x3"),
         ("tf32x3", True, "triton-tf32x3-kahan"),
     ):
-        out[name] = lambda a, b, p=prec, kh=kahan: triton_mm(a, b, p, kh, tune)
-    out["triton-tf32x3-kmajor"] = lambda a, b: triton_mm(*k_major(a, b), "tf32x3", False, tune)
+        out[name] = ({}, lambda a, b, p=prec, kh=kahan: triton_mm(a, b, p, kh, tune))
+    out["triton-tf32x3-kmajor"] = (
+        {},
+        lambda a, b: triton_mm(*k_major(a, b), "tf32x3", False, tune),
+    )
     return out
 
 
@@ -176,19 +181,22 @@ def rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
     return ((c.double() - ref).norm() / ref.norm()).item()
 
 
-def bench_ms(fn, reps: int) -> float:
-    """Median of `reps` CUDA-event timed calls after warm-up."""
+def bench_ms(fn, reps: int, repeats: int = 5) -> float:
+    """GPU ms per call: `reps` calls back to back between two CUDA events (so the GPU is not
+    left idle waiting for each launch, whose host cost differs between cuBLAS and Triton's
+    autotuned launcher), median over `repeats` such batches, after warm-up."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(reps):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / reps)
     return statistics.median(times)
 
 
@@ -212,10 +220,11 @@ def run(shapes, device, reps, tune) -> list[dict]:
     for name, m, n, k, layout, count in shapes:
         a, b = make_operands(m, n, k, layout, device)
         ref = a.double() @ b.double()
-        for vname, fn in fns.items():
+        for vname, (backend, fn) in fns.items():
             row = {"shape": name, "M": m, "N": n, "K": k, "layout": layout, "count": count}
             row["variant"] = vname
             try:
+                set_backend(**backend)
                 row["rel_err"] = rel_err(fn(a, b), ref)
                 if device == "cuda":
                     row["ms"] = bench_ms(lambda fn=fn, a=a, b=b: fn(a, b), reps)
@@ -224,7 +233,7 @@ def run(shapes, device, reps, tune) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        torch.backends.cuda.matmul.allow_tf32 = False
+        set_backend()
     return rows
 
 

@@ -148,20 +148,20 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
 
 
-def _stream_args(kind: str, cfg: C.TileConfig, args: dict, block_d: int) -> dict:
+def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) -> dict:
     """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ for one launch (nothing for the fused kernel).
 
     For the atomic backward, ``tma`` routes the dQ additions through TMA bulk reductions into
     the float32 buffer; its loads stay on pointers (TMA loads measured slower in the dK/dV
-    loop, benchmarks/NOTES.md)."""
+    loop, benchmarks/NOTES.md). ``cfg`` None: every flag off (the autotuned path)."""
     if kind not in _STREAMED:
         return {}
     name_a, name_b, rows = _STREAMED[kind]
     a, b = args[name_a], args[name_b]
-    out = {"DESC_A": None, "DESC_B": None, "USE_TMA": False, "WARP_SPEC": cfg.ws}
+    out = {"DESC_A": None, "DESC_B": None, "USE_TMA": False, "WARP_SPEC": bool(cfg and cfg.ws)}
     if kind in ("dkdv", "atomic"):
         out.update(DESC_C=None, TMA_DQ=False)
-    if not cfg.tma:
+    if cfg is None or not cfg.tma:
         return out
     if kind == "atomic":
         dq = args["DQ"]  # Triton's interpreter has no TMA reductions (triton 3.9)
@@ -238,8 +238,7 @@ def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem:
         def tuned_grid(meta):
             return grid(_to_tile_config(kind, meta))
 
-        plain = C.TileConfig(16, 16, 4, 2)  # tile sizes unused: only the flags (off) matter
-        _autotuned(kind)[tuned_grid](**args, **_stream_args(kind, plain, args, block_d))
+        _autotuned(kind)[tuned_grid](**args, **_stream_args(kind, None, args, block_d))
         return
     from triton.runtime.errors import OutOfResources
 

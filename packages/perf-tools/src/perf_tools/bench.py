@@ -52,6 +52,7 @@ from perf_tools.bench_dist import (
     WAIT_THRESHOLD_MS,
     DistJob,
     set_blas,
+    set_tf32,
     spawn_cell,
     torch_fully_shard,
     torchrun_cell,
@@ -934,8 +935,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tf32:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        set_tf32(True)
     set_blas(args.blas)
     if args.profile is not None:
         from perf_tools import profile
