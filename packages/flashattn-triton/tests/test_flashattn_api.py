@@ -138,22 +138,3 @@ def test_configs_parse_fit_and_prune(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_FP32_PRECISION", "fp64")
     with pytest.raises(ValueError, match="FP32_PRECISION"):
         configs.fp32_precision()
-
-
-def test_seq_split_chunk(monkeypatch):
-    monkeypatch.delenv("FLASHATTN_TRITON_SEQ_SPLIT", raising=False)
-    # batch 1, one head, 32K tokens on 132 SMs: 256 programs -> 5 chunks of 6656 tokens
-    assert configs.seq_split_chunk(256, 32768, 132) == 6656
-    assert configs.seq_split_chunk(2048, 16384, 132) == 0  # the leaderboard shape: no split
-    assert configs.seq_split_chunk(8, 4096, 132) == 0  # too short to pay for the extra work
-    chunk = configs.seq_split_chunk(1, 65536, 132)
-    assert chunk % configs.SPLIT_ALIGN == 0
-    assert chunk >= configs.SPLIT_MIN_CHUNK
-    monkeypatch.setenv("FLASHATTN_TRITON_SEQ_SPLIT", "off")
-    assert configs.seq_split_chunk(256, 32768, 132) == 0
-    monkeypatch.setenv("FLASHATTN_TRITON_SEQ_SPLIT", "512")
-    assert configs.seq_split_chunk(10**6, 2048, 132) == 512  # forced, whatever the shape
-    assert configs.seq_split_chunk(1, 512, 132) == 0  # one chunk would cover it all
-    monkeypatch.setenv("FLASHATTN_TRITON_SEQ_SPLIT", "300")
-    with pytest.raises(ValueError, match="FLASHATTN_TRITON_SEQ_SPLIT"):
-        configs.seq_split_chunk(1, 4096, 132)

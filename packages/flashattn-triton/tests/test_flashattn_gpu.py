@@ -130,23 +130,6 @@ def test_tma_tile_flags(scheme, d, monkeypatch):
     _check(q, k, v, do, True)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "shape_q", "n_k", "causal"),
-    [
-        (torch.bfloat16, (2, 3, 3000, 64), 3000, True),
-        (torch.bfloat16, (1, 2, 2500, 128), 3100, False),
-        (torch.float32, (1, 2, 3000, 32), 3000, True),
-    ],
-)
-@pytest.mark.parametrize("scheme", ["split", "atomic"])
-def test_sequence_split_backward(dtype, shape_q, n_k, causal, scheme, monkeypatch):
-    """Backward loops forced into 1024-token chunks added atomically in float32 (what batch-1
-    long sequences get by default): same accuracy bounds as the default path."""
-    monkeypatch.setenv("FLASHATTN_TRITON_SEQ_SPLIT", "1024")
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
-    _check(*_inputs(shape_q, n_k, dtype), causal)
-
-
 def test_head_dim_padding():
     """d = 80 (padded to 128 with masked loads)."""
     q, k, v, do = _inputs((1, 2, 257, 80), 257, torch.bfloat16)

@@ -117,34 +117,6 @@ def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch):
     _check(*_inputs((2,), n_q, n_k, 24), causal)
 
 
-SPLIT_CASES = [
-    # lead, Nq, Nk, causal: 3 chunks of 256 over the split loop, ragged last tiles
-    ((1,), 600, 600, True),
-    ((1,), 530, 700, False),
-    ((1,), 300, 700, True),  # causal Nq < Nk (bottom-right)
-    ((2,), 700, 300, True),  # causal Nq > Nk: rows without keys
-]
-
-
-@pytest.mark.parametrize("scheme", ["split", "atomic"])
-@pytest.mark.parametrize(("lead", "n_q", "n_k", "causal"), SPLIT_CASES)
-def test_sequence_split_backward(lead, n_q, n_k, causal, scheme, small_tiles, monkeypatch):
-    """Backward loops split into 256-token chunks whose float32 partial sums are added
-    atomically (what batch-1 long sequences get on a GPU) match the float64 reference."""
-    monkeypatch.setenv("FLASHATTN_TRITON_SEQ_SPLIT", "256")
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
-    chunks = []
-    real = configs.seq_split_chunk
-
-    def spy(*args):
-        chunks.append(real(*args))
-        return chunks[-1]
-
-    monkeypatch.setattr(configs, "seq_split_chunk", spy)
-    _check(*_inputs(lead, n_q, n_k, 16), causal)
-    assert 256 in chunks, f"the split path did not run: {chunks}"
-
-
 def test_tma_needs_aligned_strides():
     x = torch.randn(2, 3, 10, 17)[..., :16]  # row stride 17 floats = 68 bytes
     assert not launch.tma_usable(x)

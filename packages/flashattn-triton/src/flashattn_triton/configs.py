@@ -10,9 +10,6 @@ Environment switches (read at each call, never inside traced code):
   instead of using the default table (first call per key takes seconds to minutes).
 - ``FLASHATTN_TRITON_BWD=split|fused|atomic``: the backward scheme (see ``ops``).
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
-- ``FLASHATTN_TRITON_SEQ_SPLIT=auto|off|<tokens>``: split the backward kernels' loops over
-  the sequence into chunks when there are too few programs to fill the GPU (see
-  ``seq_split_chunk``); a number forces that chunk length (a multiple of 256).
 - ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
   table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws]), e.g. to replay a
   benchmark's winner (see ``TileConfig.parse``).
@@ -276,41 +273,6 @@ def backward_scheme() -> str:
     if scheme not in BWD_SCHEMES:
         raise ValueError(f"FLASHATTN_TRITON_BWD must be one of {BWD_SCHEMES}, got {scheme!r}")
     return scheme
-
-
-# Sequence split of the backward (batch 1, few heads, long sequences).
-SPLIT_ALIGN = 256  # chunk lengths are multiples of every tile length
-SPLIT_MIN_CHUNK = 4096  # shorter chunks: the extra zeroing / conversion launches cost more
-SPLIT_PROGRAMS_PER_SM = 8  # enough programs per SM that the causal imbalance averages out
-
-
-def seq_split_chunk(n_programs: int, n_loop: int, n_sms: int) -> int:
-    """Chunk length (tokens) for the loop dimension of a backward kernel, or 0: no split.
-
-    With causal masks the dK/dV (and dQ) programs differ up to 2x in work; with few of them,
-    e.g. batch 1 with one head at 32K tokens (256 programs on 132 SMs), they all run at once
-    and the longest sets the time. Splitting each program's loop into chunks whose partial
-    sums are added atomically (float32) evens the work out. ``n_programs``: programs without
-    a split, ``n_loop``: length of the loop that would be split, ``n_sms``: the device's SMs.
-    """
-    mode = os.environ.get("FLASHATTN_TRITON_SEQ_SPLIT", "auto").strip().lower()
-    if mode in ("off", "0", "no", "false"):
-        return 0
-    if mode != "auto":
-        if not mode.isdigit() or int(mode) % SPLIT_ALIGN:
-            raise ValueError(
-                f"FLASHATTN_TRITON_SEQ_SPLIT must be 'auto', 'off' or a multiple of "
-                f"{SPLIT_ALIGN}, got {mode!r}"
-            )
-        return int(mode) if int(mode) < n_loop else 0
-    target = SPLIT_PROGRAMS_PER_SM * n_sms
-    if n_programs >= target:
-        return 0
-    n_chunks = min(n_loop // SPLIT_MIN_CHUNK, -(-target // max(n_programs, 1)))
-    if n_chunks < 2:
-        return 0
-    per_chunk = -(-n_loop // n_chunks)
-    return -(-per_chunk // SPLIT_ALIGN) * SPLIT_ALIGN
 
 
 def fp32_precision() -> str:

@@ -84,24 +84,6 @@ def _store_rows(
 
 
 @triton.jit
-def _add_rows(
-    base,
-    x,
-    start,
-    n_rows,
-    stride_row,
-    offs_r,
-    offs_d,
-    HEAD_DIM: tl.constexpr,
-):
-    """Atomically add a float32 (len(offs_r), BLOCK_D) tile to rows start + offs_r (one
-    partial sum of a sequence-split backward), skipping padding."""
-    ptrs = base + start.to(tl.int64) * stride_row + (offs_r[:, None] * stride_row + offs_d[None, :])
-    mask = ((start + offs_r)[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
-    tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _load_streamed(
     desc,
     base,
@@ -456,16 +438,15 @@ def _dkdv_tile(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_q, n_k, qk_scale, sm_scale, start_n, q_lo, q_hi,
+    n_q, n_k, qk_scale, sm_scale, start_n,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head), from the
-    query rows in [q_lo, q_hi) (q_lo a multiple of BLOCK_M); DESC_A, DESC_B: TMA descriptors
-    of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer (with TMA_DQ). With SPLIT the
-    result is a partial sum, added atomically to float32 DK, DV."""
+    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
+    DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
+    (with TMA_DQ)."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tn = tl.arange(0, BLOCK_N)
@@ -485,17 +466,17 @@ def _dkdv_tile(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     causal_off = n_k - n_q
-    hi = tl.minimum(tl.cdiv(n_q, BLOCK_M) * BLOCK_M, q_hi)
+    hi = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
     if CAUSAL:
         # Rows i >= start_n - causal_off see part of this tile; rows
         # i >= start_n + BLOCK_N - 1 - causal_off see all of it.
-        lo = tl.maximum(tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M, q_lo)
+        lo = tl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
         mask_hi = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
         mask_hi = tl.minimum(tl.maximum(mask_hi, lo), hi)
         lo = tl.minimum(lo, hi)
     else:
-        lo = tl.minimum(q_lo, hi)
-        mask_hi = lo
+        lo = 0
+        mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
             dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
@@ -512,25 +493,14 @@ def _dkdv_tile(
         USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ,
     )  # fmt: skip
     dk = dk * sm_scale
-    if SPLIT:
-        if lo < hi:  # this query chunk saw the key tile
-            _add_rows(
-                DK + b * stride_dkb + h * stride_dkh, dk, start_n, n_k, stride_dkn, offs_tn,
-                offs_d, HEAD_DIM,
-            )  # fmt: skip
-            _add_rows(
-                DV + b * stride_dvb + h * stride_dvh, dv, start_n, n_k, stride_dvn, offs_tn,
-                offs_d, HEAD_DIM,
-            )  # fmt: skip
-    else:
-        _store_rows(
-            DK + b * stride_dkb + h * stride_dkh, dk.to(DK.dtype.element_ty), start_n, n_k,
-            stride_dkn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
-        )  # fmt: skip
-        _store_rows(
-            DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), start_n, n_k,
-            stride_dvn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
-        )  # fmt: skip
+    _store_rows(
+        DK + b * stride_dkb + h * stride_dkh, dk.to(DK.dtype.element_ty), start_n, n_k,
+        stride_dkn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
+    )  # fmt: skip
+    _store_rows(
+        DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), start_n, n_k,
+        stride_dvn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -597,15 +567,14 @@ def _dq_tile(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    n_q, n_k, qk_scale, sm_scale, start_m, k_lo, k_hi,
+    n_q, n_k, qk_scale, sm_scale, start_m,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head), from the keys in
-    [k_lo, k_hi) (k_lo a multiple of BLOCK_N); DESC_A, DESC_B: TMA descriptors of K and V
-    (with USE_TMA). With SPLIT the result is a partial sum, added atomically to float32 DQ."""
+    """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
+    TMA descriptors of K and V (with USE_TMA)."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
@@ -635,33 +604,22 @@ def _dq_tile(
     else:
         full_hi = n_k // BLOCK_N * BLOCK_N
         hi = n_k
-    # Clip both loops to this key chunk: unmasked [k_lo, full_hi), masked [full_hi, hi).
-    lo_masked = tl.maximum(full_hi, k_lo)
-    hi = tl.minimum(hi, k_hi)
-    full_hi = tl.maximum(tl.minimum(full_hi, k_hi), k_lo)
     dq = _dq_key_loop(
         dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
-        stride_vn, k_lo, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        stride_vn, 0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         dq = _dq_key_loop(
             dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
-            stride_vn, lo_masked, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
         )  # fmt: skip
     dq = dq * sm_scale
-    if SPLIT:
-        if tl.maximum(full_hi, hi) > k_lo:  # this key chunk is seen by the query tile
-            _add_rows(
-                DQ + b * stride_dqb + h * stride_dqh, dq, start_m, n_q, stride_dqn, offs_tm,
-                offs_d, HEAD_DIM,
-            )  # fmt: skip
-    else:
-        _store_rows(
-            DQ + b * stride_dqb + h * stride_dqh, dq.to(DQ.dtype.element_ty), start_m, n_q,
-            stride_dqn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M,
-        )  # fmt: skip
+    _store_rows(
+        DQ + b * stride_dqb + h * stride_dqh, dq.to(DQ.dtype.element_ty), start_m, n_q,
+        stride_dqn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -674,24 +632,21 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale, q_chunk,
+    n_heads, n_q, n_k, qk_scale, sm_scale,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
 ):  # fmt: skip
-    """One program: dK, dV of one key tile (first key tiles see the most queries: run first)
-    from the queries of chunk program_id(2) (rows [c * q_chunk, (c + 1) * q_chunk)).
+    """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
-    DESC_C descriptor with TMA_DQ). With SPLIT (several query chunks) dK, dV are float32
-    buffers the chunks add into.
+    DESC_C descriptor with TMA_DQ).
     """
     pid_bh = tl.program_id(0)
     start_n = tl.program_id(1) * BLOCK_N
-    q_lo = tl.program_id(2) * q_chunk
     _dkdv_tile(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
         pid_bh // n_heads, pid_bh % n_heads, pid_bh,
@@ -699,9 +654,9 @@ def attn_bwd_dkdv_kernel(
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         stride_dqb, stride_dqh, stride_dqn,
-        n_q, n_k, qk_scale, sm_scale, start_n, q_lo, q_lo + q_chunk,
+        n_q, n_k, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ, SPLIT,
+        USE_TMA, WARP_SPEC, TMA_DQ,
     )  # fmt: skip
 
 
@@ -713,27 +668,25 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale, k_chunk,
+    n_heads, n_q, n_k, qk_scale, sm_scale,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
-    """One program: dQ of one query tile (last query tiles are heaviest: run first) from the
-    keys of chunk program_id(2) (with SPLIT, DQ is a float32 buffer the chunks add into)."""
+    """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
     pid_bh = tl.program_id(0)
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    k_lo = tl.program_id(2) * k_chunk
     _dq_tile(
         Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dqb, stride_dqh, stride_dqn,
-        n_q, n_k, qk_scale, sm_scale, start_m, k_lo, k_lo + k_chunk,
+        n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC, SPLIT,
+        USE_TMA, WARP_SPEC,
     )  # fmt: skip
 
 
@@ -772,9 +725,9 @@ def attn_bwd_fused_kernel(
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
-            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1, 0, n_q + BLOCK_M1,
+            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False, False,
+            False, False, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
@@ -782,7 +735,7 @@ def attn_bwd_fused_kernel(
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn,
-            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2, 0, n_k,
+            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
-            False, False, False,
+            False, False,
         )  # fmt: skip

@@ -219,9 +219,7 @@ def _autotuned(kind: str):
         configs=list(by_key),
         key=["SEQ_BUCKET", "HEAD_DIM", "CAUSAL"],
         prune_configs_by={"early_config_prune": prune},
-        # Outputs that are added into (atomic dQ, sequence-split partial sums) start at zero
-        # in every timing run; where they are plain stores the reset is only wasted work.
-        reset_to_zero={"atomic": ["DQ", "DK", "DV"], "dkdv": ["DK", "DV"], "dq": ["DQ"]}.get(kind),
+        reset_to_zero=["DQ"] if kind == "atomic" else None,
     )(triton.heuristics(heur)(kernel))
 
 
@@ -264,30 +262,6 @@ def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem:
             cfg = smaller
     if cfg != first:
         _SHRUNK[key] = cfg
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _n_sms(t: torch.Tensor) -> int:
-    """SMs of t's GPU (1 on CPU, where the interpreter runs one program at a time)."""
-    return _sm_count(t.device.index or 0) if t.is_cuda else 1
-
-
-def _split_target(out: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Where a sequence-split kernel adds its float32 partial sums: out itself (zeroed) when
-    it is float32, else a zeroed float32 buffer that is copied into out afterwards."""
-    if not chunk:
-        return out
-    if out.dtype == torch.float32:
-        return out.zero_()
-    return torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _interpreter_bf16(t: torch.Tensor) -> bool:
@@ -402,17 +376,10 @@ def backward(
             dq_target = dq_acc
         else:
             dq_target = dq
-        # Few programs (batch 1, long sequence): split the dK/dV kernel's query loop.
-        q_chunk = 0
-        if scheme != "fused":
-            q_chunk = C.seq_split_chunk(b * h * triton_cdiv(n_k, 128), n_q, _n_sms(q))
-        dk_t, dv_t = _split_target(dk, q_chunk), _split_target(dv, q_chunk)
         dkdv_out = {
-            "DK": dk_t, "DV": dv_t, "DQ": dq_target,
-            "stride_dkb": dk_t.stride(0), "stride_dkh": dk_t.stride(1),
-            "stride_dkn": dk_t.stride(2),
-            "stride_dvb": dv_t.stride(0), "stride_dvh": dv_t.stride(1),
-            "stride_dvn": dv_t.stride(2),
+            "DK": dk, "DV": dv, "DQ": dq_target,
+            "stride_dkb": dk.stride(0), "stride_dkh": dk.stride(1), "stride_dkn": dk.stride(2),
+            "stride_dvb": dv.stride(0), "stride_dvh": dv.stride(1), "stride_dvn": dv.stride(2),
             "stride_dqb": dq_target.stride(0), "stride_dqh": dq_target.stride(1),
             "stride_dqn": dq_target.stride(2),
         }  # fmt: skip
@@ -428,41 +395,27 @@ def backward(
             )  # fmt: skip
             return dq, dk, dv
 
-        q_span = q_chunk or _round_up(max(n_q, 1), C.SPLIT_ALIGN)
-
         def grid_keys(cfg):
-            return (b * h, triton_cdiv(n_k, cfg.block_n), triton_cdiv(max(n_q, 1), q_span))
+            return (b * h, triton_cdiv(n_k, cfg.block_n))
 
         kind = "atomic" if scheme == "atomic" else "dkdv"
         if only in (None, kind):
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
-                {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic", "q_chunk": q_span,
-                 "SPLIT": bool(q_chunk)},
+                {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
                 n_q, n_k, block_d, elem,
             )  # fmt: skip
-        for out, target in ((dk, dk_t), (dv, dv_t)):
-            if target is not out:
-                out.copy_(target)
         if scheme == "atomic":
             dq.copy_(dq_acc[..., :d])
             return dq, dk, dv
 
-        # Same for the dQ kernel's key loop.
-        k_chunk = C.seq_split_chunk(b * h * triton_cdiv(n_q, 128), n_k, _n_sms(q))
-        k_span = k_chunk or _round_up(max(n_k, 1), C.SPLIT_ALIGN)
-        dq_t = _split_target(dq, k_chunk)
-
         def grid_queries(cfg):
-            return (b * h, triton_cdiv(n_q, cfg.block_m), triton_cdiv(n_k, k_span))
+            return (b * h, triton_cdiv(n_q, cfg.block_m))
 
         dq_args = {
-            **common, "DQ": dq_t, "k_chunk": k_span, "SPLIT": bool(k_chunk),
-            "stride_dqb": dq_t.stride(0), "stride_dqh": dq_t.stride(1),
-            "stride_dqn": dq_t.stride(2),
+            **common, "DQ": dq,
+            "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
         }  # fmt: skip
         if only in (None, "dq"):
             _run("dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem)
-        if dq_t is not dq:
-            dq.copy_(dq_t)
     return dq, dk, dv
