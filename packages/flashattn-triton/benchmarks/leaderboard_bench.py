@@ -91,11 +91,7 @@ SWEEPS = {
             "64,64,4,3,tma", "64,128,4,3,tma", "32,64,4,3,tma", "128,128,8,2,tma",
         ],
     },
-    "base": {  # the d = 64 defaults only, each timed twice: A/B of kernel source changes
-        "fwd": ["128,128,4,3", "128,128,4,3"],
-        "dkdv": ["32,128,8,3", "32,128,8,3"],
-        "dq": ["128,64,8,3", "128,64,8,3"],
-    },
+    "base": {},  # the committed defaults for --d, each timed twice (see sweep_specs)
     "small_d": {  # d = 16 and 32 (their tables copied d = 64's until measured): larger tiles fit
         "fwd": [
             "128,128,4,3", "128,64,4,3", "128,128,8,3", "64,64,4,3", "128,256,8,3",
@@ -224,6 +220,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def sweep_specs(name: str, d: int) -> dict[str, list[str]]:
+    """The variants of a sweep set; "base" is the 16-bit default table's entry for head dim d
+    (split backward), each timed twice: an A/B of kernel source changes at fixed tiles."""
+    if name != "base":
+        return SWEEPS[name]
+    from flashattn_triton import configs as C
+
+    block_d = C.block_d_for(d)
+    return {kind: [C.DEFAULTS[kind][block_d].spec()] * 2 for kind in ("fwd", "dkdv", "dq")}
+
+
 def sweep(q, k, v, args, rows: list[dict]) -> dict[str, tuple[str, float]]:
     """Time each variant alone; return the best spec per kind (and per scheme, total bwd)."""
     from flashattn_triton import launch
@@ -231,7 +238,9 @@ def sweep(q, k, v, args, rows: list[dict]) -> dict[str, tuple[str, float]]:
     d = q.shape[-1]
     scale = 1 / math.sqrt(d)
     q4, k4, v4 = (t.detach().unsqueeze(1) for t in (q, k, v))
-    jobs = [(kind, spec) for kind, specs in SWEEPS[args.sweep_set].items() for spec in specs]
+    jobs = [
+        (kind, spec) for kind, specs in sweep_specs(args.sweep_set, d).items() for spec in specs
+    ]
     precompile(jobs, q.shape[0], q.shape[1], d, args.workers)
     # Reference output and grads from SDPA flash (bf16), dO = ones.
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
