@@ -92,6 +92,7 @@ SWEEPS = {
         ],
     },
     "base": {},  # the committed defaults for --d, each timed twice (see sweep_specs)
+    "grid": {},  # the defaults for --d and variants with half the grid-axis tile (sweep_specs)
     "small_d": {  # d = 16 and 32 (their tables copied d = 64's until measured): larger tiles fit
         "fwd": [
             "128,128,4,3", "128,64,4,3", "128,128,8,3", "64,64,4,3", "128,256,8,3",
@@ -104,6 +105,12 @@ SWEEPS = {
         "dq": [
             "128,64,8,3", "128,128,8,3", "128,64,4,3", "128,128,4,3", "64,64,4,3",
             "128,32,4,3", "256,64,8,3", "128,64,8,4",
+        ],
+    },
+    "d64d": {  # 64-key dK/dV tiles at 4 warps (32,64,4,3 won every shape of the grid set)
+        "dkdv": [
+            "32,128,8,3", "32,64,4,3", "32,64,4,4", "32,64,4,2", "64,64,4,3", "16,64,4,3",
+            "32,64,2,3", "32,32,4,3", "32,64,4,3,tma",
         ],
     },
     "d128": {
@@ -220,15 +227,31 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# The tile field each kind's launch grid is divided by (programs = B * H * cdiv(N, tile)).
+GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n", "fused": "block_n"}
+
+
 def sweep_specs(name: str, d: int) -> dict[str, list[str]]:
-    """The variants of a sweep set; "base" is the 16-bit default table's entry for head dim d
-    (split backward), each timed twice: an A/B of kernel source changes at fixed tiles."""
-    if name != "base":
+    """The variants of a sweep set, derived from the 16-bit default table for head dim d where
+    the set is empty: "base" times the defaults (split backward) twice each, an A/B of kernel
+    source changes at fixed tiles; "grid" times the defaults of every kind (fused included)
+    and the same with half the grid-axis tile, at the default's warps and at 4 warps."""
+    if name not in ("base", "grid"):
         return SWEEPS[name]
+    from dataclasses import replace
+
     from flashattn_triton import configs as C
 
     block_d = C.block_d_for(d)
-    return {kind: [C.DEFAULTS[kind][block_d].spec()] * 2 for kind in ("fwd", "dkdv", "dq")}
+    if name == "base":
+        return {kind: [C.DEFAULTS[kind][block_d].spec()] * 2 for kind in ("fwd", "dkdv", "dq")}
+    out: dict[str, list[str]] = {}
+    for kind, field in GRID_TILE.items():
+        cfg = C.DEFAULTS[kind][block_d]
+        half = replace(cfg, **{field: max(getattr(cfg, field) // 2, C.MIN_TILE)})
+        variants = [cfg, half, replace(half, num_warps=4)]
+        out[kind] = list(dict.fromkeys(c.spec() for c in variants))
+    return out
 
 
 def sweep(q, k, v, args, rows: list[dict]) -> dict[str, tuple[str, float]]:
@@ -407,7 +430,8 @@ def main(argv=None) -> int:
             "args": vars(a),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        name = f"leaderboard_bench_{a.sweep_set if a.sweep else 'run'}_d{a.d}.json"
+        tag = a.sweep_set if a.sweep else "run"
+        name = f"leaderboard_bench_{tag}_d{a.d}_h{a.heads}_n{a.n}.json"
         with open(os.path.join(a.out, name), "w") as f:
             json.dump({"meta": meta, "sweep": rows, "best": best, "results": results}, f, indent=1)
     return 0
