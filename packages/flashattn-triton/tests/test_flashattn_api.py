@@ -138,3 +138,39 @@ def test_configs_parse_fit_and_prune(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_FP32_PRECISION", "fp64")
     with pytest.raises(ValueError, match="FP32_PRECISION"):
         configs.fp32_precision()
+
+
+def test_small_grid_rules(monkeypatch):
+    """Small causal grids (about one wave) halve 128-wide grid-axis tiles and, for 16-bit
+    inputs, pick the fused backward; explicit settings and overrides win."""
+    monkeypatch.delenv("FLASHATTN_TRITON_BWD", raising=False)
+    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    monkeypatch.setattr(configs, "OVERRIDES", {})
+    sms = 132
+    # batch x heads = 1 at 32768 tokens: 256 programs of 128 rows on 132 SMs (<= 2 per SM).
+    assert configs.grid_programs_per_sm(1, 32768, sms) == 256 / 132
+    assert configs.grid_programs_per_sm(1, 1, 0) == float("inf")
+    resolve = configs.resolve_backward_scheme
+    assert resolve(True, 1, 32768, 64, 2, sms) == "fused"
+    assert resolve(True, 2, 32768, 64, 2, sms) == "split"  # 512 programs: a full grid
+    assert resolve(False, 1, 32768, 64, 2, sms) == "split"  # no causal imbalance
+    assert resolve(True, 1, 32768, 64, 4, sms) == "split"  # float32: fused not measured
+    assert resolve(True, 1, 32768, 128, 2, sms) == "split"  # d = 128: only below 1 per SM
+    assert resolve(True, 1, 16384, 128, 2, sms) == "fused"
+    assert resolve(True, 1, 32768, 64, 2, 0) == "split"  # SM count unknown
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "atomic")
+    assert resolve(True, 1, 32768, 64, 2, sms) == "atomic"
+    # Tiles: 128-wide grid axes halve at 4 warps; narrower ones and other kinds stay.
+    half = configs.for_small_grid
+    assert half("fwd", configs.TileConfig(128, 128, 4, 3)) == configs.TileConfig(64, 128, 4, 3)
+    assert half("dq", configs.TileConfig(128, 64, 8, 3)) == configs.TileConfig(64, 64, 4, 3)
+    assert half("dkdv", configs.TileConfig(32, 128, 4, 3)) == configs.TileConfig(32, 64, 4, 3)
+    assert half("fwd", configs.TileConfig(64, 64, 4, 3)) == configs.TileConfig(64, 64, 4, 3)
+    fused = configs.TileConfig(32, 128, 8, 4, block_n2=64)
+    assert half("fused", fused) == fused
+    table = configs.DEFAULTS["fwd"][64]
+    assert configs.default_config("fwd", 32768, 32768, 64, 2) == table
+    assert configs.default_config("fwd", 32768, 32768, 64, 2, small_grid=True).block_m == 64
+    monkeypatch.setattr(configs, "OVERRIDES", {"fwd": configs.TileConfig(128, 64, 8, 3)})
+    forced = configs.default_config("fwd", 32768, 32768, 64, 2, small_grid=True)
+    assert forced == configs.TileConfig(128, 64, 8, 3)

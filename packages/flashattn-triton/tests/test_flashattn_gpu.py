@@ -97,11 +97,33 @@ def test_unequal_lengths(n_q, n_k, causal):
     _check(q, k, v, do, causal, compare_sdpa=not causal)
 
 
-@pytest.mark.parametrize("scheme", ["fused", "atomic"])
+@pytest.mark.parametrize("scheme", ["split", "fused", "atomic"])
 def test_backward_schemes(scheme, monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
     q, k, v, do = _inputs((2, 3, 1000, 64), 1000, torch.bfloat16)
     _check(q, k, v, do, True)
+
+
+@pytest.mark.parametrize(("shape", "causal", "kinds"), [
+    ((1, 1, 8000, 64), True, {"fwd", "fused"}),  # 63 programs of 128 rows: small grid
+    ((1, 1, 8000, 64), False, {"fwd", "dkdv", "dq"}),
+    ((8, 8, 1100, 64), True, {"fwd", "dkdv", "dq"}),  # 576 programs: a full grid
+])  # fmt: skip
+def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch):
+    """The default (auto) backward: fused on small causal grids, split elsewhere; both
+    within the accuracy bounds."""
+    monkeypatch.delenv("FLASHATTN_TRITON_BWD", raising=False)
+    seen = set()
+    run = launch._run
+
+    def spy(kind, *args, **kwargs):
+        seen.add(kind)
+        return run(kind, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_run", spy)
+    q, k, v, do = _inputs(shape, shape[2], torch.bfloat16)
+    _check(q, k, v, do, causal)
+    assert seen == kinds
 
 
 @pytest.mark.parametrize("d", [64, 80])

@@ -85,6 +85,28 @@ def test_other_backward_schemes(scheme, n_q, n_k, causal, small_tiles, monkeypat
     _check(*_inputs((2,), n_q, n_k, 16), causal)
 
 
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
+)
+def test_small_grid_path(n_q, n_k, causal, monkeypatch):
+    """With one SM every causal grid here is small: the launches say so (tiles adapted by
+    configs.for_small_grid) and the results still match the reference; non-causal grids do
+    not count as small."""
+    monkeypatch.setattr(launch, "sm_count", lambda t: 1)
+    seen = []
+    run = launch._run
+
+    def spy(kind, *args, **kwargs):
+        seen.append((kind, args[-1] if len(args) == 8 else kwargs.get("small_grid", False)))
+        return run(kind, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_run", spy)
+    _check(*_inputs((2,), n_q, n_k, 16), causal)
+    kinds = {kind for kind, _ in seen}
+    assert kinds == {"fwd", "dkdv", "dq"}  # float32: the split backward
+    assert all(small == causal for _, small in seen), seen
+
+
 @pytest.mark.parametrize("flags", [("tma",), ("ws",), ("tma", "ws")])
 @pytest.mark.parametrize(
     ("n_q", "n_k", "d", "causal"), [(97, 97, 16, True), (70, 40, 24, True), (33, 50, 16, False)]

@@ -8,7 +8,8 @@ whose shared-memory estimate exceeds the chip's limit.
 Environment switches (read at each call, never inside traced code):
 - ``FLASHATTN_TRITON_AUTOTUNE=1``: autotune per (sequence bucket, head dim, dtype, causal)
   instead of using the default table (first call per key takes seconds to minutes).
-- ``FLASHATTN_TRITON_BWD=split|fused|atomic``: the backward scheme (see ``ops``).
+- ``FLASHATTN_TRITON_BWD=auto|split|fused|atomic``: the backward scheme (see ``launch``);
+  ``auto`` (default) picks ``fused`` for causal 16-bit inputs on small grids, else ``split``.
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
 - ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
   table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws]), e.g. to replay a
@@ -28,8 +29,8 @@ from dataclasses import dataclass, replace
 SMEM_LIMIT_BYTES = 222 * 1024
 SMEM_FUDGE = {2: 1.25, 4: 1.7}
 MIN_TILE = 32  # shrinking stops here (sequences shorter than a tile still clamp below it)
-BWD_SCHEMES = ("split", "fused", "atomic")
-DEFAULT_BWD_SCHEME = "split"
+BWD_SCHEMES = ("auto", "split", "fused", "atomic")
+DEFAULT_BWD_SCHEME = "auto"
 FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 
 
@@ -86,8 +87,8 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "dkdv": {
         16: TileConfig(32, 128, 4, 3),
         32: TileConfig(64, 128, 4, 3),
-        64: TileConfig(32, 128, 8, 3),
-        128: TileConfig(64, 128, 8, 2),
+        64: TileConfig(32, 64, 4, 3, tma=True),
+        128: TileConfig(64, 64, 4, 2),
     },
     "dq": {
         16: TileConfig(128, 64, 4, 3),
@@ -95,9 +96,10 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(128, 64, 8, 3),
         128: TileConfig(128, 32, 8, 3),
     },
+    # Used by "auto" on small grids only (NOTES.md run 11), so measured there.
     "fused": {
-        16: TileConfig(32, 128, 8, 4, block_n2=64),
-        32: TileConfig(32, 128, 8, 4, block_n2=64),
+        16: TileConfig(32, 64, 4, 4, block_n2=64),
+        32: TileConfig(32, 64, 4, 4, block_n2=64),
         64: TileConfig(32, 128, 8, 4, block_n2=64),
         128: TileConfig(64, 128, 8, 2, block_n2=32),
     },
@@ -105,6 +107,17 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
 # The one-pass backward was only swept at d = 64 (NOTES.md run 5): its own table.
 DEFAULTS["atomic"] = {bd: TileConfig(32, 128, 8, 3) for bd in (16, 32, 64)}
 DEFAULTS["atomic"][128] = TileConfig(64, 128, 8, 2)
+
+# Small grids (NOTES.md runs 10-11). A causal grid with at most SMALL_GRID_PER_SM programs of
+# 128 rows per SM runs in about one wave, so its longest program (the last query tile, or the
+# first key tile, twice the average work) sets the time. There the forward and the split
+# backward halve their grid-axis tile, and "auto" picks the fused backward, whose program t
+# does key tile t and query tile t (equal work per program). d = 128's fused kernel is slower
+# per tile, so it takes over only below one program per SM.
+SMALL_GRID_ROWS = 128
+SMALL_GRID_PER_SM = 2
+FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
+GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n", "atomic": "block_n"}
 
 # float32 inputs: smaller tiles (twice the bytes per element, and tf32x3 triples the matrix
 # work and registers); chosen to compile without spills where possible (compile_offline.py).
@@ -244,11 +257,36 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
     return out
 
 
-def default_config(kind: str, n_q: int, n_k: int, block_d: int, elem_bytes: int) -> TileConfig:
-    """The config used without autotuning: an override, else the measured table, fitted."""
+def grid_programs_per_sm(bh: int, n: int, n_sms: int) -> float:
+    """Programs of SMALL_GRID_ROWS rows per SM for bh (batch x heads) sequences of length n
+    (inf when the SM count is unknown, e.g. under the interpreter: never a small grid)."""
+    if n_sms <= 0:
+        return float("inf")
+    return bh * -(-n // SMALL_GRID_ROWS) / n_sms
+
+
+def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
+    """Half the grid-axis tile (at 4 warps) where it is 128 or more: twice the programs, so a
+    one-wave causal grid spreads its work over the SMs (measured faster for every head dim
+    where the tile was 128, NOTES.md runs 10-11; 64-wide tiles stay, halving them lost)."""
+    field = GRID_TILE.get(kind)
+    if field is None or getattr(cfg, field) < 128:
+        return cfg
+    return replace(cfg, **{field: getattr(cfg, field) // 2}, num_warps=4)
+
+
+def default_config(
+    kind: str, n_q: int, n_k: int, block_d: int, elem_bytes: int, small_grid: bool = False
+) -> TileConfig:
+    """The config used without autotuning: an override, else the measured table (adapted to
+    a small grid, see ``for_small_grid``), fitted."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
     env = parse_overrides(os.environ.get("FLASHATTN_TRITON_CONFIGS", ""))
-    cfg = OVERRIDES.get(key) or env.get(key) or table[kind][min(max(block_d, 16), 128)]
+    cfg = OVERRIDES.get(key) or env.get(key)
+    if cfg is None:
+        cfg = table[kind][min(max(block_d, 16), 128)]
+        if small_grid:
+            cfg = for_small_grid(kind, cfg)
     return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)
 
 
@@ -269,10 +307,26 @@ def autotune_enabled() -> bool:
 
 
 def backward_scheme() -> str:
+    """The FLASHATTN_TRITON_BWD setting (``auto`` unless set); see ``resolve_backward_scheme``."""
     scheme = os.environ.get("FLASHATTN_TRITON_BWD", DEFAULT_BWD_SCHEME).lower()
     if scheme not in BWD_SCHEMES:
         raise ValueError(f"FLASHATTN_TRITON_BWD must be one of {BWD_SCHEMES}, got {scheme!r}")
     return scheme
+
+
+def resolve_backward_scheme(
+    causal: bool, bh: int, n_k: int, block_d: int, elem_bytes: int, n_sms: int
+) -> str:
+    """The scheme to run: the setting, or for ``auto`` the fused backward where a causal
+    16-bit grid is small enough (FUSED_GRID_PER_SM programs of 128 keys per SM or fewer), else
+    split. float32 stays on split: the fused kernel was not measured there."""
+    scheme = backward_scheme()
+    if scheme != "auto":
+        return scheme
+    limit = FUSED_GRID_PER_SM[min(max(block_d, 16), 128)]
+    if causal and elem_bytes == 2 and grid_programs_per_sm(bh, n_k, n_sms) <= limit:
+        return "fused"
+    return "split"
 
 
 def fp32_precision() -> str:

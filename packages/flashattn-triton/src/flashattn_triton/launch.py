@@ -7,7 +7,10 @@ and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the
 Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
 tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice); ``fused`` = the
 same two loops in one launch, program t doing key tile t and query tile t; ``atomic`` = one
-dK/dV kernel that also adds dQ into a float32 buffer with atomics.
+dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto`` (default) = fused
+for causal 16-bit inputs on small grids (about one wave of programs, e.g. batch 1 with few heads
+and long sequences), split otherwise. On small causal grids the forward and split kernels also
+halve their grid-axis tiles (``configs.for_small_grid``).
 """
 
 from __future__ import annotations
@@ -71,6 +74,23 @@ def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of t's GPU; 0 off-GPU (the interpreter: no small grids)."""
+    if t.device.type != "cuda":
+        return 0
+    return _cuda_sm_count(t.device.index if t.device.index is not None else 0)
+
+
+def _small_grid(causal: bool, bh: int, n: int, n_sms: int) -> bool:
+    """A causal grid of about one wave (configs.SMALL_GRID_PER_SM programs per SM or fewer)."""
+    return causal and C.grid_programs_per_sm(bh, n, n_sms) <= C.SMALL_GRID_PER_SM
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -227,7 +247,10 @@ def _autotuned(kind: str):
 _SHRUNK: dict[tuple, C.TileConfig] = {}
 
 
-def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int) -> None:
+def _run(
+    kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int,
+    small_grid: bool = False,
+) -> None:  # fmt: skip
     """Launch with the default (fitted) config, or through the autotuner when enabled.
 
     If the device has less shared memory than a config needs, Triton refuses the launch
@@ -242,7 +265,7 @@ def _run(kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem:
         return
     from triton.runtime.errors import OutOfResources
 
-    first = C.default_config(kind, n_q, n_k, block_d, elem)
+    first = C.default_config(kind, n_q, n_k, block_d, elem, small_grid)
     key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
     cfg = _SHRUNK.get(key, first)
     while True:
@@ -305,8 +328,9 @@ def forward(
         return (b * h, triton_cdiv(n_q, cfg.block_m))
 
     _check_grid(triton_cdiv(n_q, 16), "query length", 16)
+    small = _small_grid(causal, b * h, n_q, sm_count(q))
     with _device_guard(q):
-        _run("fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size())
+        _run("fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(), small)
     return o, lse
 
 
@@ -350,7 +374,8 @@ def backward(
     elem = q.element_size()
     delta = torch.empty_like(lse)  # (B, H, Nq) float32
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
-    scheme = C.backward_scheme()
+    n_sms = sm_count(q)
+    scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
     with _device_guard(q):
         pre_block = 64
         if only is None:
@@ -403,7 +428,7 @@ def backward(
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
-                n_q, n_k, block_d, elem,
+                n_q, n_k, block_d, elem, _small_grid(causal, b * h, n_k, n_sms),
             )  # fmt: skip
         if scheme == "atomic":
             dq.copy_(dq_acc[..., :d])
@@ -417,5 +442,8 @@ def backward(
             "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
         }  # fmt: skip
         if only in (None, "dq"):
-            _run("dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem)
+            _run(
+                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem,
+                _small_grid(causal, b * h, n_q, n_sms),
+            )  # fmt: skip
     return dq, dk, dv
