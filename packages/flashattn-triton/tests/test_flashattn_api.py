@@ -164,6 +164,8 @@ def test_small_grid_rules(monkeypatch):
     half = configs.for_small_grid
     assert half("fwd", configs.TileConfig(128, 128, 4, 3)) == configs.TileConfig(64, 128, 4, 3)
     assert half("dq", configs.TileConfig(128, 64, 8, 3)) == configs.TileConfig(64, 64, 4, 3)
+    tma = configs.TileConfig(128, 128, 4, 3, tma=True)
+    assert half("fwd", tma) == configs.TileConfig(64, 128, 4, 3)
     assert half("dkdv", configs.TileConfig(32, 128, 4, 3)) == configs.TileConfig(32, 64, 4, 3)
     assert half("fwd", configs.TileConfig(64, 64, 4, 3)) == configs.TileConfig(64, 64, 4, 3)
     fused = configs.TileConfig(32, 128, 8, 4, block_n2=64)

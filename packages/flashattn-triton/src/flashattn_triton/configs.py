@@ -81,7 +81,7 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "fwd": {
         16: TileConfig(128, 64, 4, 3),
         32: TileConfig(128, 128, 8, 3),
-        64: TileConfig(128, 128, 4, 3),
+        64: TileConfig(128, 128, 4, 3, tma=True),
         128: TileConfig(64, 64, 4, 3),
     },
     "dkdv": {
@@ -93,7 +93,7 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "dq": {
         16: TileConfig(128, 64, 4, 3),
         32: TileConfig(64, 64, 4, 3),
-        64: TileConfig(128, 64, 8, 3),
+        64: TileConfig(128, 64, 8, 4, tma=True),
         128: TileConfig(128, 32, 8, 3),
     },
     # Used by "auto" on small grids only (NOTES.md run 11), so measured there.
@@ -266,13 +266,14 @@ def grid_programs_per_sm(bh: int, n: int, n_sms: int) -> float:
 
 
 def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
-    """Half the grid-axis tile (at 4 warps) where it is 128 or more: twice the programs, so a
-    one-wave causal grid spreads its work over the SMs (measured faster for every head dim
-    where the tile was 128, NOTES.md runs 10-11; 64-wide tiles stay, halving them lost)."""
+    """Half the grid-axis tile (at 4 warps, pointer loads) where it is 128 or more: twice the
+    programs, so a one-wave causal grid spreads its work over the SMs (measured faster for
+    every head dim where the tile was 128, NOTES.md runs 10-11; 64-wide tiles stay, halving
+    them lost; the halved d = 64 forward ran slower with TMA loads, run 14)."""
     field = GRID_TILE.get(kind)
     if field is None or getattr(cfg, field) < 128:
         return cfg
-    return replace(cfg, **{field: getattr(cfg, field) // 2}, num_warps=4)
+    return replace(cfg, **{field: getattr(cfg, field) // 2}, num_warps=4, tma=False)
 
 
 def default_config(
