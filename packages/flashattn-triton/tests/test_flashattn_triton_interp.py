@@ -97,7 +97,7 @@ def test_small_grid_path(n_q, n_k, causal, monkeypatch):
     run = launch._run
 
     def spy(kind, *args, **kwargs):
-        seen.append((kind, args[-1] if len(args) == 8 else kwargs.get("small_grid", False)))
+        seen.append((kind, kwargs.get("small_grid", False)))
         return run(kind, *args, **kwargs)
 
     monkeypatch.setattr(launch, "_run", spy)

@@ -248,7 +248,7 @@ _SHRUNK: dict[tuple, C.TileConfig] = {}
 
 
 def _run(
-    kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int,
+    kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int, *,
     small_grid: bool = False,
 ) -> None:  # fmt: skip
     """Launch with the default (fitted) config, or through the autotuner when enabled.
@@ -330,7 +330,10 @@ def forward(
     _check_grid(triton_cdiv(n_q, 16), "query length", 16)
     small = _small_grid(causal, b * h, n_q, sm_count(q))
     with _device_guard(q):
-        _run("fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(), small)
+        _run(
+            "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
+            small_grid=small,
+        )  # fmt: skip
     return o, lse
 
 
@@ -428,7 +431,7 @@ def backward(
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
-                n_q, n_k, block_d, elem, _small_grid(causal, b * h, n_k, n_sms),
+                n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
             )  # fmt: skip
         if scheme == "atomic":
             dq.copy_(dq_acc[..., :d])
@@ -444,6 +447,6 @@ def backward(
         if only in (None, "dq"):
             _run(
                 "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem,
-                _small_grid(causal, b * h, n_q, n_sms),
+                small_grid=_small_grid(causal, b * h, n_q, n_sms),
             )  # fmt: skip
     return dq, dk, dv
