@@ -148,8 +148,11 @@ def test_small_grid_rules(monkeypatch):
     monkeypatch.setattr(configs, "OVERRIDES", {})
     sms = 132
     # batch x heads = 1 at 32768 tokens: 256 programs of 128 rows on 132 SMs (<= 2 per SM).
-    assert configs.grid_programs_per_sm(1, 32768, sms) == 256 / 132
-    assert configs.grid_programs_per_sm(1, 1, 0) == float("inf")
+    assert configs.small_grid(1, 32768, sms)
+    assert not configs.small_grid(3, 32768, sms)  # 768 programs
+    assert not configs.small_grid(1, 32768, 0)  # SM count unknown
+    assert not configs.small_grid(1, 8192, sms)  # below the measured lengths
+    assert not configs.small_grid(2, 32768, sms, per_sm=1)
     resolve = configs.resolve_backward_scheme
     assert resolve(True, 1, 32768, 64, 2, sms) == "fused"
     assert resolve(True, 2, 32768, 64, 2, sms) == "split"  # 512 programs: a full grid
@@ -158,6 +161,7 @@ def test_small_grid_rules(monkeypatch):
     assert resolve(True, 1, 32768, 128, 2, sms) == "split"  # d = 128: only below 1 per SM
     assert resolve(True, 1, 16384, 128, 2, sms) == "fused"
     assert resolve(True, 1, 32768, 64, 2, 0) == "split"  # SM count unknown
+    assert resolve(True, 4, 512, 64, 2, sms) == "split"  # short sequences: not measured
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "atomic")
     assert resolve(True, 1, 32768, 64, 2, sms) == "atomic"
     # Tiles: 128-wide grid axes halve at 4 warps; narrower ones and other kinds stay.

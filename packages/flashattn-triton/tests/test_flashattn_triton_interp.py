@@ -93,6 +93,7 @@ def test_small_grid_path(n_q, n_k, causal, monkeypatch):
     configs.for_small_grid) and the results still match the reference; non-causal grids do
     not count as small."""
     monkeypatch.setattr(launch, "sm_count", lambda t: 1)
+    monkeypatch.setattr(configs, "SMALL_GRID_MIN_SEQ", 1)
     seen = []
     run = launch._run
 

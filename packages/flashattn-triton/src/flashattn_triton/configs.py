@@ -113,9 +113,11 @@ DEFAULTS["atomic"][128] = TileConfig(64, 128, 8, 2)
 # first key tile, twice the average work) sets the time. There the forward and the split
 # backward halve their grid-axis tile, and "auto" picks the fused backward, whose program t
 # does key tile t and query tile t (equal work per program). d = 128's fused kernel is slower
-# per tile, so it takes over only below one program per SM.
+# per tile, so it takes over only below one program per SM. Measured at 16K-64K tokens only:
+# shorter sequences (e.g. a model's 512-token training step) keep the table's tiles and split.
 SMALL_GRID_ROWS = 128
 SMALL_GRID_PER_SM = 2
+SMALL_GRID_MIN_SEQ = 16384
 FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
 GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n", "atomic": "block_n"}
 
@@ -257,12 +259,13 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
     return out
 
 
-def grid_programs_per_sm(bh: int, n: int, n_sms: int) -> float:
-    """Programs of SMALL_GRID_ROWS rows per SM for bh (batch x heads) sequences of length n
-    (inf when the SM count is unknown, e.g. under the interpreter: never a small grid)."""
-    if n_sms <= 0:
-        return float("inf")
-    return bh * -(-n // SMALL_GRID_ROWS) / n_sms
+def small_grid(bh: int, n: int, n_sms: int, per_sm: int = SMALL_GRID_PER_SM) -> bool:
+    """Whether bh (batch x heads) sequences of n tokens make a small grid: at most per_sm
+    programs of SMALL_GRID_ROWS rows per SM, for n >= SMALL_GRID_MIN_SEQ (the measured
+    domain). False when the SM count is unknown (n_sms 0, e.g. under the interpreter)."""
+    if n_sms <= 0 or n < SMALL_GRID_MIN_SEQ:
+        return False
+    return bh * -(-n // SMALL_GRID_ROWS) <= per_sm * n_sms
 
 
 def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
@@ -319,13 +322,13 @@ def resolve_backward_scheme(
     causal: bool, bh: int, n_k: int, block_d: int, elem_bytes: int, n_sms: int
 ) -> str:
     """The scheme to run: the setting, or for ``auto`` the fused backward where a causal
-    16-bit grid is small enough (FUSED_GRID_PER_SM programs of 128 keys per SM or fewer), else
+    16-bit grid is small enough (``small_grid`` with FUSED_GRID_PER_SM per SM), else
     split. float32 stays on split: the fused kernel was not measured there."""
     scheme = backward_scheme()
     if scheme != "auto":
         return scheme
     limit = FUSED_GRID_PER_SM[min(max(block_d, 16), 128)]
-    if causal and elem_bytes == 2 and grid_programs_per_sm(bh, n_k, n_sms) <= limit:
+    if causal and elem_bytes == 2 and small_grid(bh, n_k, n_sms, limit):
         return "fused"
     return "split"
 

@@ -89,8 +89,8 @@ def sm_count(t: torch.Tensor) -> int:
 
 
 def _small_grid(causal: bool, bh: int, n: int, n_sms: int) -> bool:
-    """A causal grid of about one wave (configs.SMALL_GRID_PER_SM programs per SM or fewer)."""
-    return causal and C.grid_programs_per_sm(bh, n, n_sms) <= C.SMALL_GRID_PER_SM
+    """A causal grid of about one wave (see configs.small_grid)."""
+    return causal and C.small_grid(bh, n, n_sms)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
