@@ -174,6 +174,8 @@ def test_small_grid_rules(monkeypatch):
     assert half("fwd", configs.TileConfig(64, 64, 4, 3)) == configs.TileConfig(64, 64, 4, 3)
     fused = configs.TileConfig(32, 128, 8, 4, block_n2=64)
     assert half("fused", fused) == fused
+    atomic = configs.TileConfig(32, 128, 8, 3)
+    assert half("atomic", atomic) == atomic
     table = configs.DEFAULTS["fwd"][64]
     assert configs.default_config("fwd", 32768, 32768, 64, 2) == table
     assert configs.default_config("fwd", 32768, 32768, 64, 2, small_grid=True).block_m == 64

@@ -119,7 +119,7 @@ SMALL_GRID_ROWS = 128
 SMALL_GRID_PER_SM = 2
 SMALL_GRID_MIN_SEQ = 16384
 FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
-GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n", "atomic": "block_n"}
+GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: not measured
 
 # float32 inputs: smaller tiles (twice the bytes per element, and tf32x3 triples the matrix
 # work and registers); chosen to compile without spills where possible (compile_offline.py).
