@@ -235,10 +235,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-# The tile field each kind's launch grid is divided by (programs = B * H * cdiv(N, tile)).
-GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n", "fused": "block_n"}
-
-
 def sweep_specs(name: str, d: int) -> dict[str, list[str]]:
     """The variants of a sweep set, derived from the 16-bit default table for head dim d where
     the set is empty: "base" times the defaults (split backward) twice each, an A/B of kernel
@@ -254,7 +250,8 @@ def sweep_specs(name: str, d: int) -> dict[str, list[str]]:
     if name == "base":
         return {kind: [C.DEFAULTS[kind][block_d].spec()] * 2 for kind in ("fwd", "dkdv", "dq")}
     out: dict[str, list[str]] = {}
-    for kind, field in GRID_TILE.items():
+    # The tile each kind's launch grid is divided by (configs' table, plus the fused kernel's).
+    for kind, field in {**C.GRID_TILE, "fused": "block_n"}.items():
         cfg = C.DEFAULTS[kind][block_d]
         half = replace(cfg, **{field: max(getattr(cfg, field) // 2, C.MIN_TILE)})
         variants = [cfg, half, replace(half, num_warps=4)]

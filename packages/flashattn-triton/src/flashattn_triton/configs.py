@@ -259,6 +259,11 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
     return out
 
 
+def _table_key(block_d: int) -> int:
+    """The head-dim key of the tables (16, 32, 64 or 128) for a padded head dim."""
+    return min(max(block_d, 16), 128)
+
+
 def small_grid(bh: int, n: int, n_sms: int, per_sm: int = SMALL_GRID_PER_SM) -> bool:
     """Whether bh (batch x heads) sequences of n tokens make a small grid: at most per_sm
     programs of SMALL_GRID_ROWS rows per SM, for n >= SMALL_GRID_MIN_SEQ (the measured
@@ -288,7 +293,7 @@ def default_config(
     env = parse_overrides(os.environ.get("FLASHATTN_TRITON_CONFIGS", ""))
     cfg = OVERRIDES.get(key) or env.get(key)
     if cfg is None:
-        cfg = table[kind][min(max(block_d, 16), 128)]
+        cfg = table[kind][_table_key(block_d)]
         if small_grid:
             cfg = for_small_grid(kind, cfg)
     return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)
@@ -327,7 +332,7 @@ def resolve_backward_scheme(
     scheme = backward_scheme()
     if scheme != "auto":
         return scheme
-    limit = FUSED_GRID_PER_SM[min(max(block_d, 16), 128)]
+    limit = FUSED_GRID_PER_SM[_table_key(block_d)]
     if causal and elem_bytes == 2 and small_grid(bh, n_k, n_sms, limit):
         return "fused"
     return "split"
