@@ -13,6 +13,9 @@ computing a float32 matmul, and its error against a float64 product:
   accumulating in the matrix unit's accumulator;
 - ``triton-tf32x3-kmajor``: ``triton-tf32x3`` after copying the operands K-major (the copy
   is timed with it);
+- ``lm-core-tf32x3``: lm_core's `tf32x3_mm` (`ModelConfig(matmul="tf32x3")`): the operands
+  are split into TF32 hi and lo parts once, K-major, by a separate kernel (timed with the
+  product), and the GEMM runs three plain TF32 products per K tile on those buffers;
 - ``triton-tf32x3-kahan``: the same products, but each K tile's result is added to the
   running float32 total outside the matrix unit with Kahan compensation (a cuBLAS TF32 GEMM's
   own accumulation error grows with K: measured 2e-6 at K = 768 to 3e-5 at K = 12288).
@@ -163,6 +166,12 @@ def variants(tune: bool):
         {},
         lambda a, b: triton_mm(*k_major(a, b), "tf32x3", False, tune),
     )
+    try:
+        from lm_core.matmul import tf32x3_mm
+    except ImportError:
+        pass
+    else:
+        out["lm-core-tf32x3"] = ({}, tf32x3_mm)
     return out
 
 
@@ -214,9 +223,9 @@ def make_operands(m, n, k, layout, device, seed=0):
     return a, b
 
 
-def run(shapes, device, reps, tune) -> list[dict]:
+def run(shapes, device, reps, tune, only=None) -> list[dict]:
     rows = []
-    fns = variants(tune)
+    fns = {k: v for k, v in variants(tune).items() if not only or k in only}
     for name, m, n, k, layout, count in shapes:
         a, b = make_operands(m, n, k, layout, device)
         ref = a.double() @ b.double()
@@ -266,6 +275,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default="", help="write rows to this JSON file")
+    ap.add_argument("--variants", nargs="+", help="run only these variants (default: all)")
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -284,7 +294,7 @@ def main(argv=None) -> int:
         return 2
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     t0 = time.time()
-    rows = run(SHAPES, "cuda", a.reps, tune=True)
+    rows = run(SHAPES, "cuda", a.reps, tune=True, only=a.variants)
     summarize(rows)
     print(f"({time.time() - t0:.0f} s)")
     if a.json:

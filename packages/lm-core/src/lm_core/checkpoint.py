@@ -28,7 +28,7 @@ FORMAT = "lm_core.checkpoint/1"
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 # Config fields that may differ between a checkpoint and the model loading it: they change
 # neither parameter shapes nor the function computed (RoPE tables are rebuilt from the config).
-_FREE_FIELDS = frozenset({"attention", "context_length"})
+_FREE_FIELDS = frozenset({"attention", "context_length", "matmul"})
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

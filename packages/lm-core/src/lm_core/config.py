@@ -17,6 +17,8 @@ from typing import Any
 # Backend names known to `lm_core.attention`; kept here so that validating a config imports
 # nothing heavy. `lm_core.attention` checks that its registry matches this tuple.
 ATTENTION_BACKENDS: tuple[str, ...] = ("naive", "sdpa", "flash-torch", "flash-triton")
+# How linear layers multiply in float32 (see `lm_core.matmul`).
+MATMUL_BACKENDS: tuple[str, ...] = ("default", "tf32x3")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class ModelConfig:
     d_ff: hidden width of the SwiGLU feed-forward.
     rope_theta: RoPE base frequency Theta.
     attention: backend name, one of "naive", "sdpa", "flash-torch", "flash-triton".
+    matmul: how linear layers multiply float32 inputs: "default" (torch's matmul) or
+        "tf32x3" (float32-accurate products on TF32 tensor cores; see `lm_core.matmul`).
     """
 
     vocab_size: int
@@ -41,6 +45,7 @@ class ModelConfig:
     d_ff: int
     rope_theta: float = 10000.0
     attention: str = "sdpa"
+    matmul: str = "default"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -67,6 +72,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.attention: unknown backend {self.attention!r}; "
                 f"expected one of {list(ATTENTION_BACKENDS)}"
+            )
+        if self.matmul not in MATMUL_BACKENDS:
+            raise ValueError(
+                f"ModelConfig.matmul: unknown backend {self.matmul!r}; "
+                f"expected one of {list(MATMUL_BACKENDS)}"
             )
 
     @property

@@ -30,6 +30,7 @@ from lm_core.annotate import annotate
 from lm_core.attention import get_attention
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.fused_loss import fused_linear_cross_entropy
+from lm_core.matmul import Linear, check_matmul
 
 __all__ = ["MODEL_SIZES", "LMHead", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
 
@@ -105,8 +106,8 @@ class CausalSelfAttention(nn.Module):
         d = config.d_model
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = nn.Linear(d, 3 * d, bias=False)
-        self.output_proj = nn.Linear(d, d, bias=False)
+        self.qkv_proj = Linear(d, 3 * d, matmul=config.matmul)
+        self.output_proj = Linear(d, d, matmul=config.matmul)
         self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
         self.attn_fn = get_attention(config.attention)
 
@@ -131,11 +132,11 @@ class CausalSelfAttention(nn.Module):
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x) with w1 and w3 stored as one matrix: (B, T, D) -> (B, T, D)."""
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, matmul: str = "default") -> None:
         super().__init__()
         self.d_ff = d_ff
-        self.w13 = nn.Linear(d_model, 2 * d_ff, bias=False)
-        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w13 = Linear(d_model, 2 * d_ff, matmul=matmul)
+        self.w2 = Linear(d_ff, d_model, matmul=matmul)
 
     def reset_parameters(self) -> None:
         d_model = self.w13.in_features
@@ -156,7 +157,7 @@ class TransformerBlock(nn.Module):
         self.ln1 = RMSNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln2 = RMSNorm(config.d_model)
-        self.ffn = SwiGLU(config.d_model, config.d_ff)
+        self.ffn = SwiGLU(config.d_model, config.d_ff, config.matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with annotate("attention"):
@@ -166,19 +167,20 @@ class TransformerBlock(nn.Module):
         return x
 
 
-class LMHead(nn.Linear):
+class LMHead(Linear):
     """The output projection, and with targets the fused LM head + cross-entropy.
 
-    An `nn.Linear(d_model, vocab_size, bias=False)`: `weight` (V, D), its state-dict key and
-    `isinstance(head, nn.Linear)` are those of a plain Linear. `head(h)` -> logits (..., V);
+    An `nn.Linear(d_model, vocab_size, bias=False)` (through `lm_core.matmul.Linear`):
+    `weight` (V, D), its state-dict key and `isinstance(head, nn.Linear)` are those of a
+    plain Linear. `head(h)` -> logits (..., V);
     `head(h, targets)` -> the mean cross-entropy (0-dim fp32) by `fused_linear_cross_entropy`
     on `self.weight`, without the (..., V) logits. Both run inside this module's call, so its
     forward hooks fire around the loss too: a wrapper that gathers sharded weights in module
     hooks (zero_shard.FSDP, torch's fully_shard applied to the head) gathers `weight` for it.
     """
 
-    def __init__(self, d_model: int, vocab_size: int) -> None:
-        super().__init__(d_model, vocab_size, bias=False)
+    def __init__(self, d_model: int, vocab_size: int, matmul: str = "default") -> None:
+        super().__init__(d_model, vocab_size, matmul=matmul)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """h (..., D) -> logits (..., V); with targets (...) int ids: the mean loss (0-dim)."""
@@ -204,7 +206,7 @@ class TransformerLM(nn.Module):
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model)
-        self.lm_head = LMHead(config.d_model, config.vocab_size)
+        self.lm_head = LMHead(config.d_model, config.vocab_size, config.matmul)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -277,6 +279,16 @@ class TransformerLM(nn.Module):
         if non_embedding:
             total -= self.token_embeddings.weight.numel()
         return total
+
+    def set_matmul(self, name: str) -> None:
+        """Switch every linear layer to matmul backend `name` (weights unchanged)."""
+        import dataclasses
+
+        check_matmul(name)
+        self.config = dataclasses.replace(self.config, matmul=name)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = name
 
     def set_attention(self, name: str) -> None:
         """Switch every block to attention backend `name` (weights unchanged)."""

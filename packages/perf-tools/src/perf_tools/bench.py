@@ -89,6 +89,7 @@ TABLE_COLUMNS = [
     "act_ckpt",
     "fused_loss",
     "blas",
+    "matmul",
     "status",
     "mean_ms",
     "std_ms",
@@ -107,7 +108,13 @@ TABLE_COLUMNS = [
     "vs_hf",
 ]
 # configuration columns shown in the table only when some row uses them
-OPTIONAL_CONFIG_COLUMNS = {"act_ckpt": "none", "fused_loss": False, "blas": "default"}
+OPTIONAL_CONFIG_COLUMNS = {
+    "act_ckpt": "none",
+    "fused_loss": False,
+    "blas": "default",
+    "matmul": "default",
+}
+MATMULS = ("default", "tf32x3")  # lm_core.ModelConfig.matmul
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 
 
@@ -124,11 +131,12 @@ class BenchSpec:
     context: int
     graph: bool = False  # the whole step captured in one CUDA graph and replayed
     fsdp: str | None = None  # multi-GPU mode: "ours" or "torch" (None: one process)
+    matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
 
     @property
-    def model_key(self) -> tuple[str, str, str | None, bool]:
+    def model_key(self) -> tuple[str, str, str | None, bool, str]:
         """Cells with the same key share one built model."""
-        return (self.impl, self.size, self.attention, self.compile)
+        return (self.impl, self.size, self.attention, self.compile, self.matmul)
 
     def label(self) -> str:
         parts = [self.impl, self.size, self.attention or "default", self.precision, self.mode]
@@ -137,6 +145,8 @@ class BenchSpec:
             parts.append("compiled")
         if self.graph:
             parts.append("graphed")
+        if self.matmul != "default":
+            parts.append(f"matmul-{self.matmul}")
         if self.fsdp:
             parts.append(f"fsdp-{self.fsdp}")
         return "-".join(str(p) for p in parts)
@@ -335,6 +345,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
             help=f"override the preset's {name} (or define a custom model)",
         )
     g.add_argument(
+        "--matmul",
+        nargs="+",
+        type=_cli.listed(_cli.choice(MATMULS)),
+        help="lm_core: how linear layers multiply in fp32: default (torch, cuBLAS) and/or "
+        "tf32x3 (fp32-accurate 3xTF32 Triton kernels; bf16 autocast unchanged). Default: default",
+    )
+    g.add_argument(
         "--fused-loss",
         action="store_true",
         help="lm_core: the loss from model(x, targets), the fused LM head + cross-entropy "
@@ -409,6 +426,7 @@ def resolve_model_args(
     args.sizes = sizes
     args.contexts = _cli.flatten(args.context) or [512 if on_gpu else 128]
     args.attentions = _cli.flatten(args.attention) or [None]
+    args.matmuls = _cli.flatten(getattr(args, "matmul", None)) or ["default"]
     valid_attention = ("naive", "sdpa", "flash-torch", "flash-triton")
     for a in args.attentions:
         if a is not None and a not in valid_attention:
@@ -457,6 +475,8 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 "--fsdp ours or --fsdp torch"
             )
         return
+    if getattr(args, "matmuls", ["default"]) != ["default"]:
+        parser.error("argument --matmul: the multi-GPU mode runs the default matmul only")
     if args.nprocs is None and not torchrun:
         parser.error(
             "argument --fsdp: needs --nprocs N (ranks to spawn), or run the command under torchrun"
@@ -527,24 +547,25 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     impls = [OURS] + ([HF] if "hf" in args.competitors else [])
     for impl in impls:
         attentions = args.attentions if impl == OURS else ["sdpa"]
-        for size in args.sizes:
-            for attention in attentions:
-                for compiled in args.compiles:
-                    for precision in args.precisions:
-                        for context in sorted(args.contexts):
-                            for mode, graph in itertools.product(args.modes, args.graphs):
-                                specs.append(
-                                    BenchSpec(
-                                        impl,
-                                        size,
-                                        attention,
-                                        compiled,
-                                        precision,
-                                        mode,
-                                        context,
-                                        graph,
-                                    )
-                                )
+        matmuls = args.matmuls if impl == OURS else ["default"]
+        for size, attention, matmul, compiled, precision in itertools.product(
+            args.sizes, attentions, matmuls, args.compiles, args.precisions
+        ):
+            for context in sorted(args.contexts):
+                for mode, graph in itertools.product(args.modes, args.graphs):
+                    specs.append(
+                        BenchSpec(
+                            impl,
+                            size,
+                            attention,
+                            compiled,
+                            precision,
+                            mode,
+                            context,
+                            graph,
+                            matmul=matmul,
+                        )
+                    )
     return specs
 
 
@@ -761,15 +782,16 @@ def run_sweep(
     rows: list[dict[str, Any]] = []
     bar = _outer_bar(len(specs), opts.progress)
     for key, cells in groups.items():
-        impl, size, attention, compiled = key
+        impl, size, attention, compiled, matmul = key
         max_ctx = max(c.context for c in cells)
         base = {"model": impl, "size": size}
+        overrides = dict(opts.overrides, matmul=matmul) if impl == OURS else opts.overrides
         try:
             config = resolve_config(
                 size,
                 context_length=max_ctx,
                 attention=attention if impl == OURS else None,
-                overrides=opts.overrides,
+                overrides=overrides,
             )
         except (ValueError, TypeError) as exc:
             for c in cells:
@@ -851,6 +873,7 @@ def _row(
         "precision": spec.precision,
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "blas": opts.blas,
+        "matmul": spec.matmul,
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,

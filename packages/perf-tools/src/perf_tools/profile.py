@@ -143,9 +143,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _specs(args: argparse.Namespace) -> list[bench.BenchSpec]:
     attentions = [a or "naive" for a in args.attentions]
     return [
-        bench.BenchSpec(bench.OURS, size, attention, compiled, precision, mode, context)
+        bench.BenchSpec(
+            bench.OURS, size, attention, compiled, precision, mode, context, matmul=matmul
+        )
         for size in args.sizes
         for attention in attentions
+        for matmul in args.matmuls
         for compiled in args.compiles
         for precision in args.precisions
         for context in sorted(args.contexts)

@@ -1,0 +1,130 @@
+"""Linear layers with a selectable float32 matmul: torch's, or the 3xTF32 Triton kernels.
+
+In float32 a linear layer's products dominate a train step, and strict IEEE float32 GEMMs run
+on the H100's FMA units (~67 TFLOP/s peak). TF32 tensor cores are ~7x faster but keep 10
+mantissa bits (~1e-3 relative error). "3xTF32" keeps float32 accuracy on the tensor cores:
+each operand is split into TF32 hi + lo parts and a @ b = a_lo b_hi + a_hi b_lo + a_hi b_hi
+(see `lm_core.tf32x3_triton`); measured against a float64 product it is as accurate as
+cuBLAS's SGEMM or better.
+
+Backends (`ModelConfig.matmul`, `Linear.matmul`):
+- ``"default"``: `torch.nn.functional.linear` (cuBLAS; strict float32 unless the user
+  allows TF32 through `torch.backends.cuda.matmul.allow_tf32`).
+- ``"tf32x3"``: float32 inputs outside autocast go through the custom op `lm_core::tf32x3_mm`
+  (one graph node under torch.compile, its own backward); anything else (bf16, autocast)
+  falls back to ``"default"``. On a CPU the op computes a plain float32 product, unless
+  Triton's interpreter is on (tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm_core.config import MATMUL_BACKENDS
+
+__all__ = ["MATMUL_BACKENDS", "Linear", "tf32x3_mm"]
+
+
+def _kernels():
+    try:
+        from lm_core import tf32x3_triton
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("matmul='tf32x3' needs triton (pip install 'lm-core[triton]')") from e
+    return tf32x3_triton
+
+
+def _runs_kernels(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return True
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return _kernels().interpreting()
+    return False
+
+
+@torch.library.custom_op("lm_core::tf32x3_mm", mutates_args=())
+def tf32x3_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (K, N) for float32 a and b (any strides) with float32 accuracy on TF32
+    tensor cores: a new contiguous (M, N) float32 tensor."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != torch.float32 or t.dim() != 2:
+            raise ValueError(
+                f"tf32x3_mm: {name} must be a 2-D float32 tensor, got {t.dtype} {tuple(t.shape)}"
+            )
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"tf32x3_mm: a {tuple(a.shape)} and b {tuple(b.shape)} do not chain")
+    if a.device != b.device:
+        raise ValueError(f"tf32x3_mm: a is on {a.device}, b on {b.device}")
+    if _runs_kernels(a.device):
+        return _kernels().mm(a, b)
+    return (a @ b).contiguous()
+
+
+@tf32x3_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    a, b = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _mm_like(x: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left @ right, laid out like x: computed as (right^T @ left^T)^T when x is a transposed
+    (column-major) matrix, e.g. the gradient of a weight used as weight.t()."""
+    if x.stride(0) == 1 and x.stride(1) != 1:
+        return tf32x3_mm(right.t(), left.t()).t()
+    return tf32x3_mm(left, right)
+
+
+def _backward(ctx, grad: torch.Tensor):
+    a, b = ctx.saved_tensors
+    grad_a = _mm_like(a, grad, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = _mm_like(b, a.t(), grad) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b
+
+
+tf32x3_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _tf32x3_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose float32 product can run on the 3xTF32 kernels (`matmul="tf32x3"`).
+
+    Same parameters, state-dict keys and init as `nn.Linear`; `matmul` may be changed at any
+    time (`TransformerLM.set_matmul`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 matmul: str = "default") -> None:  # fmt: skip
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul = check_matmul(matmul)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul == "tf32x3" and _tf32x3_applies(x, self.weight):
+            y = tf32x3_mm(x.reshape(-1, self.in_features), self.weight.t())
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, matmul={self.matmul!r}"
+
+
+def check_matmul(name: str) -> str:
+    """`name` if it is a known matmul backend, else a ValueError naming the choices."""
+    if name not in MATMUL_BACKENDS:
+        raise ValueError(
+            f"matmul: unknown backend {name!r}; expected one of {list(MATMUL_BACKENDS)}"
+        )
+    return name

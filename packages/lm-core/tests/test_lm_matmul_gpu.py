@@ -1,0 +1,117 @@
+"""The 3xTF32 matmul on the GPU: accuracy against float64 and cuBLAS's strict SGEMM on the
+small model's product shapes and awkward ones, a model step against torch's fp32 matmul, and
+CUDA-graph capture (`nox -s gpu_tests`; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm_core import TransformerLM, get_config
+from lm_core.matmul import Linear, tf32x3_mm
+
+pytestmark = pytest.mark.gpu
+
+# (M, N, K, layout): the small model's products (T = 2048 tokens, d_model 768, d_ff 3072,
+# vocab 10,000) in their real layouts, then shapes that are no multiple of any tile.
+SHAPES = [
+    (2048, 2304, 768, "nt"),  # qkv forward: x @ W^T
+    (2048, 768, 3072, "nn"),  # w2's input gradient: dy @ W
+    (768, 3072, 2048, "tn"),  # w2's weight gradient: dy^T @ x
+    (2048, 768, 10000, "nn"),  # the head's input gradient (K = 10,000)
+    (1000, 999, 1001, "nn"),
+    (37, 29, 45, "tt"),
+    (1, 64, 7, "nt"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _strict_fp32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _operands(m, n, k, layout, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn((k, m) if layout[0] == "t" else (m, k), generator=gen, device="cuda")
+    b = torch.randn((n, k) if layout[1] == "t" else (k, n), generator=gen, device="cuda")
+    b /= k**0.5
+    return (a.t() if layout[0] == "t" else a), (b.t() if layout[1] == "t" else b)
+
+
+def _rel_err(x, ref) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize(("m", "n", "k", "layout"), SHAPES)
+def test_as_accurate_as_sgemm(m, n, k, layout):
+    a, b = _operands(m, n, k, layout)
+    ref = a.double() @ b.double()
+    ours = _rel_err(tf32x3_mm(a, b), ref)
+    sgemm = _rel_err(a @ b, ref)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    tf32 = _rel_err(a @ b, ref)
+    assert ours < 1e-6, (ours, sgemm)
+    assert ours <= 1.5 * sgemm + 1e-7, (ours, sgemm)
+    assert ours < tf32 / 100, (ours, tf32)
+
+
+def test_no_nan_and_large_values():
+    a, b = _operands(300, 200, 500, "nn")
+    a = a * 1e18  # large, but products stay finite in float32
+    c = tf32x3_mm(a, b)
+    assert torch.isfinite(c).all()
+    assert _rel_err(c, a.double() @ b.double()) < 1e-6
+
+
+def test_model_step_matches_torch_fp32():
+    torch.manual_seed(0)
+    cfg = get_config("tiny", d_model=128, num_heads=4, d_ff=352, vocab_size=1000)
+    ref = TransformerLM(cfg).cuda()
+    ours = TransformerLM(dataclasses.replace(cfg, matmul="tf32x3")).cuda()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 1000, (4, 64), device="cuda")
+    losses = []
+    for model in (ref, ours):
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cuda_graph_replay():
+    """Forward and backward captured once (after the autotuning warm-up) replay correctly."""
+    torch.manual_seed(0)
+    layer = Linear(256, 384, matmul="tf32x3").cuda()
+    x = torch.randn(100, 256, device="cuda", requires_grad=True)
+
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        y = layer(x)
+        y.square().sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    x64, w64 = x.detach().double(), layer.weight.detach().double()
+    assert _rel_err(y, x64 @ w64.t()) < 1e-6
+    assert _rel_err(layer.weight.grad, 2 * (x64 @ w64.t()).t() @ x64) < 1e-6
