@@ -65,14 +65,16 @@ def _load_tile(desc, ptr, row0, k0, n_rows, K, stride, BR: tl.constexpr, BK: tl.
                USE_TMA: tl.constexpr):  # fmt: skip
     """The (BR, BK) tile at (row0, k0) of a row-major (n_rows, K) operand, zero past the ends."""
     if USE_TMA:
-        return desc.load([row0, k0])
-    offs_r = row0 + tl.arange(0, BR)
-    offs_k = k0 + tl.arange(0, BK)
-    return tl.load(
-        ptr + offs_r[:, None].to(tl.int64) * stride + offs_k[None, :],
-        mask=(offs_r[:, None] < n_rows) & (offs_k[None, :] < K),
-        other=0.0,
-    )
+        tile = desc.load([row0, k0])
+    else:
+        offs_r = row0 + tl.arange(0, BR)
+        offs_k = k0 + tl.arange(0, BK)
+        tile = tl.load(
+            ptr + offs_r[:, None].to(tl.int64) * stride + offs_k[None, :],
+            mask=(offs_r[:, None] < n_rows) & (offs_k[None, :] < K),
+            other=0.0,
+        )
+    return tile
 
 
 @triton.jit
