@@ -5,7 +5,8 @@ x = hi + lo to about 2^-22 relative. A product a @ b is then a_lo @ b_hi + a_hi 
 a_hi @ b_hi, three products on the TF32 tensor cores accumulated in float32; the dropped
 a_lo @ b_lo term is ~2^-22 of the result. Two kernels:
 
-- `split_kernel` writes hi and lo of a 2-D operand with any strides as one (2, R, C) buffer,
+- `split_kernel` writes hi and lo of a 2-D operand with any strides as one (2, R, C) buffer
+  (both operands of a product in one launch),
   rows contiguous (C padded to a multiple of 4 with zeros so TMA can read it): the matrix
   unit reads 32-bit operands only K-major, so each operand is split once here, in the layout
   the product needs, instead of once per output tile inside the GEMM (which is what Triton's
@@ -19,6 +20,8 @@ before that import to run the kernels on a CPU (tests only: slow, small shapes).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -38,14 +41,13 @@ def _round_tf32(x):
 
 
 @triton.jit
-def split_kernel(
-    X, OUT, n_rows, n_cols, n_cols_pad, half, stride_r, stride_c,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """OUT[0] = tf32(X), OUT[1] = tf32(X - OUT[0]); OUT is (2, n_rows, n_cols_pad) contiguous
-    (half = n_rows * n_cols_pad) and its columns n_cols..n_cols_pad-1 are zero."""
-    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _split_tile(X, OUT, tile, n_rows, n_cols, n_cols_pad, half, stride_r, stride_c,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """Tile `tile` (row-major over BLOCK x BLOCK tiles) of one split; half = n_rows *
+    n_cols_pad, the offset of the lo part."""
+    tiles_c = tl.cdiv(n_cols_pad, BLOCK)
+    offs_r = (tile // tiles_c) * BLOCK + tl.arange(0, BLOCK)
+    offs_c = (tile % tiles_c) * BLOCK + tl.arange(0, BLOCK)
     rows = offs_r[:, None].to(tl.int64)
     x = tl.load(
         X + rows * stride_r + offs_c[None, :].to(tl.int64) * stride_c,
@@ -58,6 +60,22 @@ def split_kernel(
     mask = (offs_r[:, None] < n_rows) & (offs_c[None, :] < n_cols_pad)
     tl.store(out, hi, mask=mask)
     tl.store(out + half, lo, mask=mask)
+
+
+@triton.jit
+def split_kernel(
+    X1, OUT1, rows1, cols1, pad1, half1, stride1_r, stride1_c, tiles1,
+    X2, OUT2, rows2, cols2, pad2, half2, stride2_r, stride2_c,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Splits two operands in one launch (programs 0..tiles1-1 the first, the rest the
+    second): OUTi[0] = tf32(Xi), OUTi[1] = tf32(Xi - OUTi[0]), OUTi (2, rowsi, padi)
+    contiguous with zeros in columns colsi..padi-1."""
+    pid = tl.program_id(0)
+    if pid < tiles1:
+        _split_tile(X1, OUT1, pid, rows1, cols1, pad1, half1, stride1_r, stride1_c, BLOCK)
+    else:
+        _split_tile(X2, OUT2, pid - tiles1, rows2, cols2, pad2, half2, stride2_r, stride2_c, BLOCK)
 
 
 @triton.jit
@@ -147,39 +165,53 @@ def interpreting() -> bool:
     return isinstance(mm_kernel, interp.InterpretedFunction)
 
 
-def split(x: torch.Tensor) -> torch.Tensor:
-    """(R, C) float32, any strides -> (2, R, C') contiguous: [tf32 hi, tf32 lo] of x, C' = C
-    rounded up to a multiple of 4 (zero columns)."""
+def _split_args(x: torch.Tensor) -> tuple[torch.Tensor, tuple, int]:
+    """The output buffer of x's split, its kernel arguments, and its number of tiles."""
     n_rows, n_cols = x.shape
     n_pad = -(-n_cols // K_ALIGN) * K_ALIGN
     out = torch.empty((2, n_rows, n_pad), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_rows, SPLIT_BLOCK), triton.cdiv(n_pad, SPLIT_BLOCK))
-    split_kernel[grid](
-        x, out, n_rows, n_cols, n_pad, n_rows * n_pad, x.stride(0), x.stride(1),
-        SPLIT_BLOCK, SPLIT_BLOCK,
-    )  # fmt: skip
-    return out
+    args = (x, out, n_rows, n_cols, n_pad, n_rows * n_pad, x.stride(0), x.stride(1))
+    return out, args, triton.cdiv(n_rows, SPLIT_BLOCK) * triton.cdiv(n_pad, SPLIT_BLOCK)
+
+
+def split_pair(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both operands split in one launch: (R, C) float32, any strides -> (2, R, C')
+    contiguous, [tf32 hi, tf32 lo], C' = C rounded up to a multiple of 4 (zero columns)."""
+    out1, args1, tiles1 = _split_args(x1)
+    out2, args2, tiles2 = _split_args(x2)
+    split_kernel[(tiles1 + tiles2,)](*args1, tiles1, *args2, SPLIT_BLOCK)
+    return out1, out2
+
+
+def split(x: torch.Tensor) -> torch.Tensor:
+    """One operand's split (see `split_pair`)."""
+    return split_pair(x, x[:0])[0]
+
+
+@functools.cache
+def _device_has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _use_tma(device: torch.device) -> bool:
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
+        return _device_has_tma(device.index if device.index is not None else 0)
     return interpreting()
 
 
-def _operands(split_buf: torch.Tensor, use_tma: bool):
-    """The hi and lo halves of a split buffer: tensors, or TMA descriptors (their block shape
-    is set per launch config by `_set_blocks`)."""
+def _operands(split_buf: torch.Tensor, use_tma: bool, rows: int, bk: int):
+    """The hi and lo halves of a split buffer: tensors, or TMA descriptors of (rows, bk)
+    blocks."""
     hi, lo = split_buf[0], split_buf[1]
     if not use_tma:
         return hi, lo
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) for t in (hi, lo))
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, bk]) for t in (hi, lo))
 
 
 def _set_blocks(nargs: dict) -> None:
-    """Autotune pre-hook: give the TMA descriptors the launch config's block shapes."""
+    """Autotune pre-hook: give the TMA descriptors the benchmarked config's block shapes."""
     if not nargs.get("USE_TMA"):
         return
     for names, rows in ((("A_HI", "A_LO"), nargs["BM"]), (("B_HI", "B_LO"), nargs["BN"])):
@@ -190,6 +222,10 @@ def _set_blocks(nargs: dict) -> None:
 for _cfg in CONFIGS:
     _cfg.pre_hook = _set_blocks
 
+# (M, N, K', use_tma) -> the autotuned config, looked up here so that later calls launch the
+# kernel directly, without the autotuner's per-call work
+_best: dict[tuple[int, int, int, bool], triton.Config] = {}
+
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N) float32, any strides, through the split operands: (M, N) float32."""
@@ -197,24 +233,29 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=torch.float32, device=a.device)
-    a_split = split(a)  # (2, M, K')
-    b_split = split(b.t())  # (2, N, K'): b read transposed, so its rows are K-contiguous
+    # b is read transposed so that both buffers have K-contiguous rows: (2, M, K'), (2, N, K')
+    a_split, b_split = split_pair(a, b.t())
     k_pad = a_split.shape[2]
     c = torch.empty((m, n), dtype=torch.float32, device=a.device)
     use_tma = _use_tma(a.device)
-    a_hi, a_lo = _operands(a_split, use_tma)
-    b_hi, b_lo = _operands(b_split, use_tma)
-    args = (a_hi, a_lo, b_hi, b_lo, c, m, n, k_pad, c.stride(0))
     if interpreting():
-        cfg = INTERPRETER_CONFIG
-        nargs = {"A_HI": a_hi, "A_LO": a_lo, "B_HI": b_hi, "B_LO": b_lo, "USE_TMA": use_tma}
-        _set_blocks({**nargs, **cfg})
-        grid = (triton.cdiv(m, cfg["BM"]) * triton.cdiv(n, cfg["BN"]),)
-        mm_kernel[grid](*args, cfg["BM"], cfg["BN"], cfg["BK"], 8, use_tma)
-        return c
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
-
-    _tuned_mm[grid](*args, GROUP_M=8, USE_TMA=use_tma)
+        cfg, meta = INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}
+    else:
+        key = (m, n, k_pad, use_tma)
+        best = _best.get(key)
+        if best is None:  # first call with this shape: autotune
+            a_ops = _operands(a_split, use_tma, 1, 1)
+            b_ops = _operands(b_split, use_tma, 1, 1)
+            _tuned_mm[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](
+                *a_ops, *b_ops, c, m, n, k_pad, c.stride(0), GROUP_M=8, USE_TMA=use_tma
+            )
+            _best[key] = _tuned_mm.best_config
+            return c
+        cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
+    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    mm_kernel[grid](
+        *_operands(a_split, use_tma, bm, bk), *_operands(b_split, use_tma, bn, bk),
+        c, m, n, k_pad, c.stride(0), bm, bn, bk, 8, use_tma, **meta,
+    )  # fmt: skip
     return c
