@@ -16,8 +16,7 @@ computing a float32 matmul, and its error against a float64 product:
 - ``lm-core-tf32x3``: lm_core's `tf32x3_mm` (`ModelConfig(matmul="tf32x3")`): the operands
   are split into TF32 hi and lo parts once, K-major, by a separate kernel (timed with the
   product), and the GEMM runs three plain TF32 products per K tile on those buffers, adding
-  each tile's sum to the running total in registers; ``lm-core-tf32x3-ptr`` is the same with
-  pointer loads instead of TMA;
+  each tile's sum to the running total in registers;
 - ``triton-tf32x3-kahan``: the same products, but each K tile's result is added to the
   running float32 total outside the matrix unit with Kahan compensation (a cuBLAS TF32 GEMM's
   own accumulation error grows with K: measured 2e-6 at K = 768 to 3e-5 at K = 12288).
@@ -173,18 +172,7 @@ def variants(tune: bool):
     except ImportError:
         pass
     else:
-        from lm_core import tf32x3_triton
-
-        def pointer_loads(a, b):
-            use_tma = tf32x3_triton._use_tma
-            tf32x3_triton._use_tma = lambda device: False
-            try:
-                return tf32x3_mm(a, b)
-            finally:
-                tf32x3_triton._use_tma = use_tma
-
         out["lm-core-tf32x3"] = ({}, tf32x3_mm)
-        out["lm-core-tf32x3-ptr"] = ({}, pointer_loads)
     return out
 
 

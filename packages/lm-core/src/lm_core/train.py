@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lm_core.activation_ckpt import parse_every
-from lm_core.config import ATTENTION_BACKENDS, MODEL_SIZES, get_config
+from lm_core.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, MODEL_SIZES, get_config
 from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES, FSDP_OURS_NO_COMPILE
 
 
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--d-ff", type=int, help="override d_ff")
     g.add_argument("--rope-theta", type=float, help="override rope_theta")
     g.add_argument("--attention", choices=list(ATTENTION_BACKENDS), help="attention backend")
+    g.add_argument(
+        "--matmul",
+        choices=list(MATMUL_BACKENDS),
+        help="fp32 linear layers: default (torch) or tf32x3 (fp32-accurate, TF32 tensor cores; "
+        "fastest with --compile and CUDA graphs)",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--data", type=Path, help="training tokens (.npy, or raw .bin of --data-dtype)")
@@ -127,6 +133,7 @@ _MODEL_FLAGS = {
     "d_ff": "d_ff",
     "rope_theta": "rope_theta",
     "attention": "attention",
+    "matmul": "matmul",
 }
 
 
