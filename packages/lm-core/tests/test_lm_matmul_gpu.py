@@ -5,6 +5,7 @@ CUDA-graph capture (`nox -s gpu_tests`; skipped elsewhere)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -68,8 +69,13 @@ def test_as_accurate_as_sgemm(m, n, k, layout):
 def test_tuned_and_direct_launches_agree():
     """The first call with a shape autotunes, the second launches the chosen config through
     Triton's JIT, later ones through the compiled binary: all give the same bits."""
+    from lm_core import tf32x3_triton
+
     a, b = _operands(333, 222, 111, "nn", seed=3)
-    results = [tf32x3_mm(a, b) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the direct launch must not fall back
+        results = [tf32x3_mm(a, b) for _ in range(4)]
+    assert tf32x3_triton._Launcher.enabled
     for r in results[1:]:
         assert torch.equal(r, results[0])
     assert _rel_err(results[-1], a.double() @ b.double()) < 1e-6

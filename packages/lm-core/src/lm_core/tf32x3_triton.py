@@ -24,6 +24,8 @@ before that import to run the kernels on a CPU (tests only: slow, small shapes).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -164,8 +166,9 @@ class _Launcher:
     microseconds of host time, as long as a small product takes on the GPU). A key that fixes
     everything the specialization depends on (the integer arguments' values, the pointers'
     16-byte alignment, the device) maps to the compiled kernel the first call produced, which
-    later calls launch directly (`CompiledKernel[grid](*args)`, every argument in signature
-    order). Any failure there (a Triton version without that API) turns this off for good.
+    later calls launch directly (`CompiledKernel[grid](*args)`: a 3-D grid, every argument in
+    signature order). Any failure there (a Triton version without that API) turns this off
+    for good, with a warning.
     """
 
     enabled = True
@@ -178,10 +181,16 @@ class _Launcher:
         compiled = self.compiled.get(key) if _Launcher.enabled else None
         if compiled is not None:
             try:
-                compiled[grid](*args)
+                compiled[(*grid, 1, 1)[:3]](*args)
                 return
-            except Exception:  # pragma: no cover - depends on the Triton version
+            except Exception as e:  # pragma: no cover - depends on the Triton version
                 _Launcher.enabled = False
+                warnings.warn(
+                    f"lm_core.tf32x3_triton: direct kernel launches failed ({e!r}); "
+                    "launching through triton.jit from now on",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         compiled = self.fn[grid](*args, **options)
         if _Launcher.enabled and hasattr(compiled, "function"):
             self.compiled[key] = compiled
