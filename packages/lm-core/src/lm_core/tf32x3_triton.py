@@ -200,25 +200,33 @@ _launch_split = _Launcher(split_kernel)
 _launch_mm = _Launcher(mm_kernel)
 
 
+# Host-side integer helpers (triton.cdiv is a jitted function: slow to call from Python).
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
 def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return _cdiv(n, multiple) * multiple
 
 
-def _split_args(x: torch.Tensor) -> tuple[torch.Tensor, tuple, int]:
-    """The output buffer of x's split, its kernel arguments, and its number of tiles."""
+def _split_args(x: torch.Tensor, out: torch.Tensor) -> tuple[tuple, int]:
+    """The kernel arguments of x's split into `out`, and its number of tiles."""
     n_rows, n_cols = x.shape
-    rows_pad, cols_pad = _round_up(n_rows, ROW_ALIGN), _round_up(n_cols, K_ALIGN)
-    out = torch.empty((2, rows_pad, cols_pad), dtype=torch.float32, device=x.device)
+    rows_pad, cols_pad = out.shape[1:]
     args = (x, out, n_rows, n_cols, cols_pad, rows_pad * cols_pad, x.stride(0), x.stride(1))
-    return out, args, (rows_pad // SPLIT_BLOCK) * triton.cdiv(cols_pad, SPLIT_BLOCK)
+    return args, (rows_pad // SPLIT_BLOCK) * _cdiv(cols_pad, SPLIT_BLOCK)
 
 
 def split_pair(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both operands split in one launch: (R, C) float32, any strides -> (2, R', C')
     contiguous, [tf32 hi, tf32 lo], R' and C' = R and C rounded up to ROW_ALIGN and K_ALIGN
-    (zeros there)."""
-    out1, args1, tiles1 = _split_args(x1)
-    out2, args2, tiles2 = _split_args(x2)
+    (zeros there). Both results are views of one allocation."""
+    shapes = [(2, _round_up(r, ROW_ALIGN), _round_up(c, K_ALIGN)) for r, c in (x1.shape, x2.shape)]
+    sizes = [s[0] * s[1] * s[2] for s in shapes]
+    buf = torch.empty(sum(sizes), dtype=torch.float32, device=x1.device)
+    out1, out2 = buf[: sizes[0]].view(shapes[0]), buf[sizes[0] :].view(shapes[1])
+    args1, tiles1 = _split_args(x1, out1)
+    args2, tiles2 = _split_args(x2, out2)
     key = tuple((x.device, *x.shape, *x.stride(), x.data_ptr() % 16) for x in (x1, x2))
     _launch_split(key, (tiles1 + tiles2,), *args1, tiles1, *args2, SPLIT_BLOCK)
     return out1, out2
@@ -253,13 +261,11 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         key = (m, n, k_pad, a.device)
         best = _best.get(key)
         if best is None:  # first call with this shape: autotune
-            _tuned_mm[lambda meta: (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)](
-                *args, GROUP_M=8
-            )
+            _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
             _best[key] = _tuned_mm.best_config
             return c
         cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    grid = (_cdiv(m, bm) * _cdiv(n, bn),)
     _launch_mm((m, n, k_pad, a.device), grid, *args, bm, bn, bk, 8, **meta)
     return c
