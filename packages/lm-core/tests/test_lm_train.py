@@ -65,6 +65,13 @@ def test_grad_accumulation_matches_one_big_batch():
     assert one.final_loss == pytest.approx(two.final_loss, rel=1e-5)
 
 
+def test_matmul_flag_reaches_the_model():
+    result = main([*FAST, "--steps", "2", "--matmul", "tf32x3"])
+    assert result.model.config.matmul == "tf32x3"
+    assert result.model.layers[0].ffn.w13.matmul == "tf32x3"
+    assert np.isfinite(result.final_loss)
+
+
 def test_fused_loss_and_activation_checkpointing_match_plain_training():
     # The fused loss equals cross_entropy of the logits up to fp32 rounding, and checkpointed
     # blocks recompute the same values (gradients: test_lm_fused_loss, test_lm_activation_ckpt).
@@ -117,6 +124,7 @@ def test_token_files_and_bf16(tmp_path):
         (["--fsdp", "ours", "--zero"], "--zero"),
         (["--fsdp", "torch", "--zero", "--ddp", "none"], "already shards"),
         (["--fsdp", "ours", "--compile"], "--compile"),
+        (["--matmul", "fp64"], "--matmul"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(argv, flag, capsys):

@@ -271,3 +271,27 @@ def test_compiled_cells_get_enough_recompiles():
     limits = [getattr(cfg, n) for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n)]
     assert limits
     assert all(v >= RECOMPILE_LIMIT for v in limits)
+
+
+def test_matmul_axis_builds_one_model_per_backend(tmp_path):
+    """--matmul is a sweep axis of lm_core rows: each backend gets its own model (config field
+    set), a `matmul` column, and on CPU both compute the same loss (the tf32x3 product falls
+    back to, or in the interpreter equals, a float32 product)."""
+    argv = [*TINY, *FAST, "--mode", "fwd-bwd", "--matmul", "default", "tf32x3"]
+    specs = bench.specs_from_args(bench.parse_args(argv))
+    assert [s.matmul for s in specs] == ["default", "tf32x3"]
+    assert len({s.model_key for s in specs}) == 2
+    out = tmp_path / "m.csv"
+    assert bench.main([*argv, "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["matmul"] for r in rows] == ["default", "tf32x3"]
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def test_matmul_rejects_unknown_and_multi_gpu_mode(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--matmul", "fp64"])
+    assert "--matmul" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--matmul", "tf32x3", "--nprocs", "2", "--fsdp", "ours"])
+    assert "multi-GPU mode runs the default matmul only" in capsys.readouterr().err
