@@ -124,7 +124,7 @@ def test_model_with_tf32x3_matches_default():
 def test_compiles_without_graph_break():
     """The op is one node: fullgraph compile of forward and backward works."""
     torch.manual_seed(0)
-    layer = Linear(12, 20, matmul="tf32x3")
+    layer = Linear(12, 20, bias=False, matmul="tf32x3")
     x = torch.randn(3, 5, 12, requires_grad=True)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     y = compiled(x)
@@ -133,12 +133,26 @@ def test_compiles_without_graph_break():
     torch.testing.assert_close(layer.weight.grad, torch.ones(3 * 5, 20).t() @ x.reshape(15, 12))
 
 
+@needs_interpreter
+def test_linear_with_bias_matches_nn_linear():
+    """Same constructor defaults as nn.Linear (bias on), same result and gradients."""
+    torch.manual_seed(0)
+    ours, ref = Linear(12, 20, matmul="tf32x3"), torch.nn.Linear(12, 20)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 7, 12)
+    for layer in (ours, ref):
+        layer(x).square().sum().backward()
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_falls_back_outside_float32(monkeypatch):
     """bf16 inputs and autocast take torch's path (bitwise F.linear)."""
     monkeypatch.setattr(
         "lm_core.matmul.tf32x3_mm", lambda *a: pytest.fail("tf32x3_mm called outside fp32")
     )
-    layer = Linear(8, 6, matmul="tf32x3")
+    layer = Linear(8, 6, bias=False, matmul="tf32x3")
     x = torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(layer(x), F.linear(x, layer.weight))

@@ -125,7 +125,7 @@ def test_model_step_matches_torch_fp32():
 def test_cuda_graph_replay():
     """Forward and backward captured once (after the autotuning warm-up) replay correctly."""
     torch.manual_seed(0)
-    layer = Linear(256, 384, matmul="tf32x3").cuda()
+    layer = Linear(256, 384, bias=False, matmul="tf32x3").cuda()
     x = torch.randn(100, 256, device="cuda", requires_grad=True)
 
     def step():

@@ -36,7 +36,8 @@ def main() -> int:
 
     a, b = torch.randn(64, 64, device="cuda"), torch.randn(64, 64, device="cuda")
     x = torch.randn(64, 64, device="cuda", requires_grad=True)
-    default, ours = Linear(64, 64).cuda(), Linear(64, 64, matmul="tf32x3").cuda()
+    default = Linear(64, 64, bias=False).cuda()
+    ours = Linear(64, 64, bias=False, matmul="tf32x3").cuda()
     rows = [
         ("torch.mm", lambda: a @ b),
         ("torch.empty", lambda: torch.empty(2, 64, 64, device="cuda")),

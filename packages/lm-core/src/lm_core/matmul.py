@@ -10,10 +10,11 @@ cuBLAS's SGEMM or better.
 Backends (`ModelConfig.matmul`, `Linear.matmul`):
 - ``"default"``: `torch.nn.functional.linear` (cuBLAS; strict float32 unless the user
   allows TF32 through `torch.backends.cuda.matmul.allow_tf32`).
-- ``"tf32x3"``: float32 inputs outside autocast go through the custom op `lm_core::tf32x3_mm`
-  (one graph node under torch.compile, its own backward); anything else (bf16, autocast)
-  falls back to ``"default"``. On a CPU the op computes a plain float32 product, unless
-  Triton's interpreter is on (tests).
+- ``"tf32x3"``: float32 inputs outside autocast go through `tf32x3_mm`: under torch.compile
+  the custom op `lm_core::tf32x3_mm` (one graph node with its own backward), in eager mode an
+  autograd.Function (less host time per call); anything else (bf16, autocast) falls back to
+  ``"default"``. On a CPU the product is a plain float32 matmul, unless Triton's interpreter
+  is on (tests).
 """
 
 from __future__ import annotations
@@ -132,10 +133,10 @@ def _tf32x3_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """`nn.Linear` whose float32 product can run on the 3xTF32 kernels (`matmul="tf32x3"`).
 
-    Same parameters, state-dict keys and init as `nn.Linear`; `matmul` may be changed at any
-    time (`TransformerLM.set_matmul`)."""
+    Same arguments, parameters, state-dict keys and init as `nn.Linear`; `matmul` may be
+    changed at any time (`TransformerLM.set_matmul`)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  matmul: str = "default") -> None:  # fmt: skip
         super().__init__(in_features, out_features, bias=bias)
         self.matmul = check_matmul(matmul)

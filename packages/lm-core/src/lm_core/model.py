@@ -106,8 +106,8 @@ class CausalSelfAttention(nn.Module):
         d = config.d_model
         self.num_heads = config.num_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = Linear(d, 3 * d, matmul=config.matmul)
-        self.output_proj = Linear(d, d, matmul=config.matmul)
+        self.qkv_proj = Linear(d, 3 * d, bias=False, matmul=config.matmul)
+        self.output_proj = Linear(d, d, bias=False, matmul=config.matmul)
         self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
         self.attn_fn = get_attention(config.attention)
 
@@ -135,8 +135,8 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int, matmul: str = "default") -> None:
         super().__init__()
         self.d_ff = d_ff
-        self.w13 = Linear(d_model, 2 * d_ff, matmul=matmul)
-        self.w2 = Linear(d_ff, d_model, matmul=matmul)
+        self.w13 = Linear(d_model, 2 * d_ff, bias=False, matmul=matmul)
+        self.w2 = Linear(d_ff, d_model, bias=False, matmul=matmul)
 
     def reset_parameters(self) -> None:
         d_model = self.w13.in_features
@@ -180,7 +180,7 @@ class LMHead(Linear):
     """
 
     def __init__(self, d_model: int, vocab_size: int, matmul: str = "default") -> None:
-        super().__init__(d_model, vocab_size, matmul=matmul)
+        super().__init__(d_model, vocab_size, bias=False, matmul=matmul)
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """h (..., D) -> logits (..., V); with targets (...) int ids: the mean loss (0-dim)."""
