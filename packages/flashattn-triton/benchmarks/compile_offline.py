@@ -6,6 +6,14 @@ sm_90, H100). Catches compile errors before spending GPU time and shows register
 
     python benchmarks/compile_offline.py --shape 16,1,16384,64 --dtype bf16 --causal
     python benchmarks/compile_offline.py --bwd fused --sweep   # every default/override variant
+    python benchmarks/compile_offline.py --causal --schedule   # + each kernel's wgmma schedule
+
+``--schedule`` prints the order, in the PTX, of the tensor-core work and what waits for it:
+``M4`` four wgmma instructions (one tl.dot), ``C`` a commit of the group, ``[W0]`` a wait
+until at most 0 groups are in flight (``[W1]``: 1), ``e32`` 32 exp2 instructions, ``b`` a
+wait on a TMA/async-copy barrier. A ``[W0]`` right after each dot means the dot is not
+overlapped with the exponentials that follow (inside one warpgroup; other CTAs on the SM can
+still fill the gap).
 """
 
 from __future__ import annotations
@@ -53,6 +61,27 @@ def _signature(fn, kwargs: dict):
         else:
             raise TypeError(f"{name}: {type(val)}")
     return sig, consts, attrs
+
+
+def wgmma_schedule(ptx: str) -> str:
+    """The PTX's sequence of wgmma / commit / wait / exp2 / barrier-wait instructions, runs
+    of the same instruction compressed (see the module docstring)."""
+    seq = []
+    for line in ptx.splitlines():
+        op = line.strip()
+        if op.startswith("wgmma.mma_async"):
+            seq.append("M")
+        elif op.startswith("wgmma.commit_group"):
+            seq.append("C")
+        elif op.startswith("wgmma.wait_group"):
+            n = re.search(r"wait_group\.sync\.aligned\s+(\d+)", op)
+            seq.append(f"[W{n[1] if n else '?'}]")
+        elif op.startswith("ex2.approx"):
+            seq.append("e")
+        elif op.startswith(("mbarrier.try_wait", "cp.async.wait_group")):
+            seq.append("b")
+    text = "".join(seq)
+    return re.sub(r"([Me])\1+", lambda m: f"{m[1]}{len(m[0])}", text)
 
 
 def _resource_usage(cubin: bytes) -> str:
@@ -124,6 +153,7 @@ def compile_launch(fn, bound, num_warps, num_stages, cc):
         "mma": ptx.count("mma.sync"),
         "ex2": ptx.count("ex2.approx"),
         "shared": c.metadata.shared,
+        "schedule": wgmma_schedule(ptx),
     }
 
 
@@ -135,6 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--bwd", default="split", choices=("split", "fused", "atomic"))
     ap.add_argument("--cc", type=int, default=90)
+    ap.add_argument("--schedule", action="store_true", help="print each kernel's wgmma schedule")
     ap.add_argument(
         "--set", action="append", default=[], help="e.g. fwd=128,64,4,3 (m,n,warps,stages[,n2])"
     )
@@ -155,6 +186,8 @@ def main(argv=None) -> int:
                 f"mma {r['mma']} ex2 {r['ex2']} dyn-smem {r['shared'] // 1024}K | {r['secs']:.1f}s",
                 flush=True,
             )
+            if a.schedule:
+                print(f"    schedule: {r['schedule']}", flush=True)
         except Exception as e:
             print(f"{fn.__name__}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}")
             return 1
