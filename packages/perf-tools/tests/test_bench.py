@@ -288,6 +288,12 @@ def test_matmul_axis_builds_one_model_per_backend(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
 
 
+def test_matmul_choices_are_lm_cores():
+    from lm_core.config import MATMUL_BACKENDS
+
+    assert bench.MATMULS == MATMUL_BACKENDS
+
+
 def test_matmul_rejects_unknown_and_multi_gpu_mode(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([*TINY, "--matmul", "fp64"])

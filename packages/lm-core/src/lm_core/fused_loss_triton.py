@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lm_core._triton_util import is_interpreted
+
 MAX_BLOCK_V = 4096  # vocab tile of a GPU launch (fp32 registers: 16 per thread at 8 warps)
 INTERPRETER_BLOCK_V = 1024  # smaller tiles keep numpy's temporaries small in the interpreter
 
@@ -79,11 +81,7 @@ def ce_chunk_kernel(
 def interpreting() -> bool:
     """True when the kernel was built for Triton's CPU interpreter (TRITON_INTERPRET=1 was set
     before this module was first imported)."""
-    try:
-        import triton.runtime.interpreter as interp
-    except ImportError:  # the interpreter's numpy missing
-        return False
-    return isinstance(ce_chunk_kernel, interp.InterpretedFunction)
+    return is_interpreted(ce_chunk_kernel)
 
 
 def _block_v(n_vocab: int, block_v: int | None) -> int:

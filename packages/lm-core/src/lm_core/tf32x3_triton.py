@@ -13,12 +13,12 @@ a_lo @ b_lo term is ~2^-22 of the result. Two kernels:
   own `input_precision="tf32x3"` does, and what made it slow on the H100).
 - `mm_kernel` C (M, N) = A (M, K) @ B (N, K)^T over the split buffers, three TF32 `tl.dot`s
   per K tile, each tile's sum added to the running total in registers, grouped tile order
-  for L2 reuse, unmasked pointer loads. (TMA loads were measured on an H100, calls back to back: up
-  to 5% faster on the largest, GPU-bound products, slower on the rest, where the host's work
-  encoding four descriptors per launch shows.)
+  for L2 reuse, unmasked pointer loads. (TMA loads, measured on an H100: up to 5% faster on
+  the largest products, slower on the rest and over a whole step; BENCHMARKS.md 1.2c.)
 
-This module imports triton at the top; `lm_core.matmul` imports it lazily at the first
-GPU call, so lm_core itself does not depend on triton. TRITON_INTERPRET=1 must be set
+Internal: `split_pair` and `mm` do not check their inputs; call `lm_core.matmul.tf32x3_mm`,
+which does. This module imports triton at the top; `lm_core.matmul` imports it lazily at
+the first GPU call, so lm_core itself does not depend on triton. TRITON_INTERPRET=1 must be set
 before that import to run the kernels on a CPU (tests only: slow, small shapes).
 """
 
@@ -29,6 +29,8 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+
+from lm_core._triton_util import is_interpreted
 
 SPLIT_BLOCK = 64  # (rows, columns) tile of the split kernel
 # Split buffers are zero-padded to whole GEMM tiles: rows to a multiple of every config's BM
@@ -152,11 +154,7 @@ _tuned_mm = triton.autotune(configs=CONFIGS, key=["M", "N", "K"])(mm_kernel)
 def interpreting() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 was
     set before this module was first imported)."""
-    try:
-        import triton.runtime.interpreter as interp
-    except ImportError:
-        return False
-    return isinstance(mm_kernel, interp.InterpretedFunction)
+    return is_interpreted(mm_kernel)
 
 
 class _Launcher:
@@ -255,10 +253,10 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty((m, n), dtype=torch.float32, device=a.device)
     half_a, half_b = a_split[0].numel(), b_split[0].numel()
     args = (a_split, b_split, c, m, n, k_pad, half_a, half_b, c.stride(0))
+    key = (m, n, k_pad, a.device)
     if interpreting():
         cfg, meta = INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}
     else:
-        key = (m, n, k_pad, a.device)
         best = _best.get(key)
         if best is None:  # first call with this shape: autotune
             _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
@@ -267,5 +265,5 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = (_cdiv(m, bm) * _cdiv(n, bn),)
-    _launch_mm((m, n, k_pad, a.device), grid, *args, bm, bn, bk, 8, **meta)
+    _launch_mm(key, grid, *args, bm, bn, bk, 8, **meta)
     return c

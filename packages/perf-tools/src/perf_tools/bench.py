@@ -114,7 +114,7 @@ OPTIONAL_CONFIG_COLUMNS = {
     "blas": "default",
     "matmul": "default",
 }
-MATMULS = ("default", "tf32x3")  # lm_core.ModelConfig.matmul
+MATMULS = ("default", "tf32x3")  # lm_core.config.MATMUL_BACKENDS (a test checks they match)
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 
 
@@ -426,7 +426,7 @@ def resolve_model_args(
     args.sizes = sizes
     args.contexts = _cli.flatten(args.context) or [512 if on_gpu else 128]
     args.attentions = _cli.flatten(args.attention) or [None]
-    args.matmuls = _cli.flatten(getattr(args, "matmul", None)) or ["default"]
+    args.matmuls = _cli.flatten(args.matmul) or ["default"]
     valid_attention = ("naive", "sdpa", "flash-torch", "flash-triton")
     for a in args.attentions:
         if a is not None and a not in valid_attention:
@@ -475,7 +475,7 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 "--fsdp ours or --fsdp torch"
             )
         return
-    if getattr(args, "matmuls", ["default"]) != ["default"]:
+    if args.matmuls != ["default"]:
         parser.error("argument --matmul: the multi-GPU mode runs the default matmul only")
     if args.nprocs is None and not torchrun:
         parser.error(
