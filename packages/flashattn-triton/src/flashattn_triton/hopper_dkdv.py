@@ -1,0 +1,247 @@
+"""dK/dV on Hopper in Gluon: asynchronous wgmma with explicit waits.
+
+Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads it
+(``benchmarks/NOTES.md``, "What Triton 3.6 emits"), so within a warpgroup the exponentials
+never run while the tensor cores work. This kernel issues the products itself
+(``warpgroup_mma(..., is_async=True)``) and waits only for the one it needs next:
+
+    issue S^T = K Q^T and dP^T = V dO^T          (two groups in flight)
+    wait for S^T only; P^T = exp2(S^T - lse)     (dP^T still running)
+    issue dV += P^T dO; wait for dP^T only       (dV still running)
+    dS^T = P^T (dP^T - delta); issue dK += dS^T Q
+    next tile: issue its S^T, dP^T behind dV, dK; wait for S^T ...
+
+Q and dO tiles stream through a ring of shared-memory stages filled by TMA; K and V stay in
+shared memory. One program owns BLOCK_N keys of one (batch, head), one warpgroup per 64 keys.
+
+The inputs are seen as 2-D (rows, d) arrays: (B, H, N, d) tensors whose (B, H, N) dims
+flatten to one row index (checked by ``usable``). A tile that runs past its head's last row
+reads the next head's rows; those rows are masked out of P, and rows past the key length are
+not stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU-only setups) lack it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_tile(
+        i,
+        lo,
+        q_desc,
+        do_desc,
+        q_smem,
+        do_smem,
+        ready,
+        row_q0,
+        STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        pred,
+    ):
+        """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
+        stage = i % STAGES
+        bar = ready.index(stage)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+        row = row_q0 + lo + i * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
+        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def dkdv_kernel(
+        q_desc,
+        k_desc,
+        v_desc,
+        do_desc,
+        LSE,
+        DELTA,
+        DK,
+        DV,
+        n_q,
+        n_k,
+        qk_scale,
+        sm_scale,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
+
+        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q)."""
+        pid_bh = gl.program_id(0)
+        start_n = gl.program_id(1) * BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        row_q0 = pid_bh * n_q
+        row_k0 = pid_bh * n_k
+
+        # S^T tiles (BLOCK_N keys x BLOCK_M queries) and the dK, dV accumulators
+        # (BLOCK_N x HEAD_DIM): one warpgroup per 64 key rows.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(kv_ready, count=1)
+
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+
+        # Query tiles [lo, n_q): with a causal mask the rows before the tile's first key
+        # (shifted by n_k - n_q, the bottom-right alignment) see none of it.
+        causal_off = n_k - n_q
+        if CAUSAL:
+            lo = gl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
+        else:
+            lo = 0
+        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
+        for i in gl.static_range(STAGES - 1):
+            _query_tile(
+                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                i < n_tiles,
+            )  # fmt: skip
+
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
+        offs_tm = gl.arange(0, BLOCK_M, layout=col_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+        lse_base = LSE + pid_bh.to(gl.int64) * n_q
+        delta_base = DELTA + pid_bh.to(gl.int64) * n_q
+        # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
+        # it runs past n_q.
+        mask_below = start_n + BLOCK_N - 1 - causal_off
+        mbarrier.wait(kv_ready, 0)
+
+        for i in range(n_tiles):
+            stage = i % STAGES
+            start_m = lo + i * BLOCK_M
+            offs_m = start_m + offs_tm
+            in_rows = offs_m < n_q
+            lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
+            delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            q_s = q_smem.index(stage)
+            do_s = do_smem.index(stage)
+            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(
+                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            nxt = i + STAGES - 1
+            _query_tile(
+                nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                nxt < n_tiles,
+            )  # fmt: skip
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            needs_mask = start_m + BLOCK_M > n_q
+            if CAUSAL:
+                needs_mask = needs_mask | (start_m < mask_below)
+            if needs_mask:
+                keep = in_rows[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+                p_t = gl.where(keep, p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(kv_ready)
+
+        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = (row_k0 + out_rows).to(gl.int64)[:, None] * HEAD_DIM + out_cols[None, :]
+        store_mask = (out_rows < n_k)[:, None]
+        gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=store_mask)
+        gl.store(DV + offs, dv.to(dtype), mask=store_mask)
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """True where this kernel can run: Gluon present, a Hopper GPU, 16-bit inputs, d of 64 or
+    128, and q, k, v, dO each flattening to contiguous (rows, d)."""
+    if not HAVE_GLUON or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.dtype not in GL_DTYPES or q.shape[-1] not in HEAD_DIMS:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, do))
+
+
+def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    d = t.shape[-1]
+    flat = t.view(-1, d)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], getattr(gl, GL_DTYPES[t.dtype]))
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, d], layout)
+
+
+def dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    block_m: int = 64,
+    block_n: int = 128,
+    stages: int = 2,
+) -> None:
+    """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
+    ``usable``); lse and delta are (B, H, n_q) float32."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    grid = (b * h, -(-n_k // block_n))
+    dkdv_kernel[grid](
+        _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
+        lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        num_warps=block_n // 16,
+    )  # fmt: skip
