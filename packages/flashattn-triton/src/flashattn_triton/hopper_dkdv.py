@@ -233,6 +233,7 @@ def dkdv(
     block_m: int = 64,
     block_n: int = 128,
     stages: int = 2,
+    maxnreg: int | None = None,
 ) -> None:
     """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
     ``usable``); lse and delta are (B, H, n_q) float32."""
@@ -243,5 +244,5 @@ def dkdv(
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        num_warps=block_n // 16,
+        num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
