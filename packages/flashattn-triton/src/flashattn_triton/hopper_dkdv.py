@@ -88,6 +88,7 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
+        KV_IN_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
@@ -150,6 +151,13 @@ if HAVE_GLUON:
         # it runs past n_q.
         mask_below = start_n + BLOCK_N - 1 - causal_off
         mbarrier.wait(kv_ready, 0)
+        if KV_IN_REGS:  # A operands from registers: the S^T, dP^T products read only B from smem
+            ka_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            k_a = k_smem.load(ka_layout)
+            v_a = v_smem.load(ka_layout)
+        else:
+            k_a = k_smem
+            v_a = v_smem
 
         for i in range(n_tiles):
             stage = i % STAGES
@@ -161,9 +169,9 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
-            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(k_a, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(
-                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+                v_a, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
             # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
@@ -234,6 +242,7 @@ def dkdv(
     block_n: int = 128,
     stages: int = 2,
     maxnreg: int | None = None,
+    kv_in_regs: bool = False,
 ) -> None:
     """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
     ``usable``); lse and delta are (B, H, n_q) float32."""
@@ -243,6 +252,6 @@ def dkdv(
     dkdv_kernel[grid](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, KV_IN_REGS=kv_in_regs,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
