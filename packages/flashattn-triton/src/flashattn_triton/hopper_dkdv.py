@@ -49,18 +49,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _query_tile(
-        i,
-        lo,
-        q_desc,
-        do_desc,
-        q_smem,
-        do_smem,
-        ready,
-        row_q0,
-        STAGES: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        pred,
-    ):
+        i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, pred,
+    ):  # fmt: skip
         """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
         stage = i % STAGES
         bar = ready.index(stage)
@@ -70,36 +61,44 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def dkdv_kernel(
-        q_desc,
-        k_desc,
-        v_desc,
-        do_desc,
-        LSE,
-        DELTA,
-        DK,
-        DV,
-        n_q,
-        n_k,
-        qk_scale,
-        sm_scale,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        KV_IN_REGS: gl.constexpr,
+    def _row_stats(lse_base, delta_base, offs_m, n_q):
+        """log2-domain log-sum-exp (+inf for rows that saw no key: P = 0) and delta of the
+        query rows offs_m; rows past n_q read as +inf / 0."""
+        in_rows = offs_m < n_q
+        lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
+        delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        return lse2, delta
+
+    @gluon.jit
+    def _produce(
+        q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
+        kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp (warp-specialized variant): K, V once, then every query tile's Q, dO
+        as soon as the consumers release its stage."""
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+        for i in range(n_tiles):
+            # A fresh mbarrier counts as having completed the phase before phase 0.
+            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+            _query_tile(
+                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M, True
+            )
+
+    @gluon.jit
+    def _consume(
+        q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
+        LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
+        qk_scale, sm_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         num_warps: gl.constexpr,
-    ):
-        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
-
-        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q)."""
-        pid_bh = gl.program_id(0)
-        start_n = gl.program_id(1) * BLOCK_N
+    ):  # fmt: skip
+        """The math: accumulate dK, dV over the query tiles, then store them."""
         dtype: gl.constexpr = q_desc.dtype
-        row_q0 = pid_bh * n_q
-        row_k0 = pid_bh * n_k
-
         # S^T tiles (BLOCK_N keys x BLOCK_M queries) and the dK, dV accumulators
         # (BLOCK_N x HEAD_DIM): one warpgroup per 64 key rows.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -112,34 +111,7 @@ if HAVE_GLUON:
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(kv_ready, count=1)
-
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
-
-        # Query tiles [lo, n_q): with a causal mask the rows before the tile's first key
-        # (shifted by n_k - n_q, the bottom-right alignment) see none of it.
         causal_off = n_k - n_q
-        if CAUSAL:
-            lo = gl.maximum(start_n - causal_off, 0) // BLOCK_M * BLOCK_M
-        else:
-            lo = 0
-        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
-        for i in gl.static_range(STAGES - 1):
-            _query_tile(
-                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
-                i < n_tiles,
-            )  # fmt: skip
-
         offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
         offs_tm = gl.arange(0, BLOCK_M, layout=col_layout)
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -150,43 +122,40 @@ if HAVE_GLUON:
         # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
         # it runs past n_q.
         mask_below = start_n + BLOCK_N - 1 - causal_off
+        lse2, delta = _row_stats(lse_base, delta_base, lo + offs_tm, n_q)
         mbarrier.wait(kv_ready, 0)
-        if KV_IN_REGS:  # A operands from registers: the S^T, dP^T products read only B from smem
-            ka_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-            k_a = k_smem.load(ka_layout)
-            v_a = v_smem.load(ka_layout)
-        else:
-            k_a = k_smem
-            v_a = v_smem
 
         for i in range(n_tiles):
             stage = i % STAGES
             start_m = lo + i * BLOCK_M
             offs_m = start_m + offs_tm
-            in_rows = offs_m < n_q
-            lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
-            delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
-            s_tok = warpgroup_mma(k_a, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(
-                v_a, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            s_tok = warpgroup_mma(
+                k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
+            dp_tok = warpgroup_mma(
+                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            # The next tile's row statistics load while the products run.
+            lse2_next, delta_next = _row_stats(lse_base, delta_base, offs_m + BLOCK_M, n_q)
             # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            nxt = i + STAGES - 1
-            _query_tile(
-                nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
-                nxt < n_tiles,
-            )  # fmt: skip
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            if WARP_SPEC:
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            else:
+                nxt = i + STAGES - 1
+                _query_tile(
+                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    nxt < n_tiles,
+                )  # fmt: skip
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             needs_mask = start_m + BLOCK_M > n_q
             if CAUSAL:
                 needs_mask = needs_mask | (start_m < mask_below)
             if needs_mask:
-                keep = in_rows[None, :]
+                keep = (offs_m < n_q)[None, :]
                 if CAUSAL:
                     keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_off)
                 p_t = gl.where(keep, p_t, 0.0)
@@ -194,18 +163,97 @@ if HAVE_GLUON:
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
             ds_t = p_t * (dp_t - delta[None, :])
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+            lse2 = lse2_next
+            delta = delta_next
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-        mbarrier.invalidate(kv_ready)
-
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = (row_k0 + out_rows).to(gl.int64)[:, None] * HEAD_DIM + out_cols[None, :]
         store_mask = (out_rows < n_k)[:, None]
         gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=store_mask)
         gl.store(DV + offs, dv.to(dtype), mask=store_mask)
+
+    @gluon.jit
+    def dkdv_kernel(
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, n_q, n_k, qk_scale, sm_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
+
+        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
+        WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
+        other); otherwise the math warps issue them STAGES - 1 tiles ahead."""
+        pid_bh = gl.program_id(0)
+        start_n = gl.program_id(1) * BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        row_q0 = pid_bh * n_q
+        row_k0 = pid_bh * n_k
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(kv_ready, count=1)
+
+        # Query tiles [lo, n_q): with a causal mask the rows before the tile's first key
+        # (shifted by n_k - n_q, the bottom-right alignment) see none of it.
+        if CAUSAL:
+            lo = gl.maximum(start_n - (n_k - n_q), 0) // BLOCK_M * BLOCK_M
+        else:
+            lo = 0
+        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
+        if WARP_SPEC:
+            gl.warp_specialize(
+                [
+                    (
+                        _consume,
+                        (
+                            q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
+                            kv_ready, LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo,
+                            n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            STAGES, CAUSAL, WARP_SPEC, num_warps,
+                        ),
+                    ),
+                    (
+                        _produce,
+                        (
+                            q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem,
+                            ready, empty, kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
+                            STAGES, BLOCK_M,
+                        ),
+                    ),
+                ],
+                [1],
+                [24],
+            )  # fmt: skip
+        else:
+            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
+            tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+            for i in gl.static_range(STAGES - 1):
+                _query_tile(
+                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    i < n_tiles,
+                )  # fmt: skip
+            _consume(
+                q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
+                LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
+                qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
+                num_warps,
+            )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        mbarrier.invalidate(kv_ready)
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
@@ -242,7 +290,7 @@ def dkdv(
     block_n: int = 128,
     stages: int = 2,
     maxnreg: int | None = None,
-    kv_in_regs: bool = False,
+    warp_spec: bool = False,
 ) -> None:
     """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
     ``usable``); lse and delta are (B, H, n_q) float32."""
@@ -252,6 +300,6 @@ def dkdv(
     dkdv_kernel[grid](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, KV_IN_REGS=kv_in_regs,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, WARP_SPEC=warp_spec,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
