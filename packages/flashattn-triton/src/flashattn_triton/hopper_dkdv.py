@@ -95,7 +95,7 @@ if HAVE_GLUON:
         qk_scale, sm_scale,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The math: accumulate dK, dV over the query tiles, then store them."""
         dtype: gl.constexpr = q_desc.dtype
@@ -122,13 +122,13 @@ if HAVE_GLUON:
         # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
         # it runs past n_q.
         mask_below = start_n + BLOCK_N - 1 - causal_off
-        lse2, delta = _row_stats(lse_base, delta_base, lo + offs_tm, n_q)
         mbarrier.wait(kv_ready, 0)
 
         for i in range(n_tiles):
             stage = i % STAGES
             start_m = lo + i * BLOCK_M
             offs_m = start_m + offs_tm
+            lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
@@ -138,8 +138,6 @@ if HAVE_GLUON:
             dp_tok = warpgroup_mma(
                 v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
-            # The next tile's row statistics load while the products run.
-            lse2_next, delta_next = _row_stats(lse_base, delta_base, offs_m + BLOCK_M, n_q)
             # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             if WARP_SPEC:
@@ -150,7 +148,10 @@ if HAVE_GLUON:
                     nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
                     nxt < n_tiles,
                 )  # fmt: skip
-            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            if ABLATE % 2 == 1:  # timing experiment: no exponentials
+                p_t = s_t * qk_scale - lse2[None, :]
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             needs_mask = start_m + BLOCK_M > n_q
             if CAUSAL:
                 needs_mask = needs_mask | (start_m < mask_below)
@@ -161,10 +162,11 @@ if HAVE_GLUON:
                 p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
-            ds_t = p_t * (dp_t - delta[None, :])
+            if ABLATE >= 2:  # timing experiment: no element-wise dS
+                ds_t = dp_t
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-            lse2 = lse2_next
-            delta = delta_next
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
@@ -179,7 +181,7 @@ if HAVE_GLUON:
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, n_q, n_k, qk_scale, sm_scale,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
 
@@ -220,7 +222,7 @@ if HAVE_GLUON:
                             q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
                             kv_ready, LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo,
                             n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                            STAGES, CAUSAL, WARP_SPEC, num_warps,
+                            STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
                         ),
                     ),
                     (
@@ -248,7 +250,7 @@ if HAVE_GLUON:
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
                 LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
                 qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
-                num_warps,
+                ABLATE, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -291,6 +293,7 @@ def dkdv(
     stages: int = 2,
     maxnreg: int | None = None,
     warp_spec: bool = False,
+    ablate: int = 0,
 ) -> None:
     """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
     ``usable``); lse and delta are (B, H, n_q) float32."""
@@ -300,6 +303,6 @@ def dkdv(
     dkdv_kernel[grid](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, WARP_SPEC=warp_spec,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, WARP_SPEC=warp_spec, ABLATE=ablate,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
