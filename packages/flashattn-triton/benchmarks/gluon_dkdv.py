@@ -1,9 +1,9 @@
-"""dK/dV on Hopper in Gluon: asynchronous wgmma with explicit waits.
+"""Experiment: dK/dV on Hopper in Gluon, with explicit asynchronous wgmma and waits.
 
-Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads it
-(``benchmarks/NOTES.md``, "What Triton 3.6 emits"), so within a warpgroup the exponentials
-never run while the tensor cores work. This kernel issues the products itself
-(``warpgroup_mma(..., is_async=True)``) and waits only for the one it needs next:
+Why. Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads
+it (NOTES.md, "What Triton 3.6 emits"), so within a warpgroup the exponentials never run
+while the tensor cores work. This kernel, in Gluon (``triton.experimental.gluon``, Triton
+>= 3.5), issues the products itself and waits only for the one it needs next:
 
     issue S^T = K Q^T and dP^T = V dO^T          (two groups in flight)
     wait for S^T only; P^T = exp2(S^T - lse)     (dP^T still running)
@@ -11,20 +11,33 @@ never run while the tensor cores work. This kernel issues the products itself
     dS^T = P^T (dP^T - delta); issue dK += dS^T Q
     next tile: issue its S^T, dP^T behind dV, dK; wait for S^T ...
 
-Q and dO tiles stream through a ring of shared-memory stages filled by TMA; K and V stay in
-shared memory. One program owns BLOCK_N keys of one (batch, head), one warpgroup per 64 keys.
+Q and dO tiles stream through a ring of shared-memory stages filled by TMA (by the math warps,
+or with ``ws`` by one extra loader warp: warp specialization); K and V stay in shared memory.
+One program owns BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The inputs are
+seen as 2-D (rows, d) arrays, so q, k, v, dO must be contiguous (B, H, N, d); a tile running
+past its head's last row reads the next head's rows, which are masked out of P.
 
-The inputs are seen as 2-D (rows, d) arrays: (B, H, N, d) tensors whose (B, H, N) dims
-flatten to one row index (checked by ``usable``). A tile that runs past its head's last row
-reads the next head's rows; those rows are masked out of P, and rows past the key length are
-not stored.
+Result (NOTES.md, "Run 16"): at its best tiles it ties our Triton dK/dV kernel, and leaving
+out the exponentials and dS entirely (``--ablate``) saves only ~10%: the kernel is bound by
+its products, not by their overlap with the exponentials. The package does not use it.
+
+Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default).
+
+    python benchmarks/gluon_dkdv.py offline 32,64,4,128 64,128,3,168,ws  # any machine
+    python benchmarks/gluon_dkdv.py check 32,64,4,128 --out $OUT         # Hopper GPU
+    python benchmarks/gluon_dkdv.py time 32,64,4,128 --ablate 1 2 3 --out $OUT
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
+
 import torch
 
-try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU-only setups) lack it
+try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,12 +50,12 @@ try:  # Gluon ships with Triton >= 3.5; older Tritons (and CPU-only setups) lack
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAVE_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed Triton
+except ImportError:
     HAVE_GLUON = False
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, causal
 
 
 if HAVE_GLUON:
@@ -132,9 +145,7 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
-            s_tok = warpgroup_mma(
-                k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
+            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(
                 v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
@@ -258,18 +269,6 @@ if HAVE_GLUON:
         mbarrier.invalidate(kv_ready)
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """True where this kernel can run: Gluon present, a Hopper GPU, 16-bit inputs, d of 64 or
-    128, and q, k, v, dO each flattening to contiguous (rows, d)."""
-    if not HAVE_GLUON or q.device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    if q.dtype not in GL_DTYPES or q.shape[-1] not in HEAD_DIMS:
-        return False
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, do))
-
-
 def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     d = t.shape[-1]
     flat = t.view(-1, d)
@@ -277,32 +276,203 @@ def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, d], layout)
 
 
-def dkdv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    block_m: int = 64,
-    block_n: int = 128,
-    stages: int = 2,
-    maxnreg: int | None = None,
-    warp_spec: bool = False,
-    ablate: int = 0,
-) -> None:
-    """Write dK, dV of contiguous (B, H, N, d) inputs into the contiguous dk, dv (see
-    ``usable``); lse and delta are (B, H, n_q) float32."""
+def parse_spec(spec: str) -> dict:
+    """``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` -> launch options."""
+    parts = spec.split(",")
+    ws = parts[-1] == "ws"
+    bm, bn, stages, maxnreg = (int(x) for x in parts[:4])
+    return {"block_m": bm, "block_n": bn, "stages": stages, "maxnreg": maxnreg or None, "ws": ws}
+
+
+def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float, *, block_m: int,
+         block_n: int, stages: int, maxnreg: int | None, ws: bool, ablate: int = 0):  # fmt: skip
+    """Write dK, dV of contiguous (B, H, N, d) 16-bit q, k, v, do into dk, dv; lse, delta:
+    (B, H, n_q) float32. ``ablate`` (timing only, wrong results): 1 drops the exponentials,
+    2 the element-wise dS, 3 both."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    grid = (b * h, -(-n_k // block_n))
-    dkdv_kernel[grid](
+    kernel = dkdv_kernel[(b * h, -(-n_k // block_n))]
+    return kernel(
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
-        lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal, WARP_SPEC=warp_spec, ABLATE=ablate,
-        num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        lse, delta, dk, dv, n_q, n_k, scale * LOG2E, scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        WARP_SPEC=ws, ABLATE=ablate, num_warps=block_n // 16,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def _inputs(shape, n_k=None, dtype=torch.bfloat16, device="cuda"):
+    b, h, n_q, d = shape
+    n_k = n_q if n_k is None else n_k
+    q, do = (torch.randn(b, h, n_q, d, device=device, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(b, h, n_k, d, device=device, dtype=dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def _stats(q, k, v, do, causal, scale):
+    from flashattn_triton import launch
+
+    o, lse = launch.forward(q, k, v, causal, scale)
+    delta = (do.float() * o.float()).sum(-1).contiguous()
+    return o, lse, delta
+
+
+def offline(specs: list[str]) -> int:
+    """Compile each variant for sm_90 with no GPU (a stand-in driver); print registers, the
+    setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compile_offline import _resource_usage, wgmma_schedule
+
+    class _Hopper:  # just enough driver for JITFunction.warmup
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(_Hopper())
+    b, h, n, d = LEADERBOARD
+    q = torch.empty(b, h, n, d, dtype=torch.bfloat16, device="meta")
+    lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")
+    for spec in specs:
+        o = parse_spec(spec)
+        c = dkdv_kernel.warmup(
+            _desc(q, o["block_m"]), _desc(q, o["block_n"]), _desc(q, o["block_n"]),
+            _desc(q, o["block_m"]), lse, lse, q, q, n, n, 0.18, 0.125,
+            BLOCK_M=o["block_m"], BLOCK_N=o["block_n"], HEAD_DIM=d, STAGES=o["stages"],
+            CAUSAL=True, WARP_SPEC=o["ws"], ABLATE=0, num_warps=o["block_n"] // 16, grid=(1,),
+            **({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {}),
+        )  # fmt: skip
+        ptx = c.asm["ptx"]
+        split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+        print(f"{spec:18s} {_resource_usage(c.asm['cubin'])} setmaxnreg {split or '-'} "
+              f"smem {c.metadata.shared // 1024}K")  # fmt: skip
+        print(f"    schedule: {wgmma_schedule(ptx)}")
+    return 0
+
+
+def check(specs: list[str], out: Path | None) -> int:
+    """dK, dV against float64 on awkward shapes, with our Triton kernels' error as the
+    yardstick; returns 1 if any variant is off."""
+    from flashattn_triton import launch
+    from flashattn_triton.reference import attention_reference
+
+    shapes = [  # B, H, n_q, n_k, d, causal
+        (2, 3, 1024, 1024, 64, True), (2, 3, 1024, 1024, 64, False), (1, 2, 1000, 1000, 64, True),
+        (2, 2, 777, 777, 64, False), (1, 2, 384, 640, 64, True), (1, 2, 640, 384, 64, True),
+        (1, 2, 384, 640, 64, False), (2, 2, 512, 512, 128, True), (1, 3, 999, 999, 128, True),
+        (1, 1, 70, 70, 64, False),
+    ]  # fmt: skip
+    rows, bad = [], 0
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for b, h, n_q, n_k, d, causal in shapes:
+            q, k, v, do = _inputs((b, h, n_q, d), n_k, dtype)
+            scale = d**-0.5
+            o, lse, delta = _stats(q, k, v, do, causal, scale)
+            q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+            attention_reference(q64, k64, v64, causal, scale)[0].backward(do.double())
+            _, dk_t, dv_t = launch.backward(do, q, k, v, o, lse, causal, scale)
+
+            def err(x, ref):
+                return ((x.double() - ref).norm() / ref.norm()).item()
+
+            yard = max(err(dk_t, k64.grad), err(dv_t, v64.grad))
+            for spec in specs:
+                dk, dv = torch.empty_like(k), torch.empty_like(v)
+                try:
+                    dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(spec))
+                    e = max(err(dk, k64.grad), err(dv, v64.grad))
+                    status = "ok" if e <= 1.5 * yard + 1e-3 else "WRONG"
+                except Exception as ex:  # e.g. ptxas out of registers at d = 128
+                    e, status = float("nan"), f"no compile ({type(ex).__name__})"
+                bad += status == "WRONG"
+                rows.append({"spec": spec, "dtype": str(dtype)[6:], "shape": [b, h, n_q, n_k, d],
+                             "causal": causal, "rel_err": e, "triton_rel_err": yard,
+                             "status": status})  # fmt: skip
+                print(f"{spec:18s} {rows[-1]['dtype']:9s} {b},{h},{n_q},{n_k},{d} "
+                      f"causal={causal!s:5s} err {e:.2e} (triton {yard:.2e}) {status}",
+                      flush=True)  # fmt: skip
+    if out:
+        (out / "gluon_dkdv_check.json").write_text(json.dumps(rows, indent=1))
+    print(f"{len(rows)} comparisons, {bad} wrong")
+    return int(bad > 0)
+
+
+def time_specs(specs: list[str], ablate: list[int], rep: int, out: Path | None) -> int:
+    """Median ms at the leaderboard shape: our Triton dK/dV kernel (before and after) and each
+    Gluon variant, side by side in one process."""
+    import triton
+
+    from flashattn_triton import launch
+
+    torch.manual_seed(0)
+    q, k, v, do = _inputs(LEADERBOARD)
+    scale = LEADERBOARD[-1] ** -0.5
+    o, lse, delta = _stats(q, k, v, do, True, scale)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
+
+    def ours():
+        launch.backward(do, q, k, v, o, lse, True, scale, only="dkdv")
+
+    rows = [{"variant": "triton dkdv (package default)", "ms": bench(ours)}]
+    for spec in specs:
+        for ab in [0, *ablate] if spec == specs[0] else [0]:  # ablations: first spec only
+            fn = lambda s=spec, a=ab: dkdv(
+                q, k, v, do, lse, delta, dk, dv, True, scale, **parse_spec(s), ablate=a
+            )  # fmt: skip
+            label = f"gluon {spec}" + (f" ablate={ab}" if ab else "")
+            rows.append({"variant": label, "ms": bench(fn)})
+            print(f"{label:40s} {rows[-1]['ms']:.3f} ms", flush=True)
+    rows.append({"variant": "triton dkdv (again)", "ms": bench(ours)})
+    base = (rows[0]["ms"] + rows[-1]["ms"]) / 2
+    print("\n| variant | ms | ours / it |\n| --- | --- | --- |")
+    for r in rows:
+        r["speedup_vs_triton"] = base / r["ms"]
+        print(f"| {r['variant']} | {r['ms']:.3f} | {r['speedup_vs_triton']:.2f}x |")
+    if out:
+        (out / "gluon_dkdv_time.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=("offline", "check", "time"))
+    ap.add_argument("specs", nargs="+", help="BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
+    ap.add_argument(
+        "--ablate", type=int, nargs="*", default=[], choices=(1, 2, 3), help="first spec only"
+    )
+    ap.add_argument("--rep", type=int, default=300, help="do_bench time budget, ms")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
+    a = ap.parse_args(argv)
+    if not HAVE_GLUON:
+        ap.error("this Triton has no Gluon (triton.experimental.gluon); Triton >= 3.5 does")
+    for spec in a.specs:
+        try:
+            parse_spec(spec)
+        except ValueError:
+            ap.error(f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+    if a.mode == "offline":
+        return offline(a.specs)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
+    if a.mode == "check":
+        return check(a.specs, a.out)
+    return time_specs(a.specs, a.ablate, a.rep, a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
