@@ -317,7 +317,7 @@ def _stats(q, k, v, do, causal, scale):
     return o, lse, delta
 
 
-def offline(specs: list[str]) -> int:
+def offline(specs: list[str], shape=LEADERBOARD) -> int:
     """Compile each variant for sm_90 with no GPU (a stand-in driver); print registers, the
     setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule."""
     import re
@@ -339,7 +339,7 @@ def offline(specs: list[str]) -> int:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(_Hopper())
-    b, h, n, d = LEADERBOARD
+    b, h, n, d = shape
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")
     for spec in specs:
@@ -407,7 +407,9 @@ def check(specs: list[str], out: Path | None) -> int:
     return int(bad > 0)
 
 
-def time_specs(specs: list[str], ablate: list[int], rep: int, out: Path | None) -> int:
+def time_specs(
+    specs: list[str], ablate: list[int], rep: int, out: Path | None, shape=LEADERBOARD
+) -> int:
     """Median ms at the leaderboard shape: our Triton dK/dV kernel (before and after) and each
     Gluon variant, side by side in one process."""
     import triton
@@ -415,8 +417,8 @@ def time_specs(specs: list[str], ablate: list[int], rep: int, out: Path | None) 
     from flashattn_triton import launch
 
     torch.manual_seed(0)
-    q, k, v, do = _inputs(LEADERBOARD)
-    scale = LEADERBOARD[-1] ** -0.5
+    q, k, v, do = _inputs(shape)
+    scale = shape[-1] ** -0.5
     o, lse, delta = _stats(q, k, v, do, True, scale)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
 
@@ -454,6 +456,9 @@ def main(argv=None) -> int:
         "--ablate", type=int, nargs="*", default=[], choices=(1, 2, 3), help="first spec only"
     )
     ap.add_argument("--rep", type=int, default=300, help="do_bench time budget, ms")
+    ap.add_argument(
+        "--shape", default=",".join(map(str, LEADERBOARD)), help="B,H,N,d (offline, time)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
@@ -463,15 +468,18 @@ def main(argv=None) -> int:
             parse_spec(spec)
         except ValueError:
             ap.error(f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
+    shape = tuple(int(x) for x in a.shape.split(","))
+    if len(shape) != 4 or shape[-1] not in (64, 128):
+        ap.error(f"--shape {a.shape!r}: want B,H,N,d with d 64 or 128")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "offline":
-        return offline(a.specs)
+        return offline(a.specs, shape)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":
         return check(a.specs, a.out)
-    return time_specs(a.specs, a.ablate, a.rep, a.out)
+    return time_specs(a.specs, a.ablate, a.rep, a.out, shape)
 
 
 if __name__ == "__main__":
