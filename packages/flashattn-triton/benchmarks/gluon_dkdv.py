@@ -32,248 +32,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-try:  # Gluon ships with Triton >= 3.5
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAVE_GLUON = True
-except ImportError:
-    HAVE_GLUON = False
-
-LOG2E = 1.4426950408889634
-GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, causal
-
+from flashattn_triton.gluon_dkdv import HAVE_GLUON, _desc, launch_dkdv
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _query_tile(
-        i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0,
-        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, pred,
-    ):  # fmt: skip
-        """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
-        stage = i % STAGES
-        bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        row = row_q0 + lo + i * BLOCK_M
-        tma.async_copy_global_to_shared(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
-        tma.async_copy_global_to_shared(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
-
-    @gluon.jit
-    def _row_stats(lse_base, delta_base, offs_m, n_q):
-        """log2-domain log-sum-exp (+inf for rows that saw no key: P = 0) and delta of the
-        query rows offs_m; rows past n_q read as +inf / 0."""
-        in_rows = offs_m < n_q
-        lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
-        delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        return lse2, delta
-
-    @gluon.jit
-    def _produce(
-        q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-        kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
-        STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-    ):  # fmt: skip
-        """Loader warp (warp-specialized variant): K, V once, then every query tile's Q, dO
-        as soon as the consumers release its stage."""
-        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
-        for i in range(n_tiles):
-            # A fresh mbarrier counts as having completed the phase before phase 0.
-            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-            _query_tile(
-                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M, True
-            )
-
-    @gluon.jit
-    def _consume(
-        q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-        LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
-        qk_scale, sm_scale,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """The math: accumulate dK, dV over the query tiles, then store them."""
-        dtype: gl.constexpr = q_desc.dtype
-        # S^T tiles (BLOCK_N keys x BLOCK_M queries) and the dK, dV accumulators
-        # (BLOCK_N x HEAD_DIM): one warpgroup per 64 key rows.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
-        )
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-        causal_off = n_k - n_q
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
-        offs_tm = gl.arange(0, BLOCK_M, layout=col_layout)
-        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-        lse_base = LSE + pid_bh.to(gl.int64) * n_q
-        delta_base = DELTA + pid_bh.to(gl.int64) * n_q
-        # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
-        # it runs past n_q.
-        mask_below = start_n + BLOCK_N - 1 - causal_off
-        mbarrier.wait(kv_ready, 0)
-
-        for i in range(n_tiles):
-            stage = i % STAGES
-            start_m = lo + i * BLOCK_M
-            offs_m = start_m + offs_tm
-            lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
-            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-            q_s = q_smem.index(stage)
-            do_s = do_smem.index(stage)
-            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(
-                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
-            # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
-            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            if WARP_SPEC:
-                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            else:
-                nxt = i + STAGES - 1
-                _query_tile(
-                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
-                    nxt < n_tiles,
-                )  # fmt: skip
-            if ABLATE % 2 == 1:  # timing experiment: no exponentials
-                p_t = s_t * qk_scale - lse2[None, :]
-            else:
-                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-            needs_mask = start_m + BLOCK_M > n_q
-            if CAUSAL:
-                needs_mask = needs_mask | (start_m < mask_below)
-            if needs_mask:
-                keep = (offs_m < n_q)[None, :]
-                if CAUSAL:
-                    keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_off)
-                p_t = gl.where(keep, p_t, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
-            if ABLATE >= 2:  # timing experiment: no element-wise dS
-                ds_t = dp_t
-            else:
-                ds_t = p_t * (dp_t - delta[None, :])
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        offs = (row_k0 + out_rows).to(gl.int64)[:, None] * HEAD_DIM + out_cols[None, :]
-        store_mask = (out_rows < n_k)[:, None]
-        gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=store_mask)
-        gl.store(DV + offs, dv.to(dtype), mask=store_mask)
-
-    @gluon.jit
-    def dkdv_kernel(
-        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, n_q, n_k, qk_scale, sm_scale,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, num_warps: gl.constexpr,
-    ):  # fmt: skip
-        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
-
-        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
-        WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
-        other); otherwise the math warps issue them STAGES - 1 tiles ahead."""
-        pid_bh = gl.program_id(0)
-        start_n = gl.program_id(1) * BLOCK_N
-        dtype: gl.constexpr = q_desc.dtype
-        row_q0 = pid_bh * n_q
-        row_k0 = pid_bh * n_k
-
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(kv_ready, count=1)
-
-        # Query tiles [lo, n_q): with a causal mask the rows before the tile's first key
-        # (shifted by n_k - n_q, the bottom-right alignment) see none of it.
-        if CAUSAL:
-            lo = gl.maximum(start_n - (n_k - n_q), 0) // BLOCK_M * BLOCK_M
-        else:
-            lo = 0
-        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
-        if WARP_SPEC:
-            gl.warp_specialize(
-                [
-                    (
-                        _consume,
-                        (
-                            q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-                            kv_ready, LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo,
-                            n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                            STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
-                        ),
-                    ),
-                    (
-                        _produce,
-                        (
-                            q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem,
-                            ready, empty, kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
-                            STAGES, BLOCK_M,
-                        ),
-                    ),
-                ],
-                [1],
-                [24],
-            )  # fmt: skip
-        else:
-            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
-            tma.async_copy_global_to_shared(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
-            for i in gl.static_range(STAGES - 1):
-                _query_tile(
-                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
-                    i < n_tiles,
-                )  # fmt: skip
-            _consume(
-                q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-                LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
-                qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
-                ABLATE, num_warps,
-            )  # fmt: skip
-        for s in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(s))
-            mbarrier.invalidate(empty.index(s))
-        mbarrier.invalidate(kv_ready)
-
-
-def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    d = t.shape[-1]
-    flat = t.view(-1, d)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], getattr(gl, GL_DTYPES[t.dtype]))
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, d], layout)
+    from flashattn_triton.gluon_dkdv import dkdv_kernel
+LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, causal
 
 
 def parse_spec(spec: str) -> dict:
@@ -282,23 +51,6 @@ def parse_spec(spec: str) -> dict:
     ws = parts[-1] == "ws"
     bm, bn, stages, maxnreg = (int(x) for x in parts[:4])
     return {"block_m": bm, "block_n": bn, "stages": stages, "maxnreg": maxnreg or None, "ws": ws}
-
-
-def dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, scale: float, *, block_m: int,
-         block_n: int, stages: int, maxnreg: int | None, ws: bool, ablate: int = 0):  # fmt: skip
-    """Write dK, dV of contiguous (B, H, N, d) 16-bit q, k, v, do into dk, dv; lse, delta:
-    (B, H, n_q) float32. ``ablate`` (timing only, wrong results): 1 drops the exponentials,
-    2 the element-wise dS, 3 both."""
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    kernel = dkdv_kernel[(b * h, -(-n_k // block_n))]
-    return kernel(
-        _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
-        lse, delta, dk, dv, n_q, n_k, scale * LOG2E, scale,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        WARP_SPEC=ws, ABLATE=ablate, num_warps=block_n // 16,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
-    )  # fmt: skip
 
 
 def _inputs(shape, n_k=None, dtype=torch.bfloat16, device="cuda"):
@@ -389,7 +141,7 @@ def check(specs: list[str], out: Path | None) -> int:
             for spec in specs:
                 dk, dv = torch.empty_like(k), torch.empty_like(v)
                 try:
-                    dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(spec))
+                    launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(spec))
                     e = max(err(dk, k64.grad), err(dv, v64.grad))
                     status = "ok" if e <= 1.5 * yard + 1e-3 else "WRONG"
                 except Exception as ex:  # e.g. ptxas out of registers at d = 128
@@ -408,7 +160,12 @@ def check(specs: list[str], out: Path | None) -> int:
 
 
 def time_specs(
-    specs: list[str], ablate: list[int], rep: int, out: Path | None, shape=LEADERBOARD
+    specs: list[str],
+    ablate: list[int],
+    rep: int,
+    out: Path | None,
+    shape=LEADERBOARD,
+    causal: bool = True,
 ) -> int:
     """Median ms at the leaderboard shape: our Triton dK/dV kernel (before and after) and each
     Gluon variant, side by side in one process."""
@@ -419,20 +176,24 @@ def time_specs(
     torch.manual_seed(0)
     q, k, v, do = _inputs(shape)
     scale = shape[-1] ** -0.5
-    o, lse, delta = _stats(q, k, v, do, True, scale)
+    o, lse, delta = _stats(q, k, v, do, causal, scale)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
 
-    def ours():
-        launch.backward(do, q, k, v, o, lse, True, scale, only="dkdv")
+    def ours():  # the Triton kernel, even where the package would pick the Gluon one
+        os.environ["FLASHATTN_TRITON_GLUON"] = "0"
+        try:
+            launch.backward(do, q, k, v, o, lse, causal, scale, only="dkdv")
+        finally:
+            os.environ.pop("FLASHATTN_TRITON_GLUON")
 
-    rows = [{"variant": "triton dkdv (package default)", "ms": bench(ours)}]
+    rows = [{"variant": "triton dkdv", "ms": bench(ours)}]
     for spec in specs:
         for ab in [0, *ablate] if spec == specs[0] else [0]:  # ablations: first spec only
-            fn = lambda s=spec, a=ab: dkdv(
-                q, k, v, do, lse, delta, dk, dv, True, scale, **parse_spec(s), ablate=a
+            fn = lambda s=spec, a=ab: launch_dkdv(
+                q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(s), ablate=a
             )  # fmt: skip
             label = f"gluon {spec}" + (f" ablate={ab}" if ab else "")
             rows.append({"variant": label, "ms": bench(fn)})
@@ -459,6 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--shape", default=",".join(map(str, LEADERBOARD)), help="B,H,N,d (offline, time)"
     )
+    ap.add_argument("--noncausal", action="store_true", help="time without the causal mask")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
@@ -479,7 +241,7 @@ def main(argv=None) -> int:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":
         return check(a.specs, a.out)
-    return time_specs(a.specs, a.ablate, a.rep, a.out, shape)
+    return time_specs(a.specs, a.ablate, a.rep, a.out, shape, not a.noncausal)
 
 
 if __name__ == "__main__":

@@ -229,3 +229,57 @@ def test_compile_apply_like_leaderboard():
 def test_flops_helpers_agree_with_leaderboard_count():
     f = flashattn_triton.attention_flops(16, 16384, 16384, 64, True, "fwd")
     assert math.isclose(f, 4 * 64 * 16 * 16384 * 16385 / 2)
+
+
+def _spy_gluon(monkeypatch):
+    """Record what each gluon_dkdv.try_dkdv call returned (True: the Gluon kernel ran)."""
+    from flashattn_triton import gluon_dkdv
+
+    calls: list[bool] = []
+    real = gluon_dkdv.try_dkdv
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(gluon_dkdv, "try_dkdv", spy)
+    return gluon_dkdv, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "n_k", "causal"),
+    [
+        ((2, 3, 1000, 128), 1000, True),  # ragged: 1000 = 15.6 tiles of 64
+        ((2, 2, 777, 128), 777, False),
+        ((1, 2, 300, 128), 500, True),  # bottom-right causal, Nq < Nk
+        ((1, 2, 500, 128), 300, True),  # Nq > Nk: the first rows see no key
+        ((1, 1, 1, 128), 1, True),
+        ((4, 16, 2048, 128), 2048, True),  # a model's shape
+    ],
+)
+def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
+    """d = 128 on Hopper: the split backward's dK/dV comes from the Gluon kernel, within the
+    same bounds as every other path."""
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    gluon_dkdv, calls = _spy_gluon(monkeypatch)
+    q, k, v, do = _inputs(shape, n_k, dtype)
+    if not gluon_dkdv.applies(q, k, v, do):
+        pytest.skip("needs a Hopper GPU and a Triton with Gluon")
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and shape[2] != n_k))
+    assert calls == [True]
+
+
+def test_gluon_dkdv_falls_back(monkeypatch):
+    """Strided (B, N, H, d) views, and FLASHATTN_TRITON_GLUON=0, take the Triton kernel."""
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    _, calls = _spy_gluon(monkeypatch)
+    b, n, h, d = 2, 300, 4, 128
+    x = torch.randn(b, n, 3, h, d, device=DEV, dtype=torch.bfloat16)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+    _check(q, k, v, do, True)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
+    _check(q, k, v, do, True)
+    assert calls == [False, False]

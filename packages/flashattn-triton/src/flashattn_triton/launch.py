@@ -5,12 +5,13 @@ These functions run real kernels and are not traced by torch.compile (the custom
 and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
 
 Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
-tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice); ``fused`` = the
-same two loops in one launch, program t doing key tile t and query tile t; ``atomic`` = one
-dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto`` (default) = fused
-for causal 16-bit inputs on small grids (about one wave of programs, e.g. batch 1 with few heads
-and long sequences), split otherwise. On small causal grids the forward and split kernels also
-halve their grid-axis tiles (``configs.for_small_grid``).
+tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice; on Hopper,
+for d = 128 and contiguous inputs, the dK/dV kernel is the Gluon one of ``gluon_dkdv``);
+``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
+``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
+(default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
+batch 1 with few heads and long sequences), split otherwise. On small causal grids the forward
+and split kernels also halve their grid-axis tiles (``configs.for_small_grid``).
 """
 
 from __future__ import annotations
@@ -337,6 +338,13 @@ def forward(
     return o, lse
 
 
+def _gluon_dkdv(*args) -> bool:
+    """``gluon_dkdv.try_dkdv`` (imported on first CUDA backward: it imports Triton's Gluon)."""
+    from . import gluon_dkdv
+
+    return gluon_dkdv.try_dkdv(*args)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -427,7 +435,14 @@ def backward(
             return (b * h, triton_cdiv(n_k, cfg.block_n))
 
         kind = "atomic" if scheme == "atomic" else "dkdv"
-        if only in (None, kind):
+        if (
+            kind == "dkdv"
+            and only in (None, kind)
+            and q.is_cuda
+            and _gluon_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
+        ):
+            pass  # Hopper, d = 128: the Gluon kernel (gluon_dkdv) did dK, dV
+        elif only in (None, kind):
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},

@@ -1,0 +1,353 @@
+"""dK/dV on Hopper written in Gluon, with explicit asynchronous wgmma and waits.
+
+Used by the split backward for head dim 128 on Hopper GPUs, where it beats the Triton dK/dV
+kernel (benchmarks/NOTES.md, "Run 16"); elsewhere the Triton kernel runs. Gluon
+(``triton.experimental.gluon``, Triton >= 3.5) is Triton's lower-level layer: layouts,
+shared memory, TMA, mbarriers and wgmma are explicit. Each query tile goes:
+
+    issue S^T = K Q^T and dP^T = V dO^T          (two groups in flight)
+    wait for S^T only; P^T = exp2(S^T - lse)     (dP^T still running)
+    issue dV += P^T dO; wait for dP^T only       (dV still running)
+    dS^T = P^T (dP^T - delta); issue dK += dS^T Q
+    next tile: issue its S^T, dP^T behind dV, dK; wait for S^T ...
+
+Q and dO tiles stream through a ring of shared-memory stages filled by TMA (by the math warps,
+or with WARP_SPEC by one extra loader warp); K and V stay in shared memory. One program owns
+BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The inputs are seen as 2-D
+(rows, d) arrays, so q, k, v, dO (and dk, dv) must be contiguous (B, H, N, d); a tile running
+past its head's last row reads the next head's rows, which are masked out of P.
+
+``FLASHATTN_TRITON_GLUON=0`` turns it off. If a compile fails (e.g. a Triton whose Gluon API
+differs), a warning names the cause and the Triton kernel takes over for that key.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = True
+    # Triton 3.6 names the TMA load async_copy_global_to_shared; later ones async_load.
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+except ImportError:  # older Triton, or none
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Measured defaults by head dim (H100, NOTES.md run 16): block_m, block_n, stages, maxnreg
+# (None: Triton's), warp specialization. d = 64 is absent: there it only ties the Triton
+# kernel.
+DEFAULTS: dict[int, dict] = {
+    128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False},
+}
+_FAILED: dict[tuple, str] = {}  # (d, dtype, causal) -> why its compile failed
+_COMPILED: set[tuple] = set()
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_tile(
+        i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, pred,
+    ):  # fmt: skip
+        """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
+        stage = i % STAGES
+        bar = ready.index(stage)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
+        row = row_q0 + lo + i * BLOCK_M
+        _tma_load(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
+        _tma_load(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def _row_stats(lse_base, delta_base, offs_m, n_q):
+        """log2-domain log-sum-exp (+inf for rows that saw no key: P = 0) and delta of the
+        query rows offs_m; rows past n_q read as +inf / 0."""
+        in_rows = offs_m < n_q
+        lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
+        delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        return lse2, delta
+
+    @gluon.jit
+    def _produce(
+        q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
+        kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp (warp-specialized variant): K, V once, then every query tile's Q, dO
+        as soon as the consumers release its stage."""
+        mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        _tma_load(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
+        _tma_load(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+        for i in range(n_tiles):
+            # A fresh mbarrier counts as having completed the phase before phase 0.
+            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+            _query_tile(
+                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M, True
+            )
+
+    @gluon.jit
+    def _consume(
+        q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
+        LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
+        qk_scale, sm_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
+        ABLATE: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """The math: accumulate dK, dV over the query tiles, then store them."""
+        dtype: gl.constexpr = q_desc.dtype
+        # S^T tiles (BLOCK_N keys x BLOCK_M queries) and the dK, dV accumulators
+        # (BLOCK_N x HEAD_DIM): one warpgroup per 64 key rows.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        causal_off = n_k - n_q
+        offs_n = start_n + gl.arange(0, BLOCK_N, layout=row_layout)
+        offs_tm = gl.arange(0, BLOCK_M, layout=col_layout)
+        zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+        lse_base = LSE + pid_bh.to(gl.int64) * n_q
+        delta_base = DELTA + pid_bh.to(gl.int64) * n_q
+        # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
+        # it runs past n_q.
+        mask_below = start_n + BLOCK_N - 1 - causal_off
+        mbarrier.wait(kv_ready, 0)
+
+        for i in range(n_tiles):
+            stage = i % STAGES
+            start_m = lo + i * BLOCK_M
+            offs_m = start_m + offs_tm
+            lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            q_s = q_smem.index(stage)
+            do_s = do_smem.index(stage)
+            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(
+                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            if WARP_SPEC:
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            else:
+                nxt = i + STAGES - 1
+                _query_tile(
+                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    nxt < n_tiles,
+                )  # fmt: skip
+            if ABLATE % 2 == 1:  # timing experiment: no exponentials
+                p_t = s_t * qk_scale - lse2[None, :]
+            else:
+                p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            needs_mask = start_m + BLOCK_M > n_q
+            if CAUSAL:
+                needs_mask = needs_mask | (start_m < mask_below)
+            if needs_mask:
+                keep = (offs_m < n_q)[None, :]
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+                p_t = gl.where(keep, p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
+            if ABLATE >= 2:  # timing experiment: no element-wise dS
+                ds_t = dp_t
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
+
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = (row_k0 + out_rows).to(gl.int64)[:, None] * HEAD_DIM + out_cols[None, :]
+        store_mask = (out_rows < n_k)[:, None]
+        gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=store_mask)
+        gl.store(DV + offs, dv.to(dtype), mask=store_mask)
+
+    @gluon.jit
+    def dkdv_kernel(
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, n_q, n_k, qk_scale, sm_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
+        ABLATE: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
+
+        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
+        WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
+        other); otherwise the math warps issue them STAGES - 1 tiles ahead."""
+        pid_bh = gl.program_id(0)
+        start_n = gl.program_id(1) * BLOCK_N
+        dtype: gl.constexpr = q_desc.dtype
+        row_q0 = pid_bh * n_q
+        row_k0 = pid_bh * n_k
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(kv_ready, count=1)
+
+        # Query tiles [lo, n_q): with a causal mask the rows before the tile's first key
+        # (shifted by n_k - n_q, the bottom-right alignment) see none of it.
+        if CAUSAL:
+            lo = gl.maximum(start_n - (n_k - n_q), 0) // BLOCK_M * BLOCK_M
+        else:
+            lo = 0
+        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
+        if WARP_SPEC:
+            gl.warp_specialize(
+                [
+                    (
+                        _consume,
+                        (
+                            q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
+                            kv_ready, LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo,
+                            n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
+                        ),
+                    ),
+                    (
+                        _produce,
+                        (
+                            q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem,
+                            ready, empty, kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
+                            STAGES, BLOCK_M,
+                        ),
+                    ),
+                ],
+                [1],
+                [24],
+            )  # fmt: skip
+        else:
+            mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
+            _tma_load(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+            for i in gl.static_range(STAGES - 1):
+                _query_tile(
+                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    i < n_tiles,
+                )  # fmt: skip
+            _consume(
+                q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
+                LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
+                qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
+                ABLATE, num_warps,
+            )  # fmt: skip
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+            mbarrier.invalidate(empty.index(s))
+        mbarrier.invalidate(kv_ready)
+
+
+def enabled() -> bool:
+    """False when ``FLASHATTN_TRITON_GLUON=0`` (read at each call)."""
+    return os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip() != "0"
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """True where this kernel runs by default: Gluon importable, switched on, a Hopper GPU,
+    16-bit inputs with a head dim in ``DEFAULTS``, and every tensor (q, k, v, dO, dk, dv)
+    contiguous and 16-byte aligned. Off under the CPU interpreter (CUDA tensors only)."""
+    q = tensors[0]
+    if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
+        return False
+    if q.shape[-1] not in DEFAULTS or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    d = t.shape[-1]
+    flat = t.view(-1, d)
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], getattr(gl, GL_DTYPES[t.dtype]))
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, d], layout)
+
+
+def launch_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    *,
+    block_m: int,
+    block_n: int,
+    stages: int,
+    maxnreg: int | None = None,
+    ws: bool = False,
+    ablate: int = 0,
+) -> None:
+    """Write dK, dV of contiguous (B, H, N, d) 16-bit q, k, v, do into dk, dv; lse (natural
+    log) and delta: (B, H, n_q) float32. ``ablate`` is for timing experiments only (wrong
+    results): 1 drops the exponentials, 2 the element-wise dS, 3 both."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    dkdv_kernel[(b * h, -(-n_k // block_n))](
+        _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
+        lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        WARP_SPEC=ws, ABLATE=ablate, num_warps=block_n // 16,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+
+
+def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float) -> bool:
+    """Run the default Gluon dK/dV if it applies (see ``applies``); False if the caller
+    should run the Triton kernel instead. A failing first compile per (d, dtype, causal) is
+    reported once and that key falls back from then on."""
+    if not applies(q, k, v, do, dk, dv):
+        return False
+    key = (q.shape[-1], q.dtype, causal)
+    if key in _FAILED:
+        return False
+    try:
+        launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[q.shape[-1]])
+    except Exception as e:  # compile-time failures only: once compiled, errors propagate
+        if key in _COMPILED:
+            raise
+        _FAILED[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(
+            f"flashattn_triton: the Gluon dK/dV kernel failed to compile for {key} "
+            f"({_FAILED[key]}); using the Triton kernel (FLASHATTN_TRITON_GLUON=0 silences "
+            "this)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    _COMPILED.add(key)
+    return True
