@@ -11,6 +11,7 @@ Environment switches (read at each call, never inside traced code):
 - ``FLASHATTN_TRITON_BWD=auto|split|fused|atomic``: the backward scheme (see ``launch``);
   ``auto`` (default) picks ``fused`` for causal 16-bit inputs on small grids, else ``split``.
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
+- ``FLASHATTN_TRITON_GLUON=0``: no Gluon dK/dV kernel (``gluon_dkdv``; d = 128 on Hopper).
 - ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
   table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws]), e.g. to replay a
   benchmark's winner (see ``TileConfig.parse``).
