@@ -150,3 +150,23 @@ def test_naive_memory_before_backward_matches_accounting(tmp_path):
         assert r["status"] == "ok"
         # allocator rounding only: within 2% of the tensor-by-tensor prediction
         assert math.isclose(r["mib_before_bwd"], r["predicted_mib_before_bwd"], rel_tol=0.02), r
+
+
+@pytest.mark.parametrize("cmd", ["naive", "flash", "leaderboard"])
+def test_common_options_before_or_after_the_subcommand(cmd, tmp_path):
+    """`--csv x flash` and `flash --csv x` mean the same; an option given on neither side
+    keeps its default (argparse used to reset the first form's value to None)."""
+    from perf_tools.attention import build_parser
+
+    before = build_parser().parse_args(["--csv", str(tmp_path / "a.csv"), "--quick", cmd])
+    after = build_parser().parse_args([cmd, "--csv", str(tmp_path / "a.csv"), "--quick"])
+    neither = build_parser().parse_args([cmd])
+    for args in (before, after):
+        assert args.csv == tmp_path / "a.csv"
+        assert args.quick is True
+    assert neither.csv is None
+    assert neither.quick is False
+    assert neither.seed == 0
+    assert neither.device is None
+    both = build_parser().parse_args(["--seed", "1", cmd, "--seed", "2"])
+    assert both.seed == 2

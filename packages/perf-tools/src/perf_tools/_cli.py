@@ -90,16 +90,22 @@ def listed(item_type: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
-def add_output_args(parser: argparse.ArgumentParser, plot: bool = True) -> None:
-    """--csv, --json (and --plot) options every tool has."""
+def add_output_args(
+    parser: argparse.ArgumentParser, plot: bool = True, inherit: bool = False
+) -> None:
+    """--csv, --json (and --plot) options every tool has. ``inherit``: for a subcommand whose
+    parent parser has the same options; leaving one out keeps the parent's value."""
+    d = {"default": argparse.SUPPRESS} if inherit else {}
     group = parser.add_argument_group("output")
-    group.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV")
+    group.add_argument("--csv", type=Path, metavar="FILE", help="write the table as CSV", **d)
     group.add_argument(
-        "--json", type=Path, metavar="FILE", help="write the table and run metadata as JSON"
+        "--json", type=Path, metavar="FILE", help="write the table and run metadata as JSON", **d
     )
     if plot:
-        group.add_argument("--plot", type=Path, metavar="PNG", help="save a plot of the results")
-    group.add_argument("--quiet", action="store_true", help="no progress bars")
+        group.add_argument(
+            "--plot", type=Path, metavar="PNG", help="save a plot of the results", **d
+        )
+    group.add_argument("--quiet", action="store_true", help="no progress bars", **d)
 
 
 def default_device() -> str:

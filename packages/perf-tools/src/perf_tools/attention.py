@@ -51,16 +51,25 @@ MiB = 2**20
 # ----------------------------------------------------------------------------- CLI
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, inherit: bool = False) -> None:
+    """Options accepted before and after the subcommand. With ``inherit`` (the subcommands)
+    an option left out keeps the value given before the subcommand: argparse would otherwise
+    copy the subcommand's default over it (``--csv x.csv flash`` wrote no CSV)."""
+    d = {"default": argparse.SUPPRESS} if inherit else {}
     p.add_argument(
-        "--device", type=_cli.device_arg, default=None, help="cpu or cuda (default: cuda if any)"
+        "--device",
+        type=_cli.device_arg,
+        help="cpu or cuda (default: cuda if any)",
+        **(d or {"default": None}),
     )
-    p.add_argument("--quick", action="store_true", help="a representative subset (~1 min on GPU)")
     p.add_argument(
-        "--peak-tflops", type=_cli.positive_float, help="peak TFLOP/s for the floor column"
+        "--quick", action="store_true", help="a representative subset (~1 min on GPU)", **d
     )
-    p.add_argument("--seed", type=int, default=0)
-    _cli.add_output_args(p)
+    p.add_argument(
+        "--peak-tflops", type=_cli.positive_float, help="peak TFLOP/s for the floor column", **d
+    )
+    p.add_argument("--seed", type=int, **(d or {"default": 0}))
+    _cli.add_output_args(p, inherit=inherit)
 
 
 def _grid(p: argparse.ArgumentParser, batch_help: str) -> None:
@@ -91,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     sub = p.add_subparsers(dest="cmd", metavar="{naive,flash,leaderboard}")
     n = sub.add_parser("naive", help="naive attention eager vs compiled (handout 1.2.1, 1.3 a)")
-    _common(n)
+    _common(n, inherit=True)
     _grid(n, "batch size (default 8)")
     n.add_argument(
         "--passes", type=_cli.positive_int, help="timed passes each (default 100; 3 on CPU)"
@@ -103,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="plain softmax(QK^T/sqrt(d))V instead of lm_core's causal naive attention",
     )
     f = sub.add_parser("flash", help="ours vs PyTorch vs SDPA (handout flash_benchmarking)")
-    _common(f)
+    _common(f, inherit=True)
     _grid(f, "batch size (default 1)")
     f.add_argument("--rep-ms", type=_cli.positive_float, default=100.0, help="do_bench rep (ms)")
     f.add_argument("--warmup-ms", type=_cli.positive_float, default=25.0, help="do_bench warmup")
     f.add_argument("--no-causal", action="store_true", help="no causal mask (default causal)")
     lb = sub.add_parser("leaderboard", help="the course leaderboard shape, compiled apply")
-    _common(lb)
+    _common(lb, inherit=True)
     _grid(lb, "batch (heads as batch; default 16)")
     lb.add_argument("--rep-ms", type=_cli.positive_float, default=1000.0)
     lb.add_argument("--warmup-ms", type=_cli.positive_float, default=200.0)
