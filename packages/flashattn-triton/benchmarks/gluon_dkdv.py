@@ -1,21 +1,10 @@
 """The Gluon dK/dV kernel (``flashattn_triton.gluon_dkdv``): offline compile, check, timing.
 
-Why. Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads
-it (NOTES.md, "What Triton 3.6 emits"), so within a warpgroup the exponentials never run
-while the tensor cores work. This kernel, in Gluon (``triton.experimental.gluon``, Triton
->= 3.5), issues the products itself and waits only for the one it needs next:
-
-    issue S^T = K Q^T and dP^T = V dO^T          (two groups in flight)
-    wait for S^T only; P^T = exp2(S^T - lse)     (dP^T still running)
-    issue dV += P^T dO; wait for dP^T only       (dV still running)
-    dS^T = P^T (dP^T - delta); issue dK += dS^T Q
-    next tile: issue its S^T, dP^T behind dV, dK; wait for S^T ...
-
-Q and dO tiles stream through a ring of shared-memory stages filled by TMA (by the math warps,
-or with ``ws`` by one extra loader warp: warp specialization); K and V stay in shared memory.
-One program owns BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The inputs are
-seen as 2-D (rows, d) arrays, so q, k, v, dO must be contiguous (B, H, N, d); a tile running
-past its head's last row reads the next head's rows, which are masked out of P.
+Why: Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads
+it (NOTES.md, "What Triton 3.6 emits"); the Gluon kernel issues its products asynchronously
+and waits only for the one it needs next. Its pipeline, layout requirements and switches are
+described in the module ``flashattn_triton.gluon_dkdv``; this script times and checks
+variants of it (``ws``: a warp-specialized loader warp).
 
 Results (NOTES.md, runs 16-17): at d = 64 it only ties our Triton dK/dV kernel, and leaving
 out the exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is bound by its

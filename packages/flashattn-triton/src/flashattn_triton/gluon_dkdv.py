@@ -1,7 +1,8 @@
 """dK/dV on Hopper written in Gluon, with explicit asynchronous wgmma and waits.
 
 Used by the split backward for head dim 128 on Hopper GPUs, where it beats the Triton dK/dV
-kernel (benchmarks/NOTES.md, "Run 16"); elsewhere the Triton kernel runs. Gluon
+kernel (benchmarks/NOTES.md, run 17; at d = 64 it only ties, run 16); elsewhere the Triton
+kernel runs. Gluon
 (``triton.experimental.gluon``, Triton >= 3.5) is Triton's lower-level layer: layouts,
 shared memory, TMA, mbarriers and wgmma are explicit. Each query tile goes:
 
@@ -28,6 +29,8 @@ import warnings
 
 import torch
 
+LOG2E = 1.4426950408889634
+
 try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -41,16 +44,16 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     HAVE_GLUON = True
+    _LOG2E = gl.constexpr(LOG2E)
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later ones async_load.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 except ImportError:  # older Triton, or none
     HAVE_GLUON = False
 
-LOG2E = 1.4426950408889634
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Measured defaults by head dim (H100, NOTES.md run 16): block_m, block_n, stages, maxnreg
+# Measured defaults by head dim (H100, NOTES.md run 17): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization. d = 64 is absent: there it only ties the Triton
-# kernel.
+# kernel (run 16).
 DEFAULTS: dict[int, dict] = {
     128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False},
 }
@@ -80,7 +83,7 @@ if HAVE_GLUON:
         in_rows = offs_m < n_q
         lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
         delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
         return lse2, delta
 
     @gluon.jit
@@ -313,8 +316,10 @@ def launch_dkdv(
     ablate: int = 0,
 ) -> None:
     """Write dK, dV of contiguous (B, H, N, d) 16-bit q, k, v, do into dk, dv; lse (natural
-    log) and delta: (B, H, n_q) float32. ``ablate`` is for timing experiments only (wrong
-    results): 1 drops the exponentials, 2 the element-wise dS, 3 both."""
+    log) and delta: (B, H, n_q) float32. Checks nothing: ``try_dkdv`` (via ``applies``) is the
+    gated entry point; this one is for benchmarks that pick their own tiles. ``ablate`` is for
+    timing experiments only (wrong results): 1 drops the exponentials, 2 the element-wise dS,
+    3 both."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     dkdv_kernel[(b * h, -(-n_k // block_n))](

@@ -435,14 +435,14 @@ def backward(
             return (b * h, triton_cdiv(n_k, cfg.block_n))
 
         kind = "atomic" if scheme == "atomic" else "dkdv"
-        if (
+        # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
+        gluon_ran = (
             kind == "dkdv"
             and only in (None, kind)
             and q.is_cuda
             and _gluon_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
-        ):
-            pass  # Hopper, d = 128: the Gluon kernel (gluon_dkdv) did dK, dV
-        elif only in (None, kind):
+        )
+        if only in (None, kind) and not gluon_ran:
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
