@@ -152,6 +152,8 @@ def compile_launch(fn, bound, num_warps, num_stages, cc):
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma": ptx.count("mma.sync"),
         "ex2": ptx.count("ex2.approx"),
+        "sts": ptx.count("st.shared"),
+        "shfl": ptx.count("shfl.sync"),
         "shared": c.metadata.shared,
         "schedule": wgmma_schedule(ptx),
     }
@@ -183,7 +185,8 @@ def main(argv=None) -> int:
             r = compile_launch(fn, bound, w, s, a.cc)
             print(
                 f"{fn.__name__:28s} w{w} s{s} {meta} | {r['usage']} | wgmma {r['wgmma']} "
-                f"mma {r['mma']} ex2 {r['ex2']} dyn-smem {r['shared'] // 1024}K | {r['secs']:.1f}s",
+                f"mma {r['mma']} ex2 {r['ex2']} st.shared {r['sts']} shfl {r['shfl']} "
+                f"dyn-smem {r['shared'] // 1024}K | {r['secs']:.1f}s",
                 flush=True,
             )
             if a.schedule:
