@@ -352,24 +352,3 @@ def fp32_precision() -> str:
             f"FLASHATTN_TRITON_FP32_PRECISION must be one of {FP32_PRECISIONS}, got {prec!r}"
         )
     return prec
-
-
-EXP_FMA_CHOICES = (0, 2, 4)
-DEFAULT_EXP_FMA = 0
-
-
-def exp_fma(elem_bytes: int) -> int:
-    """1/N of the unmasked tiles' exponentials in the forward and dQ kernels go to the FMA
-    units instead of the special-function unit (``kernels._exp2_mixed``; N = 0: none).
-
-    ``FLASHATTN_TRITON_EXP_FMA=0|2|4`` sets N for 16-bit inputs; float32 inputs always use
-    the exact-to-float32 unit (the polynomial's 1e-4 relative error is below 16-bit rounding,
-    not below float32's)."""
-    raw = os.environ.get("FLASHATTN_TRITON_EXP_FMA", str(DEFAULT_EXP_FMA)).strip()
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n not in EXP_FMA_CHOICES:
-        raise ValueError(f"FLASHATTN_TRITON_EXP_FMA must be one of {EXP_FMA_CHOICES}, got {raw!r}")
-    return n if elem_bytes == 2 else 0

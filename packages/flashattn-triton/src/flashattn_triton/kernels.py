@@ -31,53 +31,6 @@ _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
 
 
-# Degree-3 minimax polynomial for 2^f on [-1/2, 1/2] (relative error < 7.5e-5, float32
-# coefficients; fitted for this file, see _exp2_fma).
-_P0 = tl.constexpr(0.9999280571937561)
-_P1 = tl.constexpr(0.6932609677314758)
-_P2 = tl.constexpr(0.24261116981506348)
-_P3 = tl.constexpr(0.0551716648042202)
-_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _ROUND rounds x to an integer
-
-
-@triton.jit
-def _exp2_fma(x):
-    """2^x on the FMA and integer units, not the special-function unit (16 results per
-    clock per SM, the forward's bottleneck at d = 64). x = j + f with j = round(x) (the
-    1.5 * 2^23 trick, j then sits in the low bits of t), 2^f by the polynomial above, and j
-    added to the exponent field. x is clamped at -126, where the result is ~1e-38, not 0:
-    callers use it only on tiles without -inf scores. Relative error < 1e-4, far below the
-    16-bit rounding of P."""
-    x = tl.maximum(x, -126.0)
-    t = x + _ROUND
-    f = x - (t - _ROUND)
-    p = ((_P3 * f + _P2) * f + _P1) * f + _P0
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_mixed(x, EXP_FMA: tl.constexpr):
-    """exp2 of a (rows, cols) tile, 1/EXP_FMA of it on the FMA units (0: all on the
-    special-function unit). The split follows the wgmma accumulator's register layout
-    (each thread holds column pairs of every 8-column chunk), so it moves no data:
-    EXP_FMA = 2 takes the second column of each pair, 4 that of every odd chunk."""
-    if EXP_FMA == 0:
-        return tl.math.exp2(x)
-    R: tl.constexpr = x.shape[0]
-    C: tl.constexpr = x.shape[1]
-    if EXP_FMA == 2:
-        a, b = tl.split(tl.reshape(x, (R, C // 2, 2)))
-        return tl.reshape(tl.join(tl.math.exp2(a), _exp2_fma(b)), (R, C))
-    # (R, C) -> (R, chunk pairs, quad, pair, chunk parity)
-    y = tl.permute(tl.reshape(x, (R, C // 16, 2, 4, 2)), (0, 1, 3, 4, 2))
-    even, odd = tl.split(y)
-    odd_a, odd_b = tl.split(odd)
-    odd = tl.join(tl.math.exp2(odd_a), _exp2_fma(odd_b))
-    y = tl.join(tl.math.exp2(even), odd)
-    return tl.reshape(tl.permute(y, (0, 1, 4, 2, 3)), (R, C))
-
-
 @triton.jit
 def _load_rows(
     base,
@@ -206,10 +159,8 @@ def _fwd_key_loop(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
-    EXP_FMA: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask.
-    EXP_FMA: share of the unmasked tiles' exponentials done on the FMA units (_exp2_mixed)."""
+    """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
@@ -227,7 +178,7 @@ def _fwd_key_loop(
             alpha = tl.math.exp2(m_i - m_sub)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = _exp2_mixed(qk * qk_scale - m_new[:, None], EXP_FMA)
+            p = tl.math.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -276,12 +227,10 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
-    EXP_FMA: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
 
-    DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused). EXP_FMA: see
-    _exp2_mixed (unmasked tiles only)."""
+    DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused)."""
     pid_bh = tl.program_id(0)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
@@ -317,13 +266,12 @@ def attn_fwd_kernel(
         acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
         0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
-        EXP_FMA,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_key_loop(
             acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
             full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False, 0,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -587,10 +535,8 @@ def _dq_key_loop(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
-    EXP_FMA: tl.constexpr,
 ):
-    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi); EXP_FMA as in
-    _exp2_mixed (unmasked tiles only)."""
+    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
@@ -602,12 +548,10 @@ def _dq_key_loop(
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
             keep = _visible(offs_m, start_n + offs_n, n_k, causal_off, CAUSAL, not EVEN_N)
             p = tl.where(keep, p, 0.0)
-        else:
-            p = _exp2_mixed(qk * qk_scale - lse2[:, None], EXP_FMA)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # eq. 18 (unscaled)
@@ -627,7 +571,7 @@ def _dq_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, EXP_FMA: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
     """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
     TMA descriptors of K and V (with USE_TMA)."""
@@ -664,13 +608,12 @@ def _dq_tile(
         dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
         stride_vn, 0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
-        EXP_FMA,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         dq = _dq_key_loop(
             dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
             stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
-            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False, 0,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
         )  # fmt: skip
     dq = dq * sm_scale
     _store_rows(
@@ -731,7 +674,7 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, EXP_FMA: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
     pid_bh = tl.program_id(0)
@@ -743,7 +686,7 @@ def attn_bwd_dq_kernel(
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC, EXP_FMA,
+        USE_TMA, WARP_SPEC,
     )  # fmt: skip
 
 
@@ -794,5 +737,5 @@ def attn_bwd_fused_kernel(
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
-            False, False, 0,
+            False, False,
         )  # fmt: skip

@@ -323,7 +323,6 @@ def forward(
         "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
         "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
         "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
-        "EXP_FMA": C.exp_fma(q.element_size()),
     }  # fmt: skip
 
     def grid(cfg):
@@ -459,7 +458,6 @@ def backward(
         dq_args = {
             **common, "DQ": dq,
             "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
-            "EXP_FMA": C.exp_fma(elem),
         }  # fmt: skip
         if only in (None, "dq"):
             _run(
