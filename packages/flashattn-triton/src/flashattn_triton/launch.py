@@ -501,7 +501,7 @@ def backward(
                 run_dkdv()
             with torch.cuda.stream(side):
                 run_dq()
-            if mode == 2:
+            if mode in (2, 3):
                 run_dkdv()
             main.wait_stream(side)
     return dq, dk, dv
