@@ -345,24 +345,6 @@ def _gluon_dkdv(*args) -> bool:
     return gluon_dkdv.try_dkdv(*args)
 
 
-_SIDE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
-    key = (device.index or 0, priority)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
-    return _SIDE_STREAMS[key]
-
-
-def _bwd_streams() -> int:
-    """EXPERIMENT FLASHATTN_TRITON_BWD_STREAMS: 0 serial; 1 dQ on a side stream after dK/dV;
-    2 dQ first on a high-priority side stream (its programs placed first, dK/dV fills in)."""
-    import os
-
-    return int(os.environ.get("FLASHATTN_TRITON_BWD_STREAMS", "0"))
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -453,24 +435,20 @@ def backward(
             return (b * h, triton_cdiv(n_k, cfg.block_n))
 
         kind = "atomic" if scheme == "atomic" else "dkdv"
-
-        def run_dkdv():
-            # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
-            gluon_ran = (
-                kind == "dkdv"
-                and only in (None, kind)
-                and q.is_cuda
-                and _gluon_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
-            )
-            if only in (None, kind) and not gluon_ran:
-                _run(
-                    kind, kern.attn_bwd_dkdv_kernel, grid_keys,
-                    {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
-                    n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
-                )  # fmt: skip
-
+        # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
+        gluon_ran = (
+            kind == "dkdv"
+            and only in (None, kind)
+            and q.is_cuda
+            and _gluon_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
+        )
+        if only in (None, kind) and not gluon_ran:
+            _run(
+                kind, kern.attn_bwd_dkdv_kernel, grid_keys,
+                {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic"},
+                n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
+            )  # fmt: skip
         if scheme == "atomic":
-            run_dkdv()
             dq.copy_(dq_acc[..., :d])
             return dq, dk, dv
 
@@ -481,27 +459,9 @@ def backward(
             **common, "DQ": dq,
             "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
         }  # fmt: skip
-
-        def run_dq():
-            if only in (None, "dq"):
-                _run(
-                    "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
-                    elem, small_grid=_small_grid(causal, b * h, n_q, n_sms),
-                )  # fmt: skip
-
-        mode = _bwd_streams() if q.is_cuda and only is None else 0
-        if mode == 0:
-            run_dkdv()
-            run_dq()
-        else:
-            main = torch.cuda.current_stream(q.device)
-            side = _side_stream(q.device, -1 if mode == 2 else 0)
-            side.wait_stream(main)
-            if mode == 1:
-                run_dkdv()
-            with torch.cuda.stream(side):
-                run_dq()
-            if mode in (2, 3):
-                run_dkdv()
-            main.wait_stream(side)
+        if only in (None, "dq"):
+            _run(
+                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem,
+                small_grid=_small_grid(causal, b * h, n_q, n_sms),
+            )  # fmt: skip
     return dq, dk, dv
