@@ -4,9 +4,9 @@ tile's softmax runs (FlashAttention-3's intra-warpgroup overlap).
 Triton 3.6 waits for each ``tl.dot`` before using its result, so a CTA's products and its
 exponentials run one after the other (benchmarks/NOTES.md, run 19). Here each key tile j goes:
 
-    issue S[j+1] = Q K[j+1]^T                       (tensor cores)
-    wait for S[j] and O's last update; softmax of S[j] -> P[j]   (S[j+1] still running)
-    O = O * alpha; issue O += P[j] V[j]
+    issue S[j+1] = Q K[j+1]^T
+    softmax of S[j] -> P[j]       (S[j+1] and O += P[j-1] V[j-1] run on the tensor cores)
+    wait for O's update; O = O * alpha; issue O += P[j] V[j]; wait for S[j+1]
 
 K and V tiles stream through a ring of shared-memory stages filled by TMA (STAGES >= 3: tiles
 j and j+1 are in use while j+2 loads). One program owns BLOCK_M query rows of one
@@ -130,6 +130,8 @@ if HAVE_GLUON:
         s_tok = warpgroup_mma(
             q_smem, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True
         )
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        # Loop invariant: s = S[j] in registers, O += P[j-1] V[j-1] possibly still running.
         for j in range(n_tiles - 1):
             stage = j % STAGES
             nxt = (j + 1) % STAGES
@@ -137,13 +139,6 @@ if HAVE_GLUON:
             s_next = warpgroup_mma(
                 q_smem, k_smem.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
-            # S[j] and O's update with tile j-1 are done (S[j+1] may still run): tile j-1's
-            # stage is free for tile j + STAGES - 1.
-            s, acc = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, acc))
-            _kv_tile(
-                j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N,
-                j + STAGES - 1 < n_tiles,
-            )  # fmt: skip
             start_n = j * BLOCK_N
             needs_mask = start_n + BLOCK_N > n_k
             if CAUSAL:
@@ -152,13 +147,19 @@ if HAVE_GLUON:
                 s, m_i, l_i, start_n, offs_m, offs_n, n_k, causal_off, qk_scale, needs_mask,
                 CAUSAL,
             )  # fmt: skip
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+            # O's update with tile j-1 is done (S[j+1] may still run): tile j-1's stage is
+            # free for tile j + STAGES - 1.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            _kv_tile(
+                j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N,
+                j + STAGES - 1 < n_tiles,
+            )  # fmt: skip
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
-            s_tok = s_next
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
         # The last tile.
         j = n_tiles - 1
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, acc))
         start_n = j * BLOCK_N
         needs_mask = start_n + BLOCK_N > n_k
         if CAUSAL:
@@ -166,8 +167,9 @@ if HAVE_GLUON:
         p, alpha, m_i, l_i = _softmax(
             s, m_i, l_i, start_n, offs_m, offs_n, n_k, causal_off, qk_scale, needs_mask, CAUSAL
         )
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(p_op, v_smem.index(j % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
