@@ -199,6 +199,7 @@ def launch_fwd(
     block_n: int,
     stages: int,
     maxnreg: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Write o and lse (natural log, (B, H, n_q) float32) of contiguous (B, H, N, d) 16-bit
     q, k, v. Checks nothing (benchmarks pick their own tiles)."""
@@ -210,5 +211,5 @@ def launch_fwd(
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), o, lse, n_q, n_k,
         softmax_scale * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps or block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
