@@ -72,44 +72,15 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def fwd_kernel(
-        q_desc, k_desc, v_desc, Out, LSE, n_q, n_k, qk_scale,
+    def _fwd_consume(
+        k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, Out, LSE,
+        pid_bh, start_m, row_q0, row_k0, n_q, n_k, n_tiles, causal_off, mask_from, qk_scale,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: O rows (of Out: (B*H*n_q, HEAD_DIM)) and L (natural log, (B*H, n_q))
-        of one query tile; heaviest (last) query tiles first."""
-        pid_bh = gl.program_id(0)
-        start_m = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
-        dtype: gl.constexpr = q_desc.dtype
-        row_q0 = pid_bh * n_q
-        row_k0 = pid_bh * n_k
-        causal_off = n_k - n_q
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
-        else:
-            hi = n_k
-        # At least one tile: a tile where no row sees a key comes out fully masked (o = 0).
-        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
-        # A tile starting after this key reaches past the first row's last visible key.
-        mask_from = start_m + causal_off - BLOCK_N + 1
-
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(ready.index(st), count=1)
-        mbarrier.init(q_ready, count=1)
-
-        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [row_q0 + start_m, 0], q_ready, q_smem)
-        for i in gl.static_range(STAGES - 1):
-            _kv_tile(
-                i, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N, i < n_tiles
-            )
-
+        """The math warps: online softmax over the key tiles, then O and L."""
+        dtype: gl.constexpr = k_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
         )
@@ -151,10 +122,13 @@ if HAVE_GLUON:
             # O's update with tile j-1 is done (S[j+1] may still run): tile j-1's stage is
             # free for tile j + STAGES - 1.
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _kv_tile(
-                j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N,
-                j + STAGES - 1 < n_tiles,
-            )  # fmt: skip
+            if WARP_SPEC:
+                mbarrier.arrive(empty.index((j + STAGES - 1) % STAGES), pred=j > 0)
+            else:
+                _kv_tile(
+                    j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES,
+                    BLOCK_N, j + STAGES - 1 < n_tiles,
+                )  # fmt: skip
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             acc = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
@@ -181,8 +155,94 @@ if HAVE_GLUON:
         gl.store(Out + offs, o.to(dtype), mask=(out_rows < n_q)[:, None])
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf for a row that saw no key
         gl.store(LSE + pid_bh.to(gl.int64) * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    @gluon.jit
+    def _fwd_produce(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready,
+        row_q0, start_m, row_k0, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp (WARP_SPEC): Q once, then each key tile as soon as its stage is free."""
+        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row_q0 + start_m, 0], q_ready, q_smem)
+        for i in range(n_tiles):
+            # A fresh mbarrier counts as having completed the phase before phase 0.
+            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+            _kv_tile(i, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N, True)
+
+    @gluon.jit
+    def fwd_kernel(
+        q_desc, k_desc, v_desc, Out, LSE, n_q, n_k, qk_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: O rows (of Out: (B*H*n_q, HEAD_DIM)) and L (natural log, (B*H, n_q))
+        of one query tile; heaviest (last) query tiles first."""
+        pid_bh = gl.program_id(0)
+        start_m = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+        dtype: gl.constexpr = q_desc.dtype
+        row_q0 = pid_bh * n_q
+        row_k0 = pid_bh * n_k
+        causal_off = n_k - n_q
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
+        else:
+            hi = n_k
+        # At least one tile: a tile where no row sees a key comes out fully masked (o = 0).
+        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+        # A tile starting after this key reaches past the first row's last visible key.
+        mask_from = start_m + causal_off - BLOCK_N + 1
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+            mbarrier.init(empty.index(st), count=1)
+        mbarrier.init(q_ready, count=1)
+
+        if WARP_SPEC:
+            gl.warp_specialize(
+                [
+                    (
+                        _fwd_consume,
+                        (
+                            k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, Out,
+                            LSE, pid_bh, start_m, row_q0, row_k0, n_q, n_k, n_tiles, causal_off,
+                            mask_from, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                            WARP_SPEC, num_warps,
+                        ),
+                    ),
+                    (
+                        _fwd_produce,
+                        (
+                            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty,
+                            q_ready, row_q0, start_m, row_k0, n_tiles, STAGES, BLOCK_N,
+                        ),
+                    ),
+                ],
+                [1],
+                [24],
+            )  # fmt: skip
+        else:
+            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+            _tma_load(q_desc, [row_q0 + start_m, 0], q_ready, q_smem)
+            for i in gl.static_range(STAGES - 1):
+                _kv_tile(
+                    i, k_desc, v_desc, k_smem, v_smem, ready, row_k0, STAGES, BLOCK_N,
+                    i < n_tiles,
+                )  # fmt: skip
+            _fwd_consume(
+                k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, q_ready, Out, LSE,
+                pid_bh, start_m, row_q0, row_k0, n_q, n_k, n_tiles, causal_off, mask_from,
+                qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, num_warps,
+            )  # fmt: skip
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(st))
+            mbarrier.invalidate(empty.index(st))
         mbarrier.invalidate(q_ready)
 
 
@@ -200,6 +260,7 @@ def launch_fwd(
     stages: int,
     maxnreg: int | None = None,
     num_warps: int | None = None,
+    ws: bool = False,
 ) -> None:
     """Write o and lse (natural log, (B, H, n_q) float32) of contiguous (B, H, N, d) 16-bit
     q, k, v. Checks nothing (benchmarks pick their own tiles)."""
@@ -211,5 +272,5 @@ def launch_fwd(
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), o, lse, n_q, n_k,
         softmax_scale * LOG2E,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        num_warps=num_warps or block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        WARP_SPEC=ws, num_warps=num_warps or block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
