@@ -182,3 +182,31 @@ def test_small_grid_rules(monkeypatch):
     monkeypatch.setattr(configs, "OVERRIDES", {"fwd": configs.TileConfig(128, 64, 8, 3)})
     forced = configs.default_config("fwd", 32768, 32768, 64, 2, small_grid=True)
     assert forced == configs.TileConfig(128, 64, 8, 3)
+
+
+def test_few_programs_rule(monkeypatch):
+    """The d = 128 forward's 128-row tile is used from FEW_WAVES waves of programs up; fewer
+    programs (and one-wave causal grids) take its FEW_PROGRAMS entry; overrides still win."""
+    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    monkeypatch.setattr(configs, "OVERRIDES", {})
+    sms = 132
+    few = configs.few_programs
+    assert few("fwd", 16, 1000, 128, sms)  # 16 x 8 = 128 programs of 128 rows
+    assert few("fwd", 1, 32768, 128, sms)  # 256
+    assert not few("fwd", 128, 512, 128, sms)  # 512
+    assert not few("fwd", 16, 1000, 128, 0)  # SM count unknown
+    assert not few("fwd", 16, 1000, 64, sms)  # no entry for d = 64
+    assert not few("dq", 16, 1000, 128, sms)
+    big = configs.default_config("fwd", 16384, 16384, 128, 2)
+    assert (big.block_m, big.tma) == (128, True)
+    small = configs.default_config("fwd", 16384, 16384, 128, 2, few_programs=True)
+    assert small == configs.FEW_PROGRAMS["fwd"][128]
+    # One-wave causal grid: the entry's 64-row tile is not halved again.
+    both = configs.default_config("fwd", 32768, 32768, 128, 2, small_grid=True, few_programs=True)
+    assert both == configs.FEW_PROGRAMS["fwd"][128]
+    # float32 has its own table, untouched by the rule.
+    fp32 = configs.default_config("fwd", 16384, 16384, 128, 4, few_programs=True)
+    assert fp32 == configs.default_config("fwd", 16384, 16384, 128, 4)
+    monkeypatch.setattr(configs, "OVERRIDES", {"fwd": configs.TileConfig(128, 64, 8, 3)})
+    forced = configs.default_config("fwd", 16384, 16384, 128, 2, few_programs=True)
+    assert forced == configs.TileConfig(128, 64, 8, 3)

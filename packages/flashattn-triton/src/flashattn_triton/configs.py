@@ -83,7 +83,7 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
         16: TileConfig(128, 64, 4, 3),
         32: TileConfig(128, 128, 8, 3),
         64: TileConfig(128, 128, 4, 3, tma=True),
-        128: TileConfig(64, 64, 4, 3),
+        128: TileConfig(128, 64, 4, 2, tma=True),
     },
     "dkdv": {
         16: TileConfig(32, 128, 4, 3),
@@ -121,6 +121,12 @@ SMALL_GRID_PER_SM = 2
 SMALL_GRID_MIN_SEQ = 16384
 FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
 GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: not measured
+
+# Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the
+# d = 128 forward's 128-row TMA tile is 1.05-1.35x faster from 512 programs up (H100, 132
+# SMs) but 0.59x at 128 programs and 0.75x on a one-wave causal grid (NOTES.md run 22).
+FEW_PROGRAMS: dict[str, dict[int, TileConfig]] = {"fwd": {128: TileConfig(64, 64, 4, 3)}}
+FEW_WAVES = 2
 
 # float32 inputs: smaller tiles (twice the bytes per element, and tf32x3 triples the matrix
 # work and registers); chosen to compile without spills where possible (compile_offline.py).
@@ -274,6 +280,17 @@ def small_grid(bh: int, n: int, n_sms: int, per_sm: int = SMALL_GRID_PER_SM) -> 
     return bh * -(-n // SMALL_GRID_ROWS) <= per_sm * n_sms
 
 
+def few_programs(kind: str, bh: int, n: int, block_d: int, n_sms: int) -> bool:
+    """Whether the 16-bit table tile of ``kind`` gives bh * ceil(n / tile) programs, fewer
+    than FEW_WAVES per SM, for a kind with a FEW_PROGRAMS entry. False when the SM count is
+    unknown (n_sms 0)."""
+    key = _table_key(block_d)
+    if n_sms <= 0 or key not in FEW_PROGRAMS.get(kind, {}):
+        return False
+    tile = getattr(DEFAULTS[kind][key], GRID_TILE[kind])
+    return bh * -(-n // tile) < FEW_WAVES * n_sms
+
+
 def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
     """Half the grid-axis tile (at 4 warps, pointer loads) where it is 128 or more: twice the
     programs, so a one-wave causal grid spreads its work over the SMs (measured faster for
@@ -286,15 +303,24 @@ def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
 
 
 def default_config(
-    kind: str, n_q: int, n_k: int, block_d: int, elem_bytes: int, small_grid: bool = False
+    kind: str,
+    n_q: int,
+    n_k: int,
+    block_d: int,
+    elem_bytes: int,
+    small_grid: bool = False,
+    few_programs: bool = False,
 ) -> TileConfig:
-    """The config used without autotuning: an override, else the measured table (adapted to
-    a small grid, see ``for_small_grid``), fitted."""
+    """The config used without autotuning: an override, else the measured table (its
+    FEW_PROGRAMS entry for a grid of few programs, see ``few_programs``; adapted to a small
+    grid, see ``for_small_grid``), fitted."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
     env = parse_overrides(os.environ.get("FLASHATTN_TRITON_CONFIGS", ""))
     cfg = OVERRIDES.get(key) or env.get(key)
     if cfg is None:
         cfg = table[kind][_table_key(block_d)]
+        if few_programs and elem_bytes < 4:
+            cfg = FEW_PROGRAMS[kind].get(_table_key(block_d), cfg)
         if small_grid:
             cfg = for_small_grid(kind, cfg)
     return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)

@@ -250,7 +250,7 @@ _SHRUNK: dict[tuple, C.TileConfig] = {}
 
 def _run(
     kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int, *,
-    small_grid: bool = False,
+    small_grid: bool = False, few_programs: bool = False,
 ) -> None:  # fmt: skip
     """Launch with the default (fitted) config, or through the autotuner when enabled.
 
@@ -266,7 +266,7 @@ def _run(
         return
     from triton.runtime.errors import OutOfResources
 
-    first = C.default_config(kind, n_q, n_k, block_d, elem, small_grid)
+    first = C.default_config(kind, n_q, n_k, block_d, elem, small_grid, few_programs)
     key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
     cfg = _SHRUNK.get(key, first)
     while True:
@@ -329,11 +329,13 @@ def forward(
         return (b * h, triton_cdiv(n_q, cfg.block_m))
 
     _check_grid(triton_cdiv(n_q, 16), "query length", 16)
-    small = _small_grid(causal, b * h, n_q, sm_count(q))
+    n_sms = sm_count(q)
+    small = _small_grid(causal, b * h, n_q, n_sms)
+    few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
     with _device_guard(q):
         _run(
             "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
-            small_grid=small,
+            small_grid=small, few_programs=few,
         )  # fmt: skip
     return o, lse
 
