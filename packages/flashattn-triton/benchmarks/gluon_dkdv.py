@@ -88,7 +88,8 @@ def offline(specs: list[str], shape=LEADERBOARD) -> int:
         o = parse_spec(spec)
         c = dkdv_kernel.warmup(
             _desc(q, o["block_m"]), _desc(q, o["block_n"]), _desc(q, o["block_n"]),
-            _desc(q, o["block_m"]), lse, lse, q, q, n, n, 0.18, 0.125,
+            _desc(q, o["block_m"]), lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n,
+            0.18, 0.125,
             BLOCK_M=o["block_m"], BLOCK_N=o["block_n"], HEAD_DIM=d, STAGES=o["stages"],
             CAUSAL=True, WARP_SPEC=o["ws"], ABLATE=0, num_warps=o["block_n"] // 16, grid=(1,),
             **({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {}),

@@ -31,6 +31,17 @@ def test_never_applies_off_gpu():
     assert not gluon_dkdv.try_dkdv(q, q, q, q, None, None, q, q, True, 0.1)
 
 
+def test_tma_layout_rule():
+    """What the 4-D descriptors accept: a unit last stride, a 16-byte aligned base and
+    16-byte multiple strides (a (B, N, H, d) buffer seen as (B, H, N, d) qualifies)."""
+    x = torch.zeros(2, 300, 3, 4, 128, dtype=torch.bfloat16)
+    assert gluon_dkdv._tma_ok(x[:, :, 0].transpose(1, 2))
+    assert gluon_dkdv._tma_ok(torch.zeros(2, 4, 300, 128, dtype=torch.float16))
+    padded = torch.zeros(2, 4, 300, 129, dtype=torch.bfloat16)
+    assert not gluon_dkdv._tma_ok(padded[..., :128])  # 258-byte rows
+    assert not gluon_dkdv._tma_ok(padded[..., 1:])  # base 2 bytes off
+
+
 def test_defaults_cover_only_measured_head_dims():
     assert set(gluon_dkdv.DEFAULTS) == {128}
     for cfg in gluon_dkdv.DEFAULTS.values():

@@ -272,16 +272,44 @@ def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
     assert calls == [True]
 
 
-def test_gluon_dkdv_falls_back(monkeypatch):
-    """Strided (B, N, H, d) views, and FLASHATTN_TRITON_GLUON=0, take the Triton kernel."""
+def test_gluon_dkdv_on_strided_views(monkeypatch):
+    """A model's (B, N, 3, H, d) qkv buffer seen as (B, H, N, d) views (and a transposed dO)
+    runs the Gluon kernel through its 4-D descriptors."""
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
-    _, calls = _spy_gluon(monkeypatch)
+    monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
+    gluon_dkdv, calls = _spy_gluon(monkeypatch)
+    if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel runs on Hopper GPUs (compute capability 9) only")
     b, n, h, d = 2, 300, 4, 128
     x = torch.randn(b, n, 3, h, d, device=DEV, dtype=torch.bfloat16)
     q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
-    do = torch.randn(b, h, n, d, device=DEV, dtype=torch.bfloat16)
+    do = torch.randn(b, n, h, d, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    assert not q.is_contiguous()
+    assert gluon_dkdv.applies(q, k, v, do)
     _check(q, k, v, do, True)
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    _check(q, k, v, do, False)
+    assert calls == [True, True]
+
+
+def test_gluon_dkdv_falls_back(monkeypatch):
+    """Inputs TMA cannot read (a base 2 bytes past 16-byte alignment, 258-byte rows), and
+    FLASHATTN_TRITON_GLUON=0, take the Triton kernel, with the Gluon path's gradients."""
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
+    gluon_dkdv, calls = _spy_gluon(monkeypatch)
+    b, h, n, d = 2, 3, 300, 128
+    scale = d**-0.5
+    buf = torch.randn(4, b, h, n, d + 1, device=DEV, dtype=torch.bfloat16)
+    q, k, v, do = (buf[i, ..., 1:] for i in range(4))
+    assert not gluon_dkdv.applies(q, k, v, do)
+    o, lse = launch.forward(q, k, v, True, scale)
+    strided = launch.backward(do, q, k, v, o, lse, True, scale)
+    dense = [t.contiguous() for t in (do, q, k, v, o)]
+    gluon = launch.backward(*dense, lse, True, scale)
     monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
-    _check(q, k, v, do, True)
-    assert calls == [False, False]
+    off = launch.backward(*dense, lse, True, scale)
+    has_gluon = gluon_dkdv.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
+    assert calls == [False, has_gluon, False]
+    for name, a, g, t in zip(("dq", "dk", "dv"), strided, gluon, off):
+        assert rel_err(a, t) < 1e-3, name  # the same Triton kernels
+        assert rel_err(g, t) < 1e-2, name  # Gluon against Triton: bf16 rounding apart

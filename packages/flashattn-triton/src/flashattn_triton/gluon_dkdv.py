@@ -14,9 +14,10 @@ shared memory, TMA, mbarriers and wgmma are explicit. Each query tile goes:
 
 Q and dO tiles stream through a ring of shared-memory stages filled by TMA (by the math warps,
 or with WARP_SPEC by one extra loader warp); K and V stay in shared memory. One program owns
-BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The inputs are seen as 2-D
-(rows, d) arrays, so q, k, v, dO (and dk, dv) must be contiguous (B, H, N, d); a tile running
-past its head's last row reads the next head's rows, which are masked out of P.
+BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The loads go through 4-D
+(B, H, N, d) descriptors, so any layout with a unit last stride and 16-byte aligned strides
+works (e.g. a model's (B, N, H, d) buffer seen as (B, H, N, d)); rows past a head's end read
+as zeros. dK and dV are stored through their own strides.
 
 ``FLASHATTN_TRITON_GLUON=0`` turns it off. If a compile fails (e.g. a Triton whose Gluon API
 differs), a warning names the cause and the Triton kernel takes over for that key.
@@ -65,16 +66,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _query_tile(
-        i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0,
+        i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h,
         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, pred,
     ):  # fmt: skip
         """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
         stage = i % STAGES
         bar = ready.index(stage)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        row = row_q0 + lo + i * BLOCK_M
-        _tma_load(q_desc, [row, 0], bar, q_smem.index(stage), pred=pred)
-        _tma_load(do_desc, [row, 0], bar, do_smem.index(stage), pred=pred)
+        row = lo + i * BLOCK_M
+        _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
+        _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _row_stats(lse_base, delta_base, offs_m, n_q):
@@ -89,32 +90,34 @@ if HAVE_GLUON:
     @gluon.jit
     def _produce(
         q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-        kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
+        kv_ready, b, h, start_n, lo, n_tiles,
         STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
     ):  # fmt: skip
         """Loader warp (warp-specialized variant): K, V once, then every query tile's Q, dO
         as soon as the consumers release its stage."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
-        _tma_load(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+        _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
+        _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
         for i in range(n_tiles):
             # A fresh mbarrier counts as having completed the phase before phase 0.
             mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-            _query_tile(
-                i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M, True
-            )
+            _query_tile(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M, True)
 
     @gluon.jit
     def _consume(
         q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-        LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
+        LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles, n_q, n_k,
         qk_scale, sm_scale,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """The math: accumulate dK, dV over the query tiles, then store them."""
+        """The math: accumulate dK, dV over the query tiles, then store them. stride_dk,
+        stride_dv: (batch, head, row) strides of DK, DV."""
         dtype: gl.constexpr = q_desc.dtype
+        # 2-D views of the 4-D (1, 1, rows, d) TMA tiles, for the products.
+        k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
         # S^T tiles (BLOCK_N keys x BLOCK_M queries) and the dK, dV accumulators
         # (BLOCK_N x HEAD_DIM): one warpgroup per 64 key rows.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -146,11 +149,11 @@ if HAVE_GLUON:
             offs_m = start_m + offs_tm
             lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
-            q_s = q_smem.index(stage)
-            do_s = do_smem.index(stage)
-            s_tok = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
+            s_tok = warpgroup_mma(k_tile, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(
-                v_smem, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+                v_tile, do_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
             # Waiting for S^T also retires the previous tile's dV, dK: its stage is free.
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
@@ -159,7 +162,7 @@ if HAVE_GLUON:
             else:
                 nxt = i + STAGES - 1
                 _query_tile(
-                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
                     nxt < n_tiles,
                 )  # fmt: skip
             if ABLATE % 2 == 1:  # timing experiment: no exponentials
@@ -185,19 +188,26 @@ if HAVE_GLUON:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        offs = (row_k0 + out_rows).to(gl.int64)[:, None] * HEAD_DIM + out_cols[None, :]
+        rows = out_rows.to(gl.int64)[:, None]
         store_mask = (out_rows < n_k)[:, None]
-        gl.store(DK + offs, (dk * sm_scale).to(dtype), mask=store_mask)
-        gl.store(DV + offs, dv.to(dtype), mask=store_mask)
+        dk_base = DK + b.to(gl.int64) * stride_dk[0] + h.to(gl.int64) * stride_dk[1]
+        dv_base = DV + b.to(gl.int64) * stride_dv[0] + h.to(gl.int64) * stride_dv[1]
+        dk_ptrs = dk_base + rows * stride_dk[2] + out_cols[None, :]
+        dv_ptrs = dv_base + rows * stride_dv[2] + out_cols[None, :]
+        gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=store_mask)
+        gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
 
     @gluon.jit
     def dkdv_kernel(
-        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, n_q, n_k, qk_scale, sm_scale,
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+        n_heads, n_q, n_k, qk_scale, sm_scale,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: dK, dV (rows of DK, DV: (B*H*n_k, HEAD_DIM)) of one key tile.
+        """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
+        their (batch, head, row) strides (unit last stride).
 
         LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
         WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
@@ -205,13 +215,17 @@ if HAVE_GLUON:
         pid_bh = gl.program_id(0)
         start_n = gl.program_id(1) * BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
-        row_q0 = pid_bh * n_q
-        row_k0 = pid_bh * n_k
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        stride_dk = (stride_dkb, stride_dkh, stride_dkn)
+        stride_dv = (stride_dvb, stride_dvh, stride_dvn)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(
+            dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout
+        )
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -234,17 +248,17 @@ if HAVE_GLUON:
                         _consume,
                         (
                             q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-                            kv_ready, LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo,
-                            n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                            STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
+                            kv_ready, LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv,
+                            start_n, lo, n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M,
+                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
                         ),
                     ),
                     (
                         _produce,
                         (
                             q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem,
-                            ready, empty, kv_ready, row_q0, row_k0, start_n, lo, n_tiles,
-                            STAGES, BLOCK_M,
+                            ready, empty, kv_ready, b, h, start_n, lo, n_tiles, STAGES,
+                            BLOCK_M,
                         ),
                     ),
                 ],
@@ -253,17 +267,17 @@ if HAVE_GLUON:
             )  # fmt: skip
         else:
             mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [row_k0 + start_n, 0], kv_ready, k_smem)
-            _tma_load(v_desc, [row_k0 + start_n, 0], kv_ready, v_smem)
+            _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
+            _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
             for i in gl.static_range(STAGES - 1):
                 _query_tile(
-                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, row_q0, STAGES, BLOCK_M,
+                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
                     i < n_tiles,
                 )  # fmt: skip
             _consume(
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-                LSE, DELTA, DK, DV, pid_bh, row_q0, row_k0, start_n, lo, n_tiles, n_q, n_k,
-                qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
+                LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
+                n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
                 ABLATE, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
@@ -280,20 +294,29 @@ def enabled() -> bool:
 def applies(*tensors: torch.Tensor) -> bool:
     """True where this kernel runs by default: Gluon importable, switched on, a Hopper GPU,
     16-bit inputs with a head dim in ``DEFAULTS``, and every tensor (q, k, v, dO, dk, dv)
-    contiguous and 16-byte aligned. Off under the CPU interpreter (CUDA tensors only)."""
+    4-D with a unit last stride; q, k, v, dO (read by TMA) also 16-byte aligned with 16-byte
+    multiple strides. Off under the CPU interpreter (CUDA tensors only)."""
     q = tensors[0]
     if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
         return False
     if q.shape[-1] not in DEFAULTS or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+    if any(t.dim() != 4 or t.stride(-1) != 1 for t in tensors):
+        return False
+    return all(_tma_ok(t) for t in tensors[:4])
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    elem = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
 
 
 def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    d = t.shape[-1]
-    flat = t.view(-1, d)
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], getattr(gl, GL_DTYPES[t.dtype]))
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_rows, d], layout)
+    """A TMA descriptor over the (B, H, N, d) tensor t (its own strides) for (1, 1,
+    block_rows, d) tiles."""
+    block = [1, 1, block_rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, GL_DTYPES[t.dtype]))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def launch_dkdv(
@@ -315,16 +338,19 @@ def launch_dkdv(
     ws: bool = False,
     ablate: int = 0,
 ) -> None:
-    """Write dK, dV of contiguous (B, H, N, d) 16-bit q, k, v, do into dk, dv; lse (natural
-    log) and delta: (B, H, n_q) float32. Checks nothing: ``try_dkdv`` (via ``applies``) is the
-    gated entry point; this one is for benchmarks that pick their own tiles. ``ablate`` is for
+    """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
+    dv; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing:
+    ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
+    pick their own tiles. ``ablate`` is for
     timing experiments only (wrong results): 1 drops the exponentials, 2 the element-wise dS,
     3 both."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
-        lse, delta, dk, dv, n_q, n_k, softmax_scale * LOG2E, softmax_scale,
+        lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
+        softmax_scale,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         WARP_SPEC=ws, ABLATE=ablate, num_warps=block_n // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}),
