@@ -1,0 +1,169 @@
+"""dQ on Hopper written in Gluon, the split backward's second kernel (companion of
+``gluon_dkdv``). Each key tile goes:
+
+    issue S = Q K^T and dP = dO V^T              (two groups in flight)
+    wait for S only; P = exp2(S - lse)            (dP still running)
+    wait for dP; dS = P (dP - delta); issue dQ += dS K
+
+Q and dO stay in shared memory; K and V stream through a ring of TMA stages, loaded by the
+math warps STAGES - 1 tiles ahead. One program owns BLOCK_M query rows of one (batch, head),
+one warpgroup per 64 rows; loads go through the same 4-D descriptors as ``gluon_dkdv``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_dkdv import _row_stats, _tma_load
+
+    @gluon.jit
+    def _key_tile(
+        i, k_desc, v_desc, k_smem, v_smem, ready, b, h,
+        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, pred,
+    ):  # fmt: skip
+        """Start the TMA loads of the i-th key tile (K and V) into its ring stage."""
+        stage = i % STAGES
+        bar = ready.index(stage)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+        _tma_load(k_desc, [b, h, i * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
+        _tma_load(v_desc, [b, h, i * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+
+    @gluon.jit
+    def dq_kernel(
+        q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, stride_dqb, stride_dqh, stride_dqn,
+        n_heads, n_q, n_k, qk_scale, sm_scale,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: dQ of one query tile (the last, heaviest, first)."""
+        pid_bh = gl.program_id(0)
+        start_m = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+        dtype: gl.constexpr = q_desc.dtype
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        causal_off = n_k - n_q
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
+        else:
+            hi = n_k
+        n_tiles = gl.cdiv(hi, BLOCK_N)
+        # A key tile starting after this key reaches past the first row's last visible key.
+        mask_from = start_m + causal_off - BLOCK_N + 1
+
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(
+            dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout
+        )
+        v_smem = gl.allocate_shared_memory(
+            dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout
+        )
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qd_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(qd_ready, count=1)
+        mbarrier.expect(qd_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, start_m, 0], qd_ready, q_smem)
+        _tma_load(do_desc, [b, h, start_m, 0], qd_ready, do_smem)
+        for i in gl.static_range(STAGES - 1):
+            _key_tile(i, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, i < n_tiles)
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        lse2, delta = _row_stats(
+            LSE + pid_bh.to(gl.int64) * n_q, DELTA + pid_bh.to(gl.int64) * n_q, offs_m, n_q
+        )
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
+        q_t = q_smem.reshape([BLOCK_M, HEAD_DIM])
+        do_t = do_smem.reshape([BLOCK_M, HEAD_DIM])
+        mbarrier.wait(qd_ready, 0)
+
+        for j in range(n_tiles):
+            stage = j % STAGES
+            mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+            k_s = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            v_s = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            s_tok = warpgroup_mma(q_t, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(
+                do_t, v_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            # Waiting for S also retires the previous tile's dQ product: its stage is free.
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            nxt = j + STAGES - 1
+            _key_tile(
+                nxt, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, nxt < n_tiles
+            )
+            p = gl.exp2(s * qk_scale - lse2[:, None])
+            start_n = j * BLOCK_N
+            needs_mask = start_n + BLOCK_N > n_k
+            if CAUSAL:
+                needs_mask = needs_mask | (start_n > mask_from)
+            if needs_mask:
+                cols = start_n + offs_n
+                keep = (cols < n_k)[None, :]
+                if CAUSAL:
+                    keep = keep & (cols[None, :] <= offs_m[:, None] + causal_off)
+                p = gl.where(keep, p, 0.0)
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+            ds = p * (dp - delta[:, None])
+            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_s, dq, is_async=True)
+
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        out_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        base = DQ + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh
+        ptrs = base + out_rows.to(gl.int64)[:, None] * stride_dqn + out_cols[None, :]
+        gl.store(ptrs, (dq * sm_scale).to(dtype), mask=(out_rows < n_q)[:, None])
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(st))
+        mbarrier.invalidate(qd_ready)
+
+
+def launch_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    *,
+    block_m: int,
+    block_n: int,
+    stages: int,
+    maxnreg: int | None = None,
+) -> None:
+    """Write dQ of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``gluon_dkdv.applies``)
+    into dq; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    dq_kernel[(b * h, -(-n_q // block_m))](
+        _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
+        lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k,
+        softmax_scale * LOG2E, softmax_scale,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
