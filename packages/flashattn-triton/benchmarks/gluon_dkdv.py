@@ -1,4 +1,5 @@
-"""The Gluon dK/dV kernel (``flashattn_triton.gluon_dkdv``): offline compile, check, timing.
+"""The Gluon backward kernels (``flashattn_triton.gluon_dkdv``, ``gluon_dq``): offline
+compile, check, timing (``--kernel dkdv``, the default, or ``dq``).
 
 Why: Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads
 it (NOTES.md, "What Triton 3.6 emits"); the Gluon kernel issues its products asynchronously
@@ -9,13 +10,17 @@ variants of it (``ws``: a warp-specialized loader warp).
 Results (NOTES.md, runs 16-17): at d = 64 it only ties our Triton dK/dV kernel, and leaving
 out the exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is bound by its
 products, not by their overlap with the exponentials. At d = 128, causal, it is 1.15-1.21x
-faster than the Triton kernel, so the package uses it there (``gluon_dkdv.DEFAULTS``).
+faster than the Triton kernel, so the package uses it there (``gluon_dkdv.DEFAULTS``). The dQ
+kernel (run 24) is 1.17x faster than the Triton one at d = 128 on long causal sequences and
+slower at d = 64 (``gluon_dq.DEFAULTS``).
 
-Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default).
+Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default; ``ws``
+for dK/dV only).
 
     python benchmarks/gluon_dkdv.py offline 32,64,4,128 64,128,3,168,ws  # any machine
     python benchmarks/gluon_dkdv.py check 32,64,4,128 --out $OUT         # Hopper GPU
     python benchmarks/gluon_dkdv.py time 32,64,4,128 --ablate 1 2 3 --out $OUT
+    python benchmarks/gluon_dkdv.py --kernel dq time 64,64,2,0 --shape 8,1,16384,128
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ from pathlib import Path
 import torch
 
 from flashattn_triton.gluon_dkdv import HAVE_GLUON, _desc, launch_dkdv
+from flashattn_triton.gluon_dq import launch_dq
 
 if HAVE_GLUON:
     from flashattn_triton.gluon_dkdv import dkdv_kernel
+    from flashattn_triton.gluon_dq import dq_kernel
 LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, causal
+
+
+def _dq_spec(spec: str) -> dict:
+    """The dQ kernel's launch options (no warp specialization)."""
+    o = parse_spec(spec)
+    if o.pop("ws"):
+        raise ValueError(f"{spec!r}: the dQ kernel has no 'ws' variant")
+    return o
 
 
 def parse_spec(spec: str) -> dict:
@@ -59,7 +74,7 @@ def _stats(q, k, v, do, causal, scale):
     return o, lse, delta
 
 
-def offline(specs: list[str], shape=LEADERBOARD) -> int:
+def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
     """Compile each variant for sm_90 with no GPU (a stand-in driver); print registers, the
     setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule."""
     import re
@@ -86,14 +101,21 @@ def offline(specs: list[str], shape=LEADERBOARD) -> int:
     lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")
     for spec in specs:
         o = parse_spec(spec)
-        c = dkdv_kernel.warmup(
-            _desc(q, o["block_m"]), _desc(q, o["block_n"]), _desc(q, o["block_n"]),
-            _desc(q, o["block_m"]), lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n,
-            0.18, 0.125,
-            BLOCK_M=o["block_m"], BLOCK_N=o["block_n"], HEAD_DIM=d, STAGES=o["stages"],
-            CAUSAL=True, WARP_SPEC=o["ws"], ABLATE=0, num_warps=o["block_n"] // 16, grid=(1,),
-            **({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {}),
-        )  # fmt: skip
+        descs = (_desc(q, o["block_m"]), _desc(q, o["block_n"]), _desc(q, o["block_n"]))
+        descs += (_desc(q, o["block_m"]),)
+        tiles = {"BLOCK_M": o["block_m"], "BLOCK_N": o["block_n"], "HEAD_DIM": d}
+        opts = {"STAGES": o["stages"], "CAUSAL": True, "grid": (1,)}
+        opts.update({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {})
+        if kernel == "dq":
+            c = dq_kernel.warmup(
+                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125,
+                **tiles, **opts, num_warps=o["block_m"] // 16,
+            )  # fmt: skip
+        else:
+            c = dkdv_kernel.warmup(
+                *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, 0.18, 0.125,
+                **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, num_warps=o["block_n"] // 16,
+            )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
         print(f"{spec:18s} {_resource_usage(c.asm['cubin'])} setmaxnreg {split or '-'} "
@@ -102,9 +124,18 @@ def offline(specs: list[str], shape=LEADERBOARD) -> int:
     return 0
 
 
-def check(specs: list[str], out: Path | None) -> int:
-    """dK, dV against float64 on awkward shapes, with our Triton kernels' error as the
-    yardstick; returns 1 if any variant is off."""
+def _triton_only(fn):
+    """Run fn with the Gluon kernels switched off (our Triton kernels, the yardstick)."""
+    os.environ["FLASHATTN_TRITON_GLUON"] = "0"
+    try:
+        return fn()
+    finally:
+        os.environ.pop("FLASHATTN_TRITON_GLUON")
+
+
+def check(specs: list[str], out: Path | None, kernel: str = "dkdv") -> int:
+    """dK, dV (or dQ) against float64 on awkward shapes, with our Triton kernels' error as
+    the yardstick; returns 1 if any variant is off."""
     from flashattn_triton import launch
     from flashattn_triton.reference import attention_reference
 
@@ -112,7 +143,8 @@ def check(specs: list[str], out: Path | None) -> int:
         (2, 3, 1024, 1024, 64, True), (2, 3, 1024, 1024, 64, False), (1, 2, 1000, 1000, 64, True),
         (2, 2, 777, 777, 64, False), (1, 2, 384, 640, 64, True), (1, 2, 640, 384, 64, True),
         (1, 2, 384, 640, 64, False), (2, 2, 512, 512, 128, True), (1, 3, 999, 999, 128, True),
-        (1, 1, 70, 70, 64, False),
+        (1, 1, 70, 70, 64, False), (1, 2, 1, 1, 128, True), (1, 2, 640, 384, 128, True),
+        (1, 2, 130, 130, 128, False),
     ]  # fmt: skip
     rows, bad = [], 0
     torch.manual_seed(0)
@@ -123,17 +155,28 @@ def check(specs: list[str], out: Path | None) -> int:
             o, lse, delta = _stats(q, k, v, do, causal, scale)
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             attention_reference(q64, k64, v64, causal, scale)[0].backward(do.double())
-            _, dk_t, dv_t = launch.backward(do, q, k, v, o, lse, causal, scale)
+            dq_t, dk_t, dv_t = _triton_only(
+                lambda: launch.backward(do, q, k, v, o, lse, causal, scale)  # noqa: B023
+            )
 
             def err(x, ref):
                 return ((x.double() - ref).norm() / ref.norm()).item()
 
-            yard = max(err(dk_t, k64.grad), err(dv_t, v64.grad))
+            if kernel == "dq":
+                yard = err(dq_t, q64.grad)
+            else:
+                yard = max(err(dk_t, k64.grad), err(dv_t, v64.grad))
             for spec in specs:
-                dk, dv = torch.empty_like(k), torch.empty_like(v)
+                dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
                 try:
-                    launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(spec))
-                    e = max(err(dk, k64.grad), err(dv, v64.grad))
+                    if kernel == "dq":
+                        launch_dq(q, k, v, do, lse, delta, dq, causal, scale, **_dq_spec(spec))
+                        e = err(dq, q64.grad)
+                    else:
+                        launch_dkdv(
+                            q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(spec)
+                        )
+                        e = max(err(dk, k64.grad), err(dv, v64.grad))
                     status = "ok" if e <= 1.5 * yard + 1e-3 else "WRONG"
                 except Exception as ex:  # e.g. ptxas out of registers at d = 128
                     e, status = float("nan"), f"no compile ({type(ex).__name__})"
@@ -145,7 +188,7 @@ def check(specs: list[str], out: Path | None) -> int:
                       f"causal={causal!s:5s} err {e:.2e} (triton {yard:.2e}) {status}",
                       flush=True)  # fmt: skip
     if out:
-        (out / "gluon_dkdv_check.json").write_text(json.dumps(rows, indent=1))
+        (out / f"gluon_{kernel}_check.json").write_text(json.dumps(rows, indent=1))
     print(f"{len(rows)} comparisons, {bad} wrong")
     return int(bad > 0)
 
@@ -157,9 +200,10 @@ def time_specs(
     out: Path | None,
     shape=LEADERBOARD,
     causal: bool = True,
+    kernel: str = "dkdv",
 ) -> int:
-    """Median ms at the leaderboard shape: our Triton dK/dV kernel (before and after) and each
-    Gluon variant, side by side in one process."""
+    """Median ms at the leaderboard shape (or ``shape``): our Triton dK/dV (or dQ) kernel,
+    before and after, and each Gluon variant, side by side in one process."""
     import triton
 
     from flashattn_triton import launch
@@ -168,41 +212,43 @@ def time_specs(
     q, k, v, do = _inputs(shape)
     scale = shape[-1] ** -0.5
     o, lse, delta = _stats(q, k, v, do, causal, scale)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
 
     def ours():  # the Triton kernel, even where the package would pick the Gluon one
-        os.environ["FLASHATTN_TRITON_GLUON"] = "0"
-        try:
-            launch.backward(do, q, k, v, o, lse, causal, scale, only="dkdv")
-        finally:
-            os.environ.pop("FLASHATTN_TRITON_GLUON")
+        _triton_only(lambda: launch.backward(do, q, k, v, o, lse, causal, scale, only=kernel))
 
-    rows = [{"variant": "triton dkdv", "ms": bench(ours)}]
+    rows = [{"variant": f"triton {kernel}", "ms": bench(ours)}]
     for spec in specs:
         for ab in [0, *ablate] if spec == specs[0] else [0]:  # ablations: first spec only
-            fn = lambda s=spec, a=ab: launch_dkdv(
-                q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(s), ablate=a
-            )  # fmt: skip
+            if kernel == "dq":
+                fn = lambda s=spec: launch_dq(
+                    q, k, v, do, lse, delta, dq, causal, scale, **_dq_spec(s)
+                )  # fmt: skip
+            else:
+                fn = lambda s=spec, a=ab: launch_dkdv(
+                    q, k, v, do, lse, delta, dk, dv, causal, scale, **parse_spec(s), ablate=a
+                )  # fmt: skip
             label = f"gluon {spec}" + (f" ablate={ab}" if ab else "")
             rows.append({"variant": label, "ms": bench(fn)})
             print(f"{label:40s} {rows[-1]['ms']:.3f} ms", flush=True)
-    rows.append({"variant": "triton dkdv (again)", "ms": bench(ours)})
+    rows.append({"variant": f"triton {kernel} (again)", "ms": bench(ours)})
     base = (rows[0]["ms"] + rows[-1]["ms"]) / 2
     print("\n| variant | ms | ours / it |\n| --- | --- | --- |")
     for r in rows:
         r["speedup_vs_triton"] = base / r["ms"]
         print(f"| {r['variant']} | {r['ms']:.3f} | {r['speedup_vs_triton']:.2f}x |")
     if out:
-        (out / "gluon_dkdv_time.json").write_text(json.dumps(rows, indent=1))
+        (out / f"gluon_{kernel}_time.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("offline", "check", "time"))
+    ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv", help="which kernel")
     ap.add_argument("specs", nargs="+", help="BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
     ap.add_argument(
         "--ablate", type=int, nargs="*", default=[], choices=(1, 2, 3), help="first spec only"
@@ -218,21 +264,23 @@ def main(argv=None) -> int:
         ap.error("this Triton has no Gluon (triton.experimental.gluon); Triton >= 3.5 does")
     for spec in a.specs:
         try:
-            parse_spec(spec)
+            _dq_spec(spec) if a.kernel == "dq" else parse_spec(spec)
         except ValueError:
-            ap.error(f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
+            ap.error(f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws] (ws: dkdv)")
+    if a.kernel == "dq" and a.ablate:
+        ap.error("--ablate applies to the dK/dV kernel only")
     shape = tuple(int(x) for x in a.shape.split(","))
     if len(shape) != 4 or shape[-1] not in (64, 128):
         ap.error(f"--shape {a.shape!r}: want B,H,N,d with d 64 or 128")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "offline":
-        return offline(a.specs, shape)
+        return offline(a.specs, shape, a.kernel)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":
-        return check(a.specs, a.out)
-    return time_specs(a.specs, a.ablate, a.rep, a.out, shape, not a.noncausal)
+        return check(a.specs, a.out, a.kernel)
+    return time_specs(a.specs, a.ablate, a.rep, a.out, shape, not a.noncausal, a.kernel)
 
 
 if __name__ == "__main__":

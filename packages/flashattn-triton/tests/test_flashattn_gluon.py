@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import gluon_dkdv
+from flashattn_triton import gluon_dkdv, gluon_dq
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_dkdv.py"
 
@@ -29,6 +29,7 @@ def test_never_applies_off_gpu():
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert not gluon_dkdv.applies(q, q, q, q, q, q)
     assert not gluon_dkdv.try_dkdv(q, q, q, q, None, None, q, q, True, 0.1)
+    assert not gluon_dq.try_dq(q, q, q, q, None, None, q, True, 0.1)
 
 
 def test_tma_layout_rule():
@@ -44,21 +45,25 @@ def test_tma_layout_rule():
 
 def test_defaults_cover_only_measured_head_dims():
     assert set(gluon_dkdv.DEFAULTS) == {128}
+    assert set(gluon_dq.DEFAULTS) == {128}
+    assert gluon_dq.DEFAULTS[128]["block_m"] % 64 == 0
     for cfg in gluon_dkdv.DEFAULTS.values():
         assert cfg["block_n"] % 64 == 0
         assert cfg["block_m"] in (32, 64)
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("shape", ["2,1,256,128", "2,1,256,64"])
-def test_kernel_compiles_for_hopper(shape):
-    """The default d = 128 variant and a d = 64 one compile for sm_90 (catches Gluon API
-    drift across Triton versions before any GPU time is spent)."""
+@pytest.mark.parametrize(
+    ("kernel", "shape"), [("dkdv", "2,1,256,128"), ("dkdv", "2,1,256,64"), ("dq", "2,1,256,128")]
+)
+def test_kernel_compiles_for_hopper(kernel, shape):
+    """The default d = 128 variants (and a d = 64 dK/dV one) compile for sm_90 (catches
+    Gluon API drift across Triton versions before any GPU time is spent)."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
     spec = "64,64,2,0" if shape.endswith("128") else "32,64,4,128"
     out = subprocess.run(
-        [sys.executable, str(BENCH), "offline", spec, "--shape", shape],
+        [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

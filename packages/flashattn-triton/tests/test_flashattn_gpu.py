@@ -232,17 +232,23 @@ def test_flops_helpers_agree_with_leaderboard_count():
 
 
 def _spy_gluon(monkeypatch):
-    """Record what each gluon_dkdv.try_dkdv call returned (True: the Gluon kernel ran)."""
-    from flashattn_triton import gluon_dkdv
+    """Record what each gluon_dkdv.try_dkdv and gluon_dq.try_dq call returned (True: the
+    Gluon kernel ran), as a list of (dK/dV, dQ) pairs, one per backward."""
+    from flashattn_triton import gluon_dkdv, gluon_dq
 
-    calls: list[bool] = []
-    real = gluon_dkdv.try_dkdv
+    calls: list[tuple[bool, bool]] = []
+    real_dkdv, real_dq = gluon_dkdv.try_dkdv, gluon_dq.try_dq
 
-    def spy(*args):
-        calls.append(real(*args))
-        return calls[-1]
+    def spy_dkdv(*args):
+        calls.append((real_dkdv(*args), None))
+        return calls[-1][0]
 
-    monkeypatch.setattr(gluon_dkdv, "try_dkdv", spy)
+    def spy_dq(*args):
+        calls[-1] = (calls[-1][0], real_dq(*args))
+        return calls[-1][1]
+
+    monkeypatch.setattr(gluon_dkdv, "try_dkdv", spy_dkdv)
+    monkeypatch.setattr(gluon_dq, "try_dq", spy_dq)
     return gluon_dkdv, calls
 
 
@@ -259,8 +265,8 @@ def _spy_gluon(monkeypatch):
     ],
 )
 def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
-    """d = 128 on Hopper: the split backward's dK/dV comes from the Gluon kernel, within the
-    same bounds as every other path."""
+    """d = 128 on Hopper: the split backward's dK/dV and dQ come from the Gluon kernels,
+    within the same bounds as every other path."""
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
     monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
@@ -269,7 +275,7 @@ def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
     q, k, v, do = _inputs(shape, n_k, dtype)
     assert gluon_dkdv.applies(q, k, v, do)
     _check(q, k, v, do, causal, compare_sdpa=not (causal and shape[2] != n_k))
-    assert calls == [True]
+    assert calls == [(True, True)]
 
 
 def test_gluon_dkdv_on_strided_views(monkeypatch):
@@ -288,7 +294,7 @@ def test_gluon_dkdv_on_strided_views(monkeypatch):
     assert gluon_dkdv.applies(q, k, v, do)
     _check(q, k, v, do, True)
     _check(q, k, v, do, False)
-    assert calls == [True, True]
+    assert calls == [(True, True), (True, True)]
 
 
 def test_gluon_dkdv_falls_back(monkeypatch):
@@ -309,7 +315,7 @@ def test_gluon_dkdv_falls_back(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
     off = launch.backward(*dense, lse, True, scale)
     has_gluon = gluon_dkdv.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
-    assert calls == [False, has_gluon, False]
+    assert calls == [(False, False), (has_gluon, has_gluon), (False, False)]
     for name, a, g, t in zip(("dq", "dk", "dv"), strided, gluon, off):
         assert rel_err(a, t) < 1e-3, name  # the same Triton kernels
         assert rel_err(g, t) < 1e-2, name  # Gluon against Triton: bf16 rounding apart

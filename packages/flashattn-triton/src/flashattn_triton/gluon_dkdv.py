@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -58,7 +59,7 @@ GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULTS: dict[int, dict] = {
     128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False},
 }
-_FAILED: dict[tuple, str] = {}  # (d, dtype, causal) -> why its compile failed
+_FAILED: dict[tuple, str] = {}  # (kernel, d, dtype, causal) -> why its compile failed
 _COMPILED: set[tuple] = set()
 
 
@@ -291,15 +292,17 @@ def enabled() -> bool:
     return os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip() != "0"
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """True where this kernel runs by default: Gluon importable, switched on, a Hopper GPU,
-    16-bit inputs with a head dim in ``DEFAULTS``, and every tensor (q, k, v, dO, dk, dv)
-    4-D with a unit last stride; q, k, v, dO (read by TMA) also 16-byte aligned with 16-byte
-    multiple strides. Off under the CPU interpreter (CUDA tensors only)."""
+def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> bool:
+    """True where a Gluon kernel runs by default: Gluon importable, switched on, a Hopper GPU,
+    16-bit inputs with a head dim in ``defaults`` (this module's ``DEFAULTS`` unless given),
+    and every tensor (q, k, v, dO, then the outputs) 4-D with a unit last stride; q, k, v, dO
+    (read by TMA) also 16-byte aligned with 16-byte multiple strides. Off under the CPU
+    interpreter (CUDA tensors only)."""
     q = tensors[0]
     if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
         return False
-    if q.shape[-1] not in DEFAULTS or torch.cuda.get_device_capability(q.device)[0] != 9:
+    table = DEFAULTS if defaults is None else defaults
+    if q.shape[-1] not in table or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     if any(t.dim() != 4 or t.stride(-1) != 1 for t in tensors):
         return False
@@ -357,28 +360,39 @@ def launch_dkdv(
     )  # fmt: skip
 
 
-def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float) -> bool:
-    """Run the default Gluon dK/dV if it applies (see ``applies``); False if the caller
-    should run the Triton kernel instead. A failing first compile per (d, dtype, causal) is
-    reported once and that key falls back from then on."""
-    if not applies(q, k, v, do, dk, dv):
-        return False
-    key = (q.shape[-1], q.dtype, causal)
+def run_guarded(kernel: str, key: tuple, launch: Callable[[], None]) -> bool:
+    """Call ``launch``; False if the caller should run the Triton kernel instead. A failing
+    first compile per (kernel, key) is reported once and that key falls back from then on;
+    once a key has compiled, errors propagate."""
+    key = (kernel, *key)
     if key in _FAILED:
         return False
     try:
-        launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[q.shape[-1]])
+        launch()
     except Exception as e:  # compile-time failures only: once compiled, errors propagate
         if key in _COMPILED:
             raise
         _FAILED[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         warnings.warn(
-            f"flashattn_triton: the Gluon dK/dV kernel failed to compile for {key} "
+            f"flashattn_triton: the Gluon {kernel} kernel failed to compile for {key[1:]} "
             f"({_FAILED[key]}); using the Triton kernel (FLASHATTN_TRITON_GLUON=0 silences "
             "this)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return False
     _COMPILED.add(key)
     return True
+
+
+def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float) -> bool:
+    """Run the default Gluon dK/dV if it applies (see ``applies``); False if the caller
+    should run the Triton kernel instead (see ``run_guarded``)."""
+    if not applies(q, k, v, do, dk, dv):
+        return False
+    d = q.shape[-1]
+    return run_guarded(
+        "dK/dV",
+        (d, q.dtype, causal),
+        lambda: launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[d]),
+    )

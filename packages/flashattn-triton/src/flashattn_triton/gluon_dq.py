@@ -5,16 +5,23 @@
     wait for S only; P = exp2(S - lse)            (dP still running)
     wait for dP; dS = P (dP - delta); issue dQ += dS K
 
-Q and dO stay in shared memory; K and V stream through a ring of TMA stages, loaded by the
-math warps STAGES - 1 tiles ahead. One program owns BLOCK_M query rows of one (batch, head),
-one warpgroup per 64 rows; loads go through the same 4-D descriptors as ``gluon_dkdv``.
+Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
+(Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
+kernels off). Q and dO stay in shared memory; K and V stream through a ring of TMA stages,
+loaded by the math warps STAGES - 1 tiles ahead. One program owns BLOCK_M query rows of one
+(batch, head), one warpgroup per 64 rows; loads go through the same 4-D descriptors as
+``gluon_dkdv``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc
+from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
+
+# Measured defaults by head dim (H100, benchmarks/NOTES.md run 24): at d = 128 this kernel is
+# 1.17x faster than the Triton dQ kernel on long causal sequences; at d = 64 it is slower.
+DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -64,12 +71,8 @@ if HAVE_GLUON:
 
         q_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_M, HEAD_DIM], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(
-            dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout
-        )
-        v_smem = gl.allocate_shared_memory(
-            dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout
-        )
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         qd_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for st in gl.static_range(STAGES):
@@ -105,9 +108,7 @@ if HAVE_GLUON:
             k_s = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
             v_s = v_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
             s_tok = warpgroup_mma(q_t, k_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(
-                do_t, v_s.permute((1, 0)), zero_s, use_acc=False, is_async=True
-            )
+            dp_tok = warpgroup_mma(do_t, v_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             # Waiting for S also retires the previous tile's dQ product: its stage is free.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             nxt = j + STAGES - 1
@@ -167,3 +168,16 @@ def launch_dq(
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
+    """Run the default Gluon dQ if it applies; False if the caller should run the Triton
+    kernel instead (see ``gluon_dkdv.run_guarded``)."""
+    if not applies(q, k, v, do, dq, defaults=DEFAULTS):
+        return False
+    d = q.shape[-1]
+    return run_guarded(
+        "dQ",
+        (d, q.dtype, causal),
+        lambda: launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, **DEFAULTS[d]),
+    )

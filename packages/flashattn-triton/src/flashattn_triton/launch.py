@@ -6,7 +6,8 @@ and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the
 
 Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
 tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice; on Hopper,
-for d = 128 and TMA-readable layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``);
+for d = 128 and TMA-readable layouts, both kernels are the Gluon ones of ``gluon_dkdv`` and
+``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
 ``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
 (default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
@@ -347,6 +348,13 @@ def _gluon_dkdv(*args) -> bool:
     return gluon_dkdv.try_dkdv(*args)
 
 
+def _gluon_dq(*args) -> bool:
+    """``gluon_dq.try_dq`` (imported on first CUDA backward, like ``_gluon_dkdv``)."""
+    from . import gluon_dq
+
+    return gluon_dq.try_dq(*args)
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -461,7 +469,13 @@ def backward(
             **common, "DQ": dq,
             "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
         }  # fmt: skip
-        if only in (None, "dq"):
+        # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
+        gluon_dq_ran = (
+            only in (None, "dq")
+            and q.is_cuda
+            and _gluon_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale)
+        )
+        if only in (None, "dq") and not gluon_dq_ran:
             _run(
                 "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem,
                 small_grid=_small_grid(causal, b * h, n_q, n_sms),
