@@ -30,6 +30,7 @@ def test_never_applies_off_gpu():
     assert not gluon_dkdv.applies(q, q, q, q, q, q)
     assert not gluon_dkdv.try_dkdv(q, q, q, q, None, None, q, q, True, 0.1)
     assert not gluon_dq.try_dq(q, q, q, q, None, None, q, True, 0.1)
+    assert not gluon_dq.small_grid(q)  # no SM count off-GPU
 
 
 def test_tma_layout_rule():

@@ -7,7 +7,7 @@
 
 Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
 (Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
-kernels off). Q and dO stay in shared memory; K and V stream through a ring of TMA stages,
+kernels off) and the grid is small (``small_grid``). Q and dO stay in shared memory; K and V stream through a ring of TMA stages,
 loaded by the math warps STAGES - 1 tiles ahead. One program owns BLOCK_M query rows of one
 (batch, head), one warpgroup per 64 rows; loads go through the same 4-D descriptors as
 ``gluon_dkdv``.
@@ -19,9 +19,12 @@ import torch
 
 from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
 
-# Measured defaults by head dim (H100, benchmarks/NOTES.md run 24): at d = 128 this kernel is
-# 1.17x faster than the Triton dQ kernel on long causal sequences; at d = 64 it is slower.
+# Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
+# The whole backward with this kernel was 1.24-1.25x faster on grids under two waves of
+# 128-row programs, but from 1.06x down to 0.76x on larger ones (slower from ~16K programs of
+# 64 rows, e.g. 32 heads x 32K tokens): it runs on such small grids only.
+MAX_WAVES = 2
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -173,7 +176,7 @@ def launch_dq(
 def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
     """Run the default Gluon dQ if it applies; False if the caller should run the Triton
     kernel instead (see ``gluon_dkdv.run_guarded``)."""
-    if not applies(q, k, v, do, dq, defaults=DEFAULTS):
+    if not applies(q, k, v, do, dq, defaults=DEFAULTS) or not small_grid(q):
         return False
     d = q.shape[-1]
     return run_guarded(
@@ -181,3 +184,12 @@ def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> b
         (d, q.dtype, causal),
         lambda: launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, **DEFAULTS[d]),
     )
+
+
+def small_grid(q: torch.Tensor) -> bool:
+    """Whether q's (B, H, N, d) grid has fewer than MAX_WAVES programs of 128 rows per SM
+    (the measured domain where this kernel wins; False off-GPU)."""
+    from .launch import sm_count
+
+    b, h, n_q, _ = q.shape
+    return b * h * -(-n_q // 128) < MAX_WAVES * sm_count(q)
