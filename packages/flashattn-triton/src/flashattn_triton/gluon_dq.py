@@ -7,10 +7,10 @@
 
 Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
 (Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
-kernels off) and the grid is small (``small_grid``). Q and dO stay in shared memory; K and V stream through a ring of TMA stages,
-loaded by the math warps STAGES - 1 tiles ahead. One program owns BLOCK_M query rows of one
-(batch, head), one warpgroup per 64 rows; loads go through the same 4-D descriptors as
-``gluon_dkdv``.
+kernels off) and the grid is small (``small_grid``). Q and dO stay in shared memory; K and
+V stream through a ring of TMA stages, loaded by the math warps STAGES - 1 tiles ahead. One
+program owns BLOCK_M query rows of one (batch, head), one warpgroup per 64 rows; loads go
+through the same 4-D descriptors as ``gluon_dkdv``.
 """
 
 from __future__ import annotations
