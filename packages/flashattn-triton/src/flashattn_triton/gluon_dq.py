@@ -22,8 +22,8 @@ from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
 # Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
 # The whole backward with this kernel was 1.24-1.25x faster on grids under two waves of
-# 128-row programs, but from 1.06x down to 0.76x on larger ones (slower from ~16K programs of
-# 64 rows, e.g. 32 heads x 32K tokens): it runs on such small grids only.
+# 128-row programs, but 0.76-1.06x on larger ones (0.76x at lm-core's 8B shape, 2 x 32 heads
+# x 32K tokens): it runs on such small grids only.
 MAX_WAVES = 2
 
 if HAVE_GLUON:
