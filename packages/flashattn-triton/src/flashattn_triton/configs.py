@@ -123,8 +123,9 @@ FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
 GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: not measured
 
 # Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the
-# d = 128 forward's 128-row TMA tile is 1.05-1.35x faster from 512 programs up (H100, 132
-# SMs) but 0.59x at 128 programs and 0.75x on a one-wave causal grid (NOTES.md run 22).
+# d = 128 forward's 128-row TMA tile is 1.09-1.33x faster from 512 programs up (H100, 132
+# SMs, kernel time) but was 0.59x at 128 programs and 0.75x on a one-wave causal grid in an
+# eager A/B (NOTES.md run 22).
 FEW_PROGRAMS: dict[str, dict[int, TileConfig]] = {"fwd": {128: TileConfig(64, 64, 4, 3)}}
 FEW_WAVES = 2
 

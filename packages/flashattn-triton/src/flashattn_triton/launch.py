@@ -6,8 +6,8 @@ and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the
 
 Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
 tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice; on Hopper,
-for d = 128 and TMA-readable layouts, both kernels are the Gluon ones of ``gluon_dkdv`` and
-``gluon_dq``);
+for d = 128 and TMA-readable layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``,
+and on small grids the dQ kernel that of ``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
 ``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
 (default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
