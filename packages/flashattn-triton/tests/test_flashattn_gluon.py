@@ -71,3 +71,33 @@ def test_kernel_compiles_for_hopper(kernel, shape):
     assert "reg " in out.stdout, out.stdout
     assert "schedule: " in out.stdout, out.stdout
     assert "M" in out.stdout.split("schedule: ")[1], "no wgmma in the compiled kernel"
+
+
+def _ab_defaults():
+    import importlib.util
+
+    path = BENCH.parent / "ab_defaults.py"
+    spec = importlib.util.spec_from_file_location("ab_defaults", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_defaults_shapes_and_errors(capsys):
+    """benchmarks/ab_defaults.py: its shape syntax, and clear errors before any GPU work."""
+    ab = _ab_defaults()
+    assert ab.parse_shape("2,32,32768,view") == (2, 32, 32768, True, True)
+    assert ab.parse_shape("1,16,4096,nc") == (1, 16, 4096, False, False)
+    for bad in ("2,32", "2,32,x", "2,32,64,causal"):
+        with pytest.raises(ValueError, match="B,H,N"):
+            ab.parse_shape(bad)
+    with pytest.raises(SystemExit) as e:
+        ab.main(["gluon-dq", "2,8,bad"])
+    assert e.value.code == 2
+    assert "B,H,N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main(["fwd-tile", "2,8,1000", "--old", "1,2"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            ab.main(["gluon-dq", "2,8,1000"])
+        assert "needs a CUDA GPU" in capsys.readouterr().err

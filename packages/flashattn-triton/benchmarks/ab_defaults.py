@@ -1,0 +1,144 @@
+"""A/B of a default against its alternative through the real launch path, kernel time only.
+
+Each shape runs both sides interleaved for several rounds (CUDA-graph replay, so host time
+is not in it; medians). What is compared:
+
+- ``fwd-tile``: the d = 128 forward table entry against an older tile (default 64,64,4,3,
+  the table before NOTES.md run 22), swapped in ``configs.DEFAULTS`` in place;
+- ``gluon-dkdv`` / ``gluon-dq``: the whole backward with that Gluon kernel against the
+  Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24.
+
+Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from a
+(B, N, 3, H, d) qkv buffer and dO from (B, N, H, d), as a model passes them.
+
+    python benchmarks/ab_defaults.py gluon-dq 2,8,1000 1,32,32768 2,32,32768,view --out $OUT
+    python benchmarks/ab_defaults.py fwd-tile 8,16,512 16,1,16384 --old 64,64,4,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+D = 128  # the head dim these defaults are about
+
+
+def parse_shape(spec: str) -> tuple[int, int, int, bool, bool]:
+    """``B,H,N[,nc][,view]`` -> (B, H, N, causal, view)."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    flags = set(parts[3:])
+    if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]) or not flags <= {"nc", "view"}:
+        raise ValueError(f"shape {spec!r}: want B,H,N[,nc][,view]")
+    b, h, n = (int(p) for p in parts[:3])
+    return b, h, n, "nc" not in flags, "view" in flags
+
+
+def inputs(b: int, h: int, n: int, view: bool):
+    """bf16 q, k, v, dO of (B, H, N, D), contiguous or as views of model-layout buffers."""
+    if view:
+        x = torch.randn(b, n, 3, h, D, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+        do = torch.randn(b, n, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return q, k, v, do
+    return tuple(torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+
+
+def sides(what: str, old: str):
+    """(name, switch) pairs: calling switch() selects that side for the next launches."""
+    from flashattn_triton import configs, gluon_dkdv, gluon_dq
+
+    if what == "fwd-tile":
+        new_cfg, old_cfg = configs.DEFAULTS["fwd"][D], configs.TileConfig.parse(old)
+
+        def table(cfg):
+            return lambda: configs.DEFAULTS["fwd"].__setitem__(D, cfg)
+
+        return [
+            (f"fwd {new_cfg.spec()}", table(new_cfg)),
+            (f"fwd {old_cfg.spec()}", table(old_cfg)),
+        ]
+    module = gluon_dkdv if what == "gluon-dkdv" else gluon_dq
+    saved = dict(module.DEFAULTS)
+
+    def gluon(on: bool):
+        def switch():
+            module.DEFAULTS.clear()
+            module.DEFAULTS.update(saved if on else {})
+
+        return switch
+
+    return [(f"{what} on", gluon(True)), (f"{what} off (Triton)", gluon(False))]
+
+
+def run(what: str, shapes: list[str], old: str, rounds: int, rep: int) -> list[dict]:
+    import triton
+
+    from flashattn_triton import launch
+
+    pairs = sides(what, old)
+    rows = []
+    for spec in shapes:
+        b, h, n, causal, view = parse_shape(spec)
+        torch.manual_seed(0)
+        q, k, v, do = inputs(b, h, n, view)
+        scale = D**-0.5
+        o, lse = launch.forward(q, k, v, causal, scale)
+        if what == "fwd-tile":
+            fn = functools.partial(launch.forward, q, k, v, causal, scale)
+        else:
+            fn = functools.partial(launch.backward, do, q, k, v, o, lse, causal, scale)
+        times: dict[str, list[float]] = {name: [] for name, _ in pairs}
+        for _ in range(rounds):
+            for name, switch in pairs:
+                switch()
+                fn()
+                torch.cuda.synchronize()
+                times[name].append(
+                    triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+                )
+        pairs[0][1]()  # leave the default in place
+        med = {name: statistics.median(ts) for name, ts in times.items()}
+        (a, ta), (c, tc) = med.items()
+        rows.append({"shape": spec, "causal": causal, "view": view, a: ta, c: tc,
+                     "speedup": tc / ta, "rounds": times})  # fmt: skip
+        print(f"| {spec} | {causal} | {ta:.4f} | {tc:.4f} | {tc / ta:.2f}x |", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq"))
+    ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (d = 128, bf16)")
+    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile: the tile to compare against")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph budget, ms")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
+    a = ap.parse_args(argv)
+    try:
+        for spec in a.shapes:
+            parse_shape(spec)
+        from flashattn_triton.configs import TileConfig
+
+        TileConfig.parse(a.old)
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (the Gluon kernels: a Hopper one)")
+    names = [name for name, _ in sides(a.what, a.old)]
+    print(f"| shape | causal | {names[0]} ms | {names[1]} ms | speedup |")
+    print("| --- | --- | --- | --- | --- |")
+    rows = run(a.what, a.shapes, a.old, a.rounds, a.rep)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"ab_{a.what}.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
