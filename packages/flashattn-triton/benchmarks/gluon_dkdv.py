@@ -11,8 +11,9 @@ Results (NOTES.md, runs 16-17): at d = 64 it only ties our Triton dK/dV kernel, 
 out the exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is bound by its
 products, not by their overlap with the exponentials. At d = 128, causal, it is 1.15-1.21x
 faster than the Triton kernel, so the package uses it there (``gluon_dkdv.DEFAULTS``). The dQ
-kernel (run 24) is 1.17x faster than the Triton one at d = 128 on long causal sequences and
-slower at d = 64 (``gluon_dq.DEFAULTS``).
+kernel (run 24) alone is 1.17x faster than the Triton one at (8, 1, 16384, 128), causal, and
+slower at d = 64; in the whole backward it wins only on small grids, where the package uses
+it (``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``).
 
 Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default; ``ws``
 for dK/dV only).
@@ -125,12 +126,17 @@ def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
 
 
 def _triton_only(fn):
-    """Run fn with the Gluon kernels switched off (our Triton kernels, the yardstick)."""
+    """Run fn with the Gluon kernels switched off (our Triton kernels, the yardstick); the
+    caller's FLASHATTN_TRITON_GLUON setting is restored afterwards."""
+    before = os.environ.get("FLASHATTN_TRITON_GLUON")
     os.environ["FLASHATTN_TRITON_GLUON"] = "0"
     try:
         return fn()
     finally:
-        os.environ.pop("FLASHATTN_TRITON_GLUON")
+        if before is None:
+            os.environ.pop("FLASHATTN_TRITON_GLUON")
+        else:
+            os.environ["FLASHATTN_TRITON_GLUON"] = before
 
 
 def check(specs: list[str], out: Path | None, kernel: str = "dkdv") -> int:

@@ -210,3 +210,12 @@ def test_few_programs_rule(monkeypatch):
     monkeypatch.setattr(configs, "OVERRIDES", {"fwd": configs.TileConfig(128, 64, 8, 3)})
     forced = configs.default_config("fwd", 16384, 16384, 128, 2, few_programs=True)
     assert forced == configs.TileConfig(128, 64, 8, 3)
+
+
+def test_few_programs_flag_without_an_entry_keeps_the_table(monkeypatch):
+    """A kind with no FEW_PROGRAMS entry ignores the flag instead of failing."""
+    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    monkeypatch.setattr(configs, "OVERRIDES", {})
+    for kind in ("dq", "dkdv"):
+        plain = configs.default_config(kind, 16384, 16384, 128, 2)
+        assert configs.default_config(kind, 16384, 16384, 128, 2, few_programs=True) == plain

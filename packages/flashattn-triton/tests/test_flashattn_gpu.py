@@ -231,6 +231,13 @@ def test_flops_helpers_agree_with_leaderboard_count():
     assert math.isclose(f, 4 * 64 * 16 * 16384 * 16385 / 2)
 
 
+def _require_hopper_gluon(gluon_dkdv) -> None:
+    """Skip where the Gluon kernels cannot run: no Gluon in this Triton, or not a Hopper GPU
+    (compute capability 9)."""
+    if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on Hopper GPUs (compute capability 9) only")
+
+
 def _spy_gluon(monkeypatch):
     """Record what each gluon_dkdv.try_dkdv and gluon_dq.try_dq call returned (True: the
     Gluon kernel ran), as a list of (dK/dV, dQ) pairs, one per backward."""
@@ -270,8 +277,7 @@ def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
     monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
-    if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel runs on Hopper GPUs (compute capability 9) only")
+    _require_hopper_gluon(gluon_dkdv)
     from flashattn_triton import gluon_dq
 
     q, k, v, do = _inputs(shape, n_k, dtype)
@@ -290,8 +296,7 @@ def test_gluon_dkdv_on_strided_views(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
     monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
-    if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon kernel runs on Hopper GPUs (compute capability 9) only")
+    _require_hopper_gluon(gluon_dkdv)
     b, n, h, d = 2, 300, 4, 128
     x = torch.randn(b, n, 3, h, d, device=DEV, dtype=torch.bfloat16)
     q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))

@@ -321,7 +321,7 @@ def default_config(
     if cfg is None:
         cfg = table[kind][_table_key(block_d)]
         if few_programs and elem_bytes < 4:
-            cfg = FEW_PROGRAMS[kind].get(_table_key(block_d), cfg)
+            cfg = FEW_PROGRAMS.get(kind, {}).get(_table_key(block_d), cfg)
         if small_grid:
             cfg = for_small_grid(kind, cfg)
     return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)

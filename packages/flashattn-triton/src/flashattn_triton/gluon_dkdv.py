@@ -66,17 +66,18 @@ _COMPILED: set[tuple] = set()
 if HAVE_GLUON:
 
     @gluon.jit
-    def _query_tile(
-        i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h,
-        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, pred,
+    def _tile_pair(
+        i, lo, a_desc, b_desc, a_smem, b_smem, ready, b, h,
+        STAGES: gl.constexpr, BLOCK: gl.constexpr, pred,
     ):  # fmt: skip
-        """Start the TMA loads of the i-th query tile (Q and dO) into its ring stage."""
+        """Start the TMA loads of the i-th streamed tile pair (rows lo + i * BLOCK of one
+        (batch, head): Q and dO here, K and V in ``gluon_dq``) into its ring stage."""
         stage = i % STAGES
         bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes, pred=pred)
-        row = lo + i * BLOCK_M
-        _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
-        _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+        row = lo + i * BLOCK
+        _tma_load(a_desc, [b, h, row, 0], bar, a_smem.index(stage), pred=pred)
+        _tma_load(b_desc, [b, h, row, 0], bar, b_smem.index(stage), pred=pred)
 
     @gluon.jit
     def _row_stats(lse_base, delta_base, offs_m, n_q):
@@ -102,7 +103,7 @@ if HAVE_GLUON:
         for i in range(n_tiles):
             # A fresh mbarrier counts as having completed the phase before phase 0.
             mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-            _query_tile(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M, True)
+            _tile_pair(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M, True)
 
     @gluon.jit
     def _consume(
@@ -162,7 +163,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
             else:
                 nxt = i + STAGES - 1
-                _query_tile(
+                _tile_pair(
                     nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
                     nxt < n_tiles,
                 )  # fmt: skip
@@ -271,7 +272,7 @@ if HAVE_GLUON:
             _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
             _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
             for i in gl.static_range(STAGES - 1):
-                _query_tile(
+                _tile_pair(
                     i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
                     i < n_tiles,
                 )  # fmt: skip

@@ -36,19 +36,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_dkdv import _row_stats, _tma_load
-
-    @gluon.jit
-    def _key_tile(
-        i, k_desc, v_desc, k_smem, v_smem, ready, b, h,
-        STAGES: gl.constexpr, BLOCK_N: gl.constexpr, pred,
-    ):  # fmt: skip
-        """Start the TMA loads of the i-th key tile (K and V) into its ring stage."""
-        stage = i % STAGES
-        bar = ready.index(stage)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
-        _tma_load(k_desc, [b, h, i * BLOCK_N, 0], bar, k_smem.index(stage), pred=pred)
-        _tma_load(v_desc, [b, h, i * BLOCK_N, 0], bar, v_smem.index(stage), pred=pred)
+    from .gluon_dkdv import _row_stats, _tile_pair, _tma_load
 
     @gluon.jit
     def dq_kernel(
@@ -85,7 +73,9 @@ if HAVE_GLUON:
         _tma_load(q_desc, [b, h, start_m, 0], qd_ready, q_smem)
         _tma_load(do_desc, [b, h, start_m, 0], qd_ready, do_smem)
         for i in gl.static_range(STAGES - 1):
-            _key_tile(i, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, i < n_tiles)
+            _tile_pair(
+                i, 0, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, i < n_tiles
+            )
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
@@ -115,8 +105,8 @@ if HAVE_GLUON:
             # Waiting for S also retires the previous tile's dQ product: its stage is free.
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             nxt = j + STAGES - 1
-            _key_tile(
-                nxt, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, nxt < n_tiles
+            _tile_pair(
+                nxt, 0, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, nxt < n_tiles
             )
             p = gl.exp2(s * qk_scale - lse2[:, None])
             start_n = j * BLOCK_N
