@@ -6,13 +6,17 @@ is not in it; medians). What is compared:
 - ``fwd-tile``: the d = 128 forward table entry against an older tile (default 64,64,4,3,
   the table before NOTES.md run 22), swapped in ``configs.DEFAULTS`` in place;
 - ``gluon-dkdv`` / ``gluon-dq``: the whole backward with that Gluon kernel against the
-  Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24.
+  Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24;
+- ``tile``: any kind's config ``--new`` against ``--old`` (``configs.OVERRIDES``), at head dim
+  ``--d``; the forward for ``--kind fwd``, else the whole backward.
 
 Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from a
 (B, N, 3, H, d) qkv buffer and dO from (B, N, H, d), as a model passes them.
 
     python benchmarks/ab_defaults.py gluon-dq 2,8,1000 1,32,32768 2,32,32768,view --out $OUT
     python benchmarks/ab_defaults.py fwd-tile 8,16,512 16,1,16384 --old 64,64,4,3
+    python benchmarks/ab_defaults.py tile 16,1,16384 --d 64 --kind dkdv \
+        --new 32,64,4,3,tma,reg,r128 --old 32,64,4,3,tma
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-D = 128  # the head dim these defaults are about
+D = 128  # the head dim the fwd-tile and gluon comparisons are about (--d for ``tile``)
 
 
 def parse_shape(spec: str) -> tuple[int, int, int, bool, bool]:
@@ -39,20 +43,27 @@ def parse_shape(spec: str) -> tuple[int, int, int, bool, bool]:
     return b, h, n, "nc" not in flags, "view" in flags
 
 
-def inputs(b: int, h: int, n: int, view: bool):
-    """bf16 q, k, v, dO of (B, H, N, D), contiguous or as views of model-layout buffers."""
+def inputs(b: int, h: int, n: int, view: bool, d: int = D):
+    """bf16 q, k, v, dO of (B, H, N, d), contiguous or as views of model-layout buffers."""
     if view:
-        x = torch.randn(b, n, 3, h, D, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(b, n, 3, h, d, device="cuda", dtype=torch.bfloat16)
         q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
-        do = torch.randn(b, n, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        do = torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         return q, k, v, do
-    return tuple(torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    return tuple(torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 
 
-def sides(what: str, old: str):
+def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
     """(name, switch) pairs: calling switch() selects that side for the next launches."""
     from flashattn_triton import configs, gluon_dkdv, gluon_dq
 
+    if what == "tile":
+
+        def override(spec):
+            cfg = configs.TileConfig.parse(spec)
+            return lambda: configs.OVERRIDES.__setitem__(kind, cfg)
+
+        return [(f"{kind} {new}", override(new)), (f"{kind} {old}", override(old))]
     if what == "fwd-tile":
         new_cfg, old_cfg = configs.DEFAULTS["fwd"][D], configs.TileConfig.parse(old)
 
@@ -76,20 +87,24 @@ def sides(what: str, old: str):
     return [(f"{what} on", gluon(True)), (f"{what} off (Triton)", gluon(False))]
 
 
-def run(what: str, shapes: list[str], old: str, rounds: int, rep: int) -> list[dict]:
+def run(
+    what: str, shapes: list[str], old: str, rounds: int, rep: int, *,
+    new: str = "", kind: str = "dkdv", d: int = D,
+) -> list[dict]:  # fmt: skip
     import triton
 
-    from flashattn_triton import launch
+    from flashattn_triton import configs, launch
 
-    pairs = sides(what, old)
+    pairs = sides(what, old, new, kind)
+    forward_only = what == "fwd-tile" or (what == "tile" and kind == "fwd")
     rows = []
     for spec in shapes:
         b, h, n, causal, view = parse_shape(spec)
         torch.manual_seed(0)
-        q, k, v, do = inputs(b, h, n, view)
-        scale = D**-0.5
+        q, k, v, do = inputs(b, h, n, view, d)
+        scale = d**-0.5
         o, lse = launch.forward(q, k, v, causal, scale)
-        if what == "fwd-tile":
+        if forward_only:
             fn = functools.partial(launch.forward, q, k, v, causal, scale)
         else:
             fn = functools.partial(launch.backward, do, q, k, v, o, lse, causal, scale)
@@ -103,6 +118,7 @@ def run(what: str, shapes: list[str], old: str, rounds: int, rep: int) -> list[d
                     triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
                 )
         pairs[0][1]()  # leave the default in place
+        configs.OVERRIDES.pop(kind, None) if what == "tile" else None
         med = {name: statistics.median(ts) for name, ts in times.items()}
         (a, ta), (c, tc) = med.items()
         rows.append({"shape": spec, "causal": causal, "view": view, a: ta, c: tc,
@@ -113,9 +129,12 @@ def run(what: str, shapes: list[str], old: str, rounds: int, rep: int) -> list[d
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq"))
-    ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (d = 128, bf16)")
-    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile: the tile to compare against")
+    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile"))
+    ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (bf16)")
+    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile, tile: the config to beat")
+    ap.add_argument("--new", default="", help="tile: the candidate config")
+    ap.add_argument("--kind", default="dkdv", choices=("fwd", "dkdv", "dq"), help="tile: kind")
+    ap.add_argument("--d", type=int, default=D, help="tile: head dim (the others: 128)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph budget, ms")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
@@ -126,17 +145,22 @@ def main(argv=None) -> int:
         from flashattn_triton.configs import TileConfig
 
         TileConfig.parse(a.old)
+        if a.what == "tile":
+            TileConfig.parse(a.new)
+        elif a.d != D:
+            raise ValueError(f"--d: {a.what} compares d = {D} defaults")
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the Gluon kernels: a Hopper one)")
-    names = [name for name, _ in sides(a.what, a.old)]
+    names = [name for name, _ in sides(a.what, a.old, a.new, a.kind)]
     print(f"| shape | causal | {names[0]} ms | {names[1]} ms | speedup |")
     print("| --- | --- | --- | --- | --- |")
-    rows = run(a.what, a.shapes, a.old, a.rounds, a.rep)
+    rows = run(a.what, a.shapes, a.old, a.rounds, a.rep, new=a.new, kind=a.kind, d=a.d)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"ab_{a.what}.json").write_text(json.dumps(rows, indent=1))
+        tag = f"{a.what}_{a.kind}_d{a.d}" if a.what == "tile" else a.what
+        (a.out / f"ab_{tag}.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 

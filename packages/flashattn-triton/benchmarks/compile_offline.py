@@ -33,11 +33,24 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TRITON_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+class _MetaDescriptor:
+    """Stands in for a TMA tensor descriptor of a meta tensor: only its type matters here."""
+
+    def __init__(self, t: torch.Tensor, block_shape: list[int]):
+        self.dtype, self.block_shape = t.dtype, block_shape
+
+    @property
+    def signature(self) -> str:
+        return f"tensordesc<{TRITON_TY[self.dtype]}{self.block_shape}>"
+
+
 def _signature(fn, kwargs: dict):
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         val = kwargs[name]
-        if val is None:  # an unused descriptor: the JIT specializes None as a constant
+        if isinstance(val, _MetaDescriptor):
+            sig[name] = val.signature
+        elif val is None:  # an unused descriptor: the JIT specializes None as a constant
             sig[name] = "constexpr"
             consts[name] = None
         elif i in fn.constexprs or (fn.params[i].is_constexpr):
@@ -84,6 +97,16 @@ def wgmma_schedule(ptx: str) -> str:
     return re.sub(r"([Me])\1+", lambda m: f"{m[1]}{len(m[0])}", text)
 
 
+def wgmma_a_from_smem(ptx: str) -> int:
+    """How many wgmma instructions read their A operand from shared memory (a descriptor)
+    rather than from registers (a {...} register list after the accumulators)."""
+    count = 0
+    for ins in re.findall(r"wgmma\.mma_async[^;]*;", ptx, re.S):
+        operands = ins.split("}", 1)[1].lstrip(" \t\n,")
+        count += not operands.startswith("{")
+    return count
+
+
 def _resource_usage(cubin: bytes) -> str:
     import triton
 
@@ -103,16 +126,19 @@ class _Capture:
         self.fn, self.log = fn, log
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps=4, num_stages=3, **kwargs):
+        def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kwargs):
             bound = dict(zip(self.fn.arg_names, args))
             bound.update(kwargs)
-            self.log.append((self.fn, grid, bound, num_warps, num_stages))
+            self.log.append((self.fn, grid, bound, num_warps, num_stages, maxnreg))
 
         return launch
 
 
-def capture_launches(shape, n_k, dtype, causal, scheme):
-    """Run the launchers on meta tensors; return the kernel launches they would make."""
+def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
+    """Run the launchers on meta tensors; return the kernel launches they would make.
+
+    With ``tma`` the launchers see a Hopper GPU's TMA support, so configs marked ``tma``
+    compile with descriptors as they run there; without it, every load uses pointers."""
     from flashattn_triton import kernels, launch
 
     log: list = []
@@ -126,6 +152,8 @@ def capture_launches(shape, n_k, dtype, causal, scheme):
     launch._kernels = lambda: K
     launch.require_runnable = lambda t: None
     launch.interpreting = lambda: False
+    launch.tma_usable = lambda t: tma
+    launch._descriptor = lambda t, rows, block_d: _MetaDescriptor(t, [1, 1, rows, block_d])
     os.environ["FLASHATTN_TRITON_BWD"] = scheme
     b, h, n, d = shape
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
@@ -135,7 +163,7 @@ def capture_launches(shape, n_k, dtype, causal, scheme):
     return log
 
 
-def compile_launch(fn, bound, num_warps, num_stages, cc):
+def compile_launch(fn, bound, num_warps, num_stages, cc, maxnreg=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -144,12 +172,15 @@ def compile_launch(fn, bound, num_warps, num_stages, cc):
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     t0 = time.time()
     opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
     c = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
     ptx = c.asm["ptx"]
     return {
         "secs": time.time() - t0,
         "usage": _resource_usage(c.asm["cubin"]),
         "wgmma": ptx.count("wgmma.mma_async"),
+        "wgmma_a_smem": wgmma_a_from_smem(ptx),
         "mma": ptx.count("mma.sync"),
         "ex2": ptx.count("ex2.approx"),
         "sts": ptx.count("st.shared"),
@@ -169,24 +200,32 @@ def main(argv=None) -> int:
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--schedule", action="store_true", help="print each kernel's wgmma schedule")
     ap.add_argument(
-        "--set", action="append", default=[], help="e.g. fwd=128,64,4,3 (m,n,warps,stages[,n2])"
+        "--pointers", action="store_true", help="compile pointer loads where a config asks for TMA"
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], help="e.g. dkdv=32,64,4,3,tma,reg (TileConfig.parse)"
     )
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
     for item in a.set:
         kind, vals = item.split("=")
-        configs.OVERRIDES[kind] = configs.TileConfig(*(int(x) for x in vals.split(",")))
+        configs.OVERRIDES[kind] = configs.TileConfig.parse(vals)
     shape = tuple(int(x) for x in a.shape.split(","))
-    log = capture_launches(shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd)
-    for fn, _grid, bound, w, s in log:
+    log = capture_launches(
+        shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers
+    )
+    for fn, _grid, bound, w, s, maxnreg in log:
         meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
+        meta |= {k: v for k, v in bound.items() if k in ("USE_TMA", "REG_A") and v}
         try:
-            r = compile_launch(fn, bound, w, s, a.cc)
+            r = compile_launch(fn, bound, w, s, a.cc, maxnreg)
+            cap = f" r{maxnreg}" if maxnreg else ""
             print(
-                f"{fn.__name__:28s} w{w} s{s} {meta} | {r['usage']} | wgmma {r['wgmma']} "
-                f"mma {r['mma']} ex2 {r['ex2']} st.shared {r['sts']} shfl {r['shfl']} "
-                f"dyn-smem {r['shared'] // 1024}K | {r['secs']:.1f}s",
+                f"{fn.__name__:28s} w{w} s{s}{cap} {meta} | {r['usage']} | wgmma {r['wgmma']} "
+                f"(A from smem {r['wgmma_a_smem']}) mma {r['mma']} ex2 {r['ex2']} "
+                f"st.shared {r['sts']} shfl {r['shfl']} dyn-smem {r['shared'] // 1024}K | "
+                f"{r['secs']:.1f}s",
                 flush=True,
             )
             if a.schedule:

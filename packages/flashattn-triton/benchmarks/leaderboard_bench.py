@@ -121,6 +121,19 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,3", "128,64,8,3,tma", "128,64,8,4,tma", "64,64,4,3,tma", "128,32,4,3,tma"],
     },
+    "d64reg": {  # the fixed tiles as register A operands (reg), register caps (rN); run 27
+        "fwd": ["128,128,4,3,tma"],
+        "dkdv": [
+            "32,64,4,3,tma", "32,64,4,3,tma,reg", "32,64,4,3,tma,reg,r128",
+            "32,64,4,4,tma,reg,r128", "32,64,4,2,tma,reg,r128", "32,64,4,3,tma,r128",
+            "64,64,4,3,tma,reg", "32,128,8,3,tma,reg,r128", "32,64,4,3,tma",
+        ],
+        "dq": [
+            "128,64,8,4,tma", "128,64,8,4,tma,reg", "128,64,8,4,tma,reg,r128",
+            "128,32,8,4,tma,reg", "64,64,4,3,tma,reg", "64,64,4,4,tma,reg",
+            "64,64,4,3,tma,reg,r128", "128,64,8,4,tma",
+        ],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",

@@ -108,15 +108,16 @@ def test_small_grid_path(n_q, n_k, causal, monkeypatch):
     assert all(small == causal for _, small in seen), seen
 
 
-@pytest.mark.parametrize("flags", [("tma",), ("ws",), ("tma", "ws")])
+@pytest.mark.parametrize("flags", [("tma",), ("ws",), ("tma", "ws"), ("reg",), ("tma", "reg")])
 @pytest.mark.parametrize(
     ("n_q", "n_k", "d", "causal"), [(97, 97, 16, True), (70, 40, 24, True), (33, 50, 16, False)]
 )
 def test_tma_and_warp_spec_paths(flags, n_q, n_k, d, causal, monkeypatch):
-    """The TMA-descriptor loads (ragged rows and padded head dims read as zeros) and the
-    warp-specialize loop flag give the same results as the pointer path."""
+    """The TMA-descriptor loads (ragged rows and padded head dims read as zeros), the
+    warp-specialize loop flag and register A operands give the same results as the pointer
+    path (``reg`` is ignored by the forward)."""
     tiles = {
-        kind: replace(cfg, tma="tma" in flags, ws="ws" in flags)
+        kind: replace(cfg, tma="tma" in flags, ws="ws" in flags, reg="reg" in flags)
         for kind, cfg in SMALL_TILES.items()
         if kind.split(".")[0] in ("fwd", "dkdv", "dq")
     }
@@ -147,10 +148,16 @@ def test_tma_needs_aligned_strides():
 
 
 def test_tile_config_spec_round_trip():
-    for spec in ("128,64,4,3", "32,128,8,3,tma", "128,64,8,3,tma,ws", "32,128,8,4,64"):
+    specs = ("128,64,4,3", "32,128,8,3,tma", "128,64,8,3,tma,ws", "32,128,8,4,64")
+    for spec in (*specs, "32,64,4,3,tma,reg,r128", "64,64,4,2,r168"):
         assert configs.TileConfig.parse(spec).spec() == spec
-    with pytest.raises(ValueError, match="m,n,warps,stages"):
-        configs.TileConfig.parse("128,64,4,3,fast")
+    assert configs.TileConfig.parse("32,64,4,3,r128,reg").maxnreg == 128
+    for bad in ("128,64,4,3,fast", "32,64,4,3,r128,r96", "32,64,4,3,rx"):
+        with pytest.raises(ValueError, match="m,n,warps,stages"):
+            configs.TileConfig.parse(bad)
+    for bad in ("32,64,4,3,r300", "32,64,4,3,r8"):
+        with pytest.raises(ValueError, match="register cap"):
+            configs.TileConfig.parse(bad)
 
 
 @pytest.mark.parametrize(("n", "d", "causal"), [(100, 32, True), (64, 64, True), (50, 16, False)])

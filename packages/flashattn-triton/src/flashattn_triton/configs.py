@@ -13,8 +13,8 @@ Environment switches (read at each call, never inside traced code):
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
 - ``FLASHATTN_TRITON_GLUON=0``: no Gluon dK/dV kernel (``gluon_dkdv``; d = 128 on Hopper).
 - ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
-  table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws]), e.g. to replay a
-  benchmark's winner (see ``TileConfig.parse``).
+  table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws][, reg][, rN]), e.g.
+  to replay a benchmark's winner (see ``TileConfig.parse``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,11 @@ class TileConfig:
     forward and dQ kernels, Q and dO in the dK/dV kernel) are loaded with Hopper TMA tensor
     descriptors instead of pointer arithmetic (CUDA, compute capability >= 9, 16-byte aligned
     strides; ignored elsewhere). ``ws``: ask Triton to warp-specialize the main (unmasked) loop.
-    Neither applies to the fused backward.
+    ``reg``: the split backward's kernels keep their fixed tiles (K and V for dK/dV, Q and dO
+    for dQ) in registers as the A operand of the products that read them, instead of
+    re-reading them from shared memory on every step. None of the three applies to the fused
+    backward; ``reg`` does not apply to the forward. ``maxnreg`` (spec ``r128``): cap the
+    registers per thread (ptxas ``.maxnreg``), to fit more programs per SM; 0: no cap.
     """
 
     block_m: int
@@ -55,25 +59,35 @@ class TileConfig:
     block_n2: int = 0
     tma: bool = False
     ws: bool = False
+    reg: bool = False
+    maxnreg: int = 0
 
     def kwargs(self) -> dict[str, int]:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
 
     @classmethod
     def parse(cls, spec: str) -> TileConfig:
-        """'m,n,warps,stages[,n2][,tma][,ws]' -> TileConfig, e.g. '128,128,4,3,tma'."""
+        """'m,n,warps,stages[,n2][,tma][,ws][,reg][,rN]' -> TileConfig, e.g. '128,128,4,3,tma'
+        or '32,64,4,3,tma,reg,r128' (rN: at most N registers per thread)."""
         parts = [p.strip().lower() for p in spec.split(",") if p.strip()]
-        flags = {p for p in parts if not p.isdigit()}
+        caps = [p for p in parts if p[:1] == "r" and p[1:].isdigit()]
+        flags = {p for p in parts if not p.isdigit() and p not in caps}
         nums = [int(p) for p in parts if p.isdigit()]
-        if len(nums) not in (4, 5) or not flags <= {"tma", "ws"}:
-            raise ValueError(f"tile config {spec!r}: expected m,n,warps,stages[,n2][,tma][,ws]")
-        return cls(*nums, tma="tma" in flags, ws="ws" in flags)
+        if len(nums) not in (4, 5) or not flags <= {"tma", "ws", "reg"} or len(caps) > 1:
+            raise ValueError(
+                f"tile config {spec!r}: expected m,n,warps,stages[,n2][,tma][,ws][,reg][,rN]"
+            )
+        maxnreg = int(caps[0][1:]) if caps else 0
+        if caps and not 24 <= maxnreg <= 255:
+            raise ValueError(f"tile config {spec!r}: register cap {caps[0]} outside r24..r255")
+        return cls(*nums, tma="tma" in flags, ws="ws" in flags, reg="reg" in flags, maxnreg=maxnreg)
 
     def spec(self) -> str:
         """The inverse of ``parse``."""
         nums = [self.block_m, self.block_n, self.num_warps, self.num_stages]
         nums += [self.block_n2] if self.block_n2 else []
-        flags = ["tma"] * self.tma + ["ws"] * self.ws
+        flags = ["tma"] * self.tma + ["ws"] * self.ws + ["reg"] * self.reg
+        flags += [f"r{self.maxnreg}"] * bool(self.maxnreg)
         return ",".join([*map(str, nums), *flags])
 
 

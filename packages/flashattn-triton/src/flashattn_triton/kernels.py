@@ -112,6 +112,17 @@ def _load_streamed(
 
 
 @triton.jit
+def _in_registers(x, n):
+    """x itself, as a value computed in registers (times a runtime 1; n is any count >= 0).
+
+    Triton (3.6, Hopper) feeds a dot's A operand from shared memory when it comes straight
+    from a load, so a loop-invariant tile would be re-read there on every step; an
+    element-wise result stays in registers (the REG_A option of the backward kernels)."""
+    one = tl.where(n >= 0, 1.0, 0.0)
+    return (x * one).to(x.dtype)
+
+
+@triton.jit
 def _visible(rows, cols, n_k, causal_off, CAUSAL: tl.constexpr, CHECK_COLS: tl.constexpr):
     """(len(rows), len(cols)) mask of visible (query, key) pairs; rows, cols absolute."""
     if CAUSAL:
@@ -442,11 +453,11 @@ def _dkdv_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
 ):  # fmt: skip
     """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
     DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
-    (with TMA_DQ)."""
+    (with TMA_DQ). REG_A: K and V feed S^T and dP^T from registers."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tn = tl.arange(0, BLOCK_N)
@@ -457,6 +468,9 @@ def _dkdv_tile(
     v_base = V + b * stride_vb + h * stride_vh
     k = _load_rows(k_base, start_n, n_k, stride_kn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
     v = _load_rows(v_base, start_n, n_k, stride_vn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
+    if REG_A:
+        k = _in_registers(k, n_k)
+        v = _in_registers(v, n_k)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
     dq_base = DQ + b * stride_dqb + h * stride_dqh
@@ -571,10 +585,10 @@ def _dq_tile(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
 ):  # fmt: skip
     """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
-    TMA descriptors of K and V (with USE_TMA)."""
+    TMA descriptors of K and V (with USE_TMA). REG_A: Q and dO feed S and dP from registers."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
@@ -589,6 +603,9 @@ def _dq_tile(
         DO + b * stride_dob + h * stride_doh, start_m, n_q, stride_don, offs_tm, offs_d,
         HEAD_DIM, BLOCK_D, not EVEN_M,
     )  # fmt: skip
+    if REG_A:
+        q = _in_registers(q, n_q)
+        do = _in_registers(do, n_q)
     lse2, delta = _load_row_stats(
         LSE + pid_bh.to(tl.int64) * n_q, DELTA + pid_bh.to(tl.int64) * n_q, start_m, offs_tm,
         n_q, not EVEN_M,
@@ -639,6 +656,7 @@ def attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
+    REG_A: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
@@ -656,7 +674,7 @@ def attn_bwd_dkdv_kernel(
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ,
+        USE_TMA, WARP_SPEC, TMA_DQ, REG_A,
     )  # fmt: skip
 
 
@@ -674,7 +692,7 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
     pid_bh = tl.program_id(0)
@@ -686,7 +704,7 @@ def attn_bwd_dq_kernel(
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC,
+        USE_TMA, WARP_SPEC, REG_A,
     )  # fmt: skip
 
 
@@ -727,7 +745,7 @@ def attn_bwd_fused_kernel(
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False,
+            False, False, False, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
@@ -737,5 +755,5 @@ def attn_bwd_fused_kernel(
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
-            False, False,
+            False, False, False,
         )  # fmt: skip

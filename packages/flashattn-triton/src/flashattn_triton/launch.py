@@ -171,7 +171,7 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
 
 
 def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) -> dict:
-    """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ for one launch (nothing for the fused kernel).
+    """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ/REG_A for one launch (nothing for the fused kernel).
 
     For the atomic backward, ``tma`` routes the dQ additions through TMA bulk reductions into
     the float32 buffer; its loads stay on pointers (TMA loads measured slower in the dK/dV
@@ -181,6 +181,8 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
     name_a, name_b, rows = _STREAMED[kind]
     a, b = args[name_a], args[name_b]
     out = {"DESC_A": None, "DESC_B": None, "USE_TMA": False, "WARP_SPEC": bool(cfg and cfg.ws)}
+    if kind != "fwd":
+        out["REG_A"] = bool(cfg and cfg.reg)
     if kind in ("dkdv", "atomic"):
         out.update(DESC_C=None, TMA_DQ=False)
     if cfg is None or not cfg.tma:
@@ -278,6 +280,7 @@ def _run(
                 **_stream_args(kind, cfg, args, block_d),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
+                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
             )
             break
         except OutOfResources:
