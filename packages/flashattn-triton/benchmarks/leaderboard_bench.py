@@ -134,6 +134,15 @@ SWEEPS = {
             "64,64,4,3,tma,reg,r128", "128,64,8,4,tma",
         ],
     },
+    "d64cap": {  # register caps that fit one more dK/dV program per SM (run 28)
+        "fwd": ["128,128,4,3,tma"],
+        "dkdv": [
+            "32,64,4,3,tma", "32,64,4,3,tma,r128", "32,64,4,4,tma,r128", "32,64,4,2,tma,r128",
+            "64,64,4,3,tma,r168", "32,128,8,3,tma,r128", "32,128,8,4,tma,r128",
+            "32,64,4,3,tma,r128", "32,64,4,3,tma",
+        ],
+        "dq": ["128,64,8,4,tma"],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",
