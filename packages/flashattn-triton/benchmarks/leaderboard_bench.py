@@ -143,6 +143,17 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma"],
     },
+    "d64cap2": {  # 64-query dK/dV tiles and 64-key forward tiles at 3 programs per SM (run 29)
+        "fwd": [
+            "128,128,4,3,tma", "128,64,4,3,tma,r168", "128,64,4,2,tma,r168", "128,64,4,3,tma",
+            "128,128,4,3,tma",
+        ],
+        "dkdv": [
+            "32,64,4,3,tma,r128", "64,64,4,3,tma,r168", "64,64,4,2,tma,r168",
+            "64,64,4,3,tma,r160", "64,64,4,3,tma,reg,r168", "64,64,4,3,tma", "64,64,4,3,tma,r168",
+        ],
+        "dq": ["128,64,8,4,tma", "64,64,4,2,tma", "128,64,8,3,tma", "128,64,8,4,tma"],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",
