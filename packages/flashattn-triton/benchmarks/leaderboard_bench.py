@@ -154,6 +154,14 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma", "64,64,4,2,tma", "128,64,8,3,tma", "128,64,8,4,tma"],
     },
+    "d64fwdcap": {  # forward tiles at 8 warps or 64 rows with a register cap (run 30)
+        "fwd": [
+            "128,128,4,3,tma", "128,128,8,2,tma,r128", "128,128,8,3,tma,r128",
+            "64,128,4,2,tma,r128", "128,128,8,2,tma", "128,128,4,3,tma",
+        ],
+        "dkdv": ["64,64,4,3,tma,r168"],
+        "dq": ["128,64,8,4,tma"],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",

@@ -99,10 +99,13 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
         64: TileConfig(128, 128, 4, 3, tma=True),
         128: TileConfig(128, 64, 4, 2, tma=True),
     },
+    # d = 32, 64: capped at 168 registers (no cap: 231 / 185), three programs per SM instead
+    # of two; 1.02-1.05x (d = 32) and 1.01-1.05x (d = 64, against 32,64,4,3 at r128) over
+    # the whole backward (NOTES.md runs 28-29, H100).
     "dkdv": {
         16: TileConfig(32, 128, 4, 3),
-        32: TileConfig(64, 128, 4, 3),
-        64: TileConfig(32, 64, 4, 3, tma=True),
+        32: TileConfig(64, 128, 4, 3, maxnreg=168),
+        64: TileConfig(64, 64, 4, 3, tma=True, maxnreg=168),
         128: TileConfig(64, 64, 4, 2),
     },
     "dq": {
