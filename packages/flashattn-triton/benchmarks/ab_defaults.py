@@ -8,7 +8,9 @@ is not in it; medians). What is compared:
 - ``gluon-dkdv`` / ``gluon-dq``: the whole backward with that Gluon kernel against the
   Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24;
 - ``tile``: any kind's config ``--new`` against ``--old`` (``configs.OVERRIDES``), at head dim
-  ``--d``; the forward for ``--kind fwd``, else the whole backward.
+  ``--d``; the forward for ``--kind fwd``, else the whole backward;
+- ``head-group``: the launch order by head groups, ``FLASHATTN_TRITON_HEAD_GROUP`` ``--new``
+  against ``--old`` (e.g. ``auto`` against ``off``), forward (``--kind fwd``) or backward.
 
 Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from a
 (B, N, 3, H, d) qkv buffer and dO from (B, N, H, d), as a model passes them.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -57,6 +60,12 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
     """(name, switch) pairs: calling switch() selects that side for the next launches."""
     from flashattn_triton import configs, gluon_dkdv, gluon_dq
 
+    if what == "head-group":
+
+        def setting(value):
+            return lambda: os.environ.__setitem__("FLASHATTN_TRITON_HEAD_GROUP", value)
+
+        return [(f"head group {new}", setting(new)), (f"head group {old}", setting(old))]
     if what == "tile":
 
         def override(spec):
@@ -96,7 +105,7 @@ def run(
     from flashattn_triton import configs, launch
 
     pairs = sides(what, old, new, kind)
-    forward_only = what == "fwd-tile" or (what == "tile" and kind == "fwd")
+    forward_only = what == "fwd-tile" or (what in ("tile", "head-group") and kind == "fwd")
     rows = []
     for spec in shapes:
         b, h, n, causal, view = parse_shape(spec)
@@ -129,12 +138,12 @@ def run(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile"))
+    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile", "head-group"))
     ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (bf16)")
     ap.add_argument("--old", default="64,64,4,3", help="fwd-tile, tile: the config to beat")
     ap.add_argument("--new", default="", help="tile: the candidate config")
     ap.add_argument("--kind", default="dkdv", choices=("fwd", "dkdv", "dq"), help="tile: kind")
-    ap.add_argument("--d", type=int, default=D, help="tile: head dim (the others: 128)")
+    ap.add_argument("--d", type=int, default=D, help="tile, head-group: head dim (others: 128)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph budget, ms")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
@@ -147,6 +156,12 @@ def main(argv=None) -> int:
         TileConfig.parse(a.old)
         if a.what == "tile":
             TileConfig.parse(a.new)
+        elif a.what == "head-group":
+            from flashattn_triton.configs import head_group
+
+            for value in (a.new, a.old):
+                os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = value
+                head_group(2, 1, 1)
         elif a.d != D:
             raise ValueError(f"--d: {a.what} compares d = {D} defaults")
     except ValueError as e:
@@ -159,7 +174,7 @@ def main(argv=None) -> int:
     rows = run(a.what, a.shapes, a.old, a.rounds, a.rep, new=a.new, kind=a.kind, d=a.d)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        tag = f"{a.what}_{a.kind}_d{a.d}" if a.what == "tile" else a.what
+        tag = f"{a.what}_{a.kind}_d{a.d}" if a.what in ("tile", "head-group") else a.what
         (a.out / f"ab_{tag}.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -141,6 +141,31 @@ def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch):
     _check(*_inputs((2,), n_q, n_k, 24), causal)
 
 
+@pytest.mark.parametrize("group", ["1", "2", "3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch):
+    """Programs launched a few heads at a time (5 heads: the last group is partial) still
+    cover every tile of every head exactly once, forward and backward."""
+    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", group)
+    _check(*_inputs((5,), 70, 70, 16), causal)
+
+
+def test_head_group_setting(monkeypatch):
+    mb = 1 << 20
+    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
+    assert configs.head_group(16, 4 * mb, 50 * mb) == 6  # half of L2 / 4 MB per head
+    assert configs.head_group(16, 4 * mb, 0) == 16  # L2 unknown: plain order
+    assert configs.head_group(16, 64 * mb, 50 * mb) == 1
+    assert configs.head_group(4, 1 * mb, 50 * mb) == 4
+    for spec, want in (("off", 16), ("3", 3), ("40", 16)):
+        monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", spec)
+        assert configs.head_group(16, 4 * mb, 50 * mb) == want
+    for bad in ("0", "fast", "-2"):
+        monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", bad)
+        with pytest.raises(ValueError, match="FLASHATTN_TRITON_HEAD_GROUP"):
+            configs.head_group(16, 4 * mb, 50 * mb)
+
+
 def test_tma_needs_aligned_strides():
     x = torch.randn(2, 3, 10, 17)[..., :16]  # row stride 17 floats = 68 bytes
     assert not launch.tma_usable(x)

@@ -396,3 +396,32 @@ def fp32_precision() -> str:
             f"FLASHATTN_TRITON_FP32_PRECISION must be one of {FP32_PRECISIONS}, got {prec!r}"
         )
     return prec
+
+
+# Launch order by head groups (kernels._grouped_program): programs of a few heads at a time,
+# so that the rows each kernel streams through its loop (K, V for the forward and dQ; Q, dO
+# for dK/dV) of all heads running at once fit in this share of the L2 cache.
+HEAD_GROUP_L2_SHARE = 0.5
+DEFAULT_HEAD_GROUP = "off"  # until measured (NOTES.md run 31)
+
+
+def head_group(n_bh: int, streamed_bytes_per_head: int, l2_bytes: int) -> int:
+    """How many heads' programs run at a time (``n_bh``: the plain order, head fastest).
+
+    ``FLASHATTN_TRITON_HEAD_GROUP``: ``auto`` (as many heads as fit HEAD_GROUP_L2_SHARE of
+    the L2 cache; off where its size is unknown, e.g. Triton's interpreter), ``off``, or a
+    number of heads; unset: DEFAULT_HEAD_GROUP."""
+    spec = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP", DEFAULT_HEAD_GROUP).strip().lower()
+    n_bh = max(n_bh, 1)
+    if spec == "off":
+        return n_bh
+    if spec.isdigit() and int(spec) >= 1:
+        return min(int(spec), n_bh)
+    if spec != "auto":
+        raise ValueError(
+            f"FLASHATTN_TRITON_HEAD_GROUP must be auto, off or a positive count, got {spec!r}"
+        )
+    if l2_bytes <= 0:
+        return n_bh
+    fit = int(l2_bytes * HEAD_GROUP_L2_SHARE) // max(streamed_bytes_per_head, 1)
+    return max(1, min(n_bh, fit))

@@ -112,6 +112,27 @@ def _load_streamed(
 
 
 @triton.jit
+def _grouped_program(head_group, GROUPED: tl.constexpr):
+    """(batch*head index, tile index) of this program on a (B*H, tiles) grid, in an order
+    that runs programs of head_group heads at a time: tile-major inside each group (so the
+    heavy-first tile order of each kernel holds), group after group. Concurrent programs
+    then stream the K / V (or Q / dO) rows of few heads, which stay in L2; head_group >=
+    B*H gives the plain order (program_id(0) = head, fastest), as does GROUPED False (the
+    launcher's choice when head_group >= B*H: no index arithmetic at all)."""
+    if not GROUPED:
+        return tl.program_id(0), tl.program_id(1)
+    n_bh = tl.num_programs(0)
+    n_tiles = tl.num_programs(1)
+    lin = tl.program_id(1) * n_bh + tl.program_id(0)
+    per_group = head_group * n_tiles
+    group = lin // per_group
+    first = group * head_group
+    width = tl.minimum(n_bh - first, head_group)
+    within = lin - group * per_group
+    return first + within % width, within // width
+
+
+@triton.jit
 def _in_registers(x, n):
     """x itself, as a value computed in registers (times a runtime 1; n is any count >= 0).
 
@@ -227,6 +248,7 @@ def attn_fwd_kernel(
     n_q,
     n_k,
     qk_scale,
+    head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -238,13 +260,15 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
 
-    DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused)."""
-    pid_bh = tl.program_id(0)
+    DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused). head_group: see
+    ``_grouped_program``."""
+    pid_bh, tile = _grouped_program(head_group, GROUPED)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     b32 = pid_bh // n_heads
     h32 = pid_bh % n_heads
     b = b32.to(tl.int64)
@@ -649,22 +673,22 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale,
+    n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
-    REG_A: tl.constexpr,
+    REG_A: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
     DESC_C descriptor with TMA_DQ).
     """
-    pid_bh = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N
+    pid_bh, tile = _grouped_program(head_group, GROUPED)
+    start_n = tile * BLOCK_N
     _dkdv_tile(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
         pid_bh // n_heads, pid_bh % n_heads, pid_bh,
@@ -686,17 +710,18 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale,
+    n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
-    pid_bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    pid_bh, tile = _grouped_program(head_group, GROUPED)
+    start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     _dq_tile(
         Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
