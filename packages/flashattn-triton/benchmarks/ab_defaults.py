@@ -96,6 +96,21 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
     return [(f"{what} on", gluon(True)), (f"{what} off (Triton)", gluon(False))]
 
 
+def _check_head_group(value: str) -> None:
+    """Raise ValueError unless value is a valid FLASHATTN_TRITON_HEAD_GROUP setting."""
+    from flashattn_triton.configs import head_group
+
+    saved = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP")
+    os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = value
+    try:
+        head_group(2, 1, 1)
+    finally:
+        if saved is None:
+            os.environ.pop("FLASHATTN_TRITON_HEAD_GROUP")
+        else:
+            os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = saved
+
+
 def run(
     what: str, shapes: list[str], old: str, rounds: int, rep: int, *,
     new: str = "", kind: str = "dkdv", d: int = D,
@@ -153,15 +168,13 @@ def main(argv=None) -> int:
             parse_shape(spec)
         from flashattn_triton.configs import TileConfig
 
-        TileConfig.parse(a.old)
+        if a.what in ("fwd-tile", "tile"):
+            TileConfig.parse(a.old)
         if a.what == "tile":
             TileConfig.parse(a.new)
         elif a.what == "head-group":
-            from flashattn_triton.configs import head_group
-
             for value in (a.new, a.old):
-                os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = value
-                head_group(2, 1, 1)
+                _check_head_group(value)
         elif a.d != D:
             raise ValueError(f"--d: {a.what} compares d = {D} defaults")
     except ValueError as e:

@@ -97,6 +97,16 @@ def test_ab_defaults_shapes_and_errors(capsys):
     assert "B,H,N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main(["fwd-tile", "2,8,1000", "--old", "1,2"])
+    with pytest.raises(SystemExit):
+        ab.main(["tile", "2,8,1000", "--d", "64", "--new", "32,64,4", "--old", "32,64,4,3"])
+    before = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP")
+    with pytest.raises(SystemExit):
+        ab.main(["head-group", "2,8,1000", "--new", "fast", "--old", "off"])
+    assert "FLASHATTN_TRITON_HEAD_GROUP" in capsys.readouterr().err
+    assert os.environ.get("FLASHATTN_TRITON_HEAD_GROUP") == before
+    with pytest.raises(SystemExit):
+        ab.main(["gluon-dq", "2,8,1000", "--d", "64"])
+    assert "--d" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             ab.main(["gluon-dq", "2,8,1000"])
