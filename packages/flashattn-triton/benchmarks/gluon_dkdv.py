@@ -115,7 +115,8 @@ def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
         else:
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, 0.18, 0.125,
-                **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, num_warps=o["block_n"] // 16,
+                b * h, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=False,
+                num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))

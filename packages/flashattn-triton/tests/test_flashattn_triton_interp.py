@@ -153,10 +153,11 @@ def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch):
 def test_head_group_setting(monkeypatch):
     mb = 1 << 20
     monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
-    assert configs.head_group(16, 4 * mb, 50 * mb) == 6  # half of L2 / 4 MB per head
-    assert configs.head_group(16, 4 * mb, 0) == 16  # L2 unknown: plain order
+    assert configs.head_group(64, 8 * mb, 50 * mb) == 3  # half of L2 / 8 MB per head
+    assert configs.head_group(64, 8 * mb, 0) == 64  # L2 unknown: plain order
+    assert configs.head_group(16, 4 * mb, 50 * mb) == 16  # 64 MB: under twice L2
+    assert configs.head_group(26, 4 * mb, 50 * mb) == 6  # 104 MB
     assert configs.head_group(16, 64 * mb, 50 * mb) == 1
-    assert configs.head_group(4, 1 * mb, 50 * mb) == 4
     for spec, want in (("off", 16), ("3", 3), ("40", 16)):
         monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", spec)
         assert configs.head_group(16, 4 * mb, 50 * mb) == want

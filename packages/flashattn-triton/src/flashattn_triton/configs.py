@@ -12,6 +12,7 @@ Environment switches (read at each call, never inside traced code):
   ``auto`` (default) picks ``fused`` for causal 16-bit inputs on small grids, else ``split``.
 - ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
 - ``FLASHATTN_TRITON_GLUON=0``: no Gluon dK/dV kernel (``gluon_dkdv``; d = 128 on Hopper).
+- ``FLASHATTN_TRITON_HEAD_GROUP=auto|off|N``: launch order by head groups (``head_group``).
 - ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
   table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws][, reg][, rN]), e.g.
   to replay a benchmark's winner (see ``TileConfig.parse``).
@@ -398,19 +399,24 @@ def fp32_precision() -> str:
     return prec
 
 
-# Launch order by head groups (kernels._grouped_program): programs of a few heads at a time,
-# so that the rows each kernel streams through its loop (K, V for the forward and dQ; Q, dO
-# for dK/dV) of all heads running at once fit in this share of the L2 cache.
+# Launch order by head groups (kernels._grouped_program): where the rows each kernel streams
+# through its loop (K, V for the forward and dQ; Q, dO for dK/dV), summed over all heads,
+# exceed HEAD_GROUP_MIN_L2_MULTIPLE times the L2 cache, programs run a few heads at a time,
+# as many as fit in HEAD_GROUP_L2_SHARE of it. Measured on an H100 (50 MB L2, NOTES.md run
+# 31): 1.28-1.30x backward and 1.05-1.07x forward at d = 64 with 512 MB streamed, forward
+# 1.32-1.38x at d = 128; but 0.96-0.98x backward at 64 MB (the leaderboard shape), so
+# grids that overflow L2 only a little keep the plain order.
 HEAD_GROUP_L2_SHARE = 0.5
-DEFAULT_HEAD_GROUP = "off"  # until measured (NOTES.md run 31)
+HEAD_GROUP_MIN_L2_MULTIPLE = 2
+DEFAULT_HEAD_GROUP = "auto"
 
 
 def head_group(n_bh: int, streamed_bytes_per_head: int, l2_bytes: int) -> int:
     """How many heads' programs run at a time (``n_bh``: the plain order, head fastest).
 
-    ``FLASHATTN_TRITON_HEAD_GROUP``: ``auto`` (as many heads as fit HEAD_GROUP_L2_SHARE of
-    the L2 cache; off where its size is unknown, e.g. Triton's interpreter), ``off``, or a
-    number of heads; unset: DEFAULT_HEAD_GROUP."""
+    ``FLASHATTN_TRITON_HEAD_GROUP``: ``auto`` (see HEAD_GROUP_MIN_L2_MULTIPLE; off where the
+    L2 size is unknown, e.g. Triton's interpreter), ``off``, or a number of heads; unset:
+    DEFAULT_HEAD_GROUP."""
     spec = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP", DEFAULT_HEAD_GROUP).strip().lower()
     n_bh = max(n_bh, 1)
     if spec == "off":
@@ -421,7 +427,7 @@ def head_group(n_bh: int, streamed_bytes_per_head: int, l2_bytes: int) -> int:
         raise ValueError(
             f"FLASHATTN_TRITON_HEAD_GROUP must be auto, off or a positive count, got {spec!r}"
         )
-    if l2_bytes <= 0:
+    if l2_bytes <= 0 or n_bh * streamed_bytes_per_head <= HEAD_GROUP_MIN_L2_MULTIPLE * l2_bytes:
         return n_bh
     fit = int(l2_bytes * HEAD_GROUP_L2_SHARE) // max(streamed_bytes_per_head, 1)
     return max(1, min(n_bh, fit))

@@ -200,22 +200,38 @@ if HAVE_GLUON:
         gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
 
     @gluon.jit
+    def _grouped_program(head_group, GROUPED: gl.constexpr):
+        """kernels._grouped_program in Gluon: (batch*head, tile) of this program, programs
+        of head_group heads at a time when GROUPED, else the plain order."""
+        if not GROUPED:
+            return gl.program_id(0), gl.program_id(1)
+        n_bh = gl.num_programs(0)
+        lin = gl.program_id(1) * n_bh + gl.program_id(0)
+        per_group = head_group * gl.num_programs(1)
+        group = lin // per_group
+        first = group * head_group
+        width = gl.minimum(n_bh - first, head_group)
+        within = lin - group * per_group
+        return first + within % width, within // width
+
+    @gluon.jit
     def dkdv_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-        n_heads, n_q, n_k, qk_scale, sm_scale,
+        n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
         their (batch, head, row) strides (unit last stride).
 
         LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
         WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
-        other); otherwise the math warps issue them STAGES - 1 tiles ahead."""
-        pid_bh = gl.program_id(0)
-        start_n = gl.program_id(1) * BLOCK_N
+        other); otherwise the math warps issue them STAGES - 1 tiles ahead. head_group,
+        GROUPED: the launch order (``kernels._grouped_program``)."""
+        pid_bh, tile = _grouped_program(head_group, GROUPED)
+        start_n = tile * BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
         b = pid_bh // n_heads
         h = pid_bh % n_heads
@@ -341,22 +357,24 @@ def launch_dkdv(
     maxnreg: int | None = None,
     ws: bool = False,
     ablate: int = 0,
+    head_group: int = 0,
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
     dv; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing:
     ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
-    pick their own tiles. ``ablate`` is for
-    timing experiments only (wrong results): 1 drops the exponentials, 2 the element-wise dS,
-    3 both."""
+    pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
+    the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
+    heads at a time (``kernels._grouped_program``); 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    grouped = 0 < head_group < b * h
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
-        softmax_scale,
+        softmax_scale, head_group if grouped else b * h,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        WARP_SPEC=ws, ABLATE=ablate, num_warps=block_n // 16,
+        WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, num_warps=block_n // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
@@ -391,9 +409,15 @@ def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float
     should run the Triton kernel instead (see ``run_guarded``)."""
     if not applies(q, k, v, do, dk, dv):
         return False
-    d = q.shape[-1]
+    from .launch import _head_group
+
+    b, h, n_q, d = q.shape
+    group = _head_group(q, b * h, n_q, d)["head_group"]
     return run_guarded(
         "dK/dV",
         (d, q.dtype, causal),
-        lambda: launch_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[d]),
-    )
+        lambda: launch_dkdv(
+            q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[d],
+            head_group=group,
+        ),
+    )  # fmt: skip
