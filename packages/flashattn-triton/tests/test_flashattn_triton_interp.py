@@ -155,8 +155,9 @@ def test_head_group_setting(monkeypatch):
     monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
     assert configs.head_group(64, 8 * mb, 50 * mb) == 3  # half of L2 / 8 MB per head
     assert configs.head_group(64, 8 * mb, 0) == 64  # L2 unknown: plain order
-    assert configs.head_group(16, 4 * mb, 50 * mb) == 16  # 64 MB: under twice L2
-    assert configs.head_group(26, 4 * mb, 50 * mb) == 6  # 104 MB
+    assert configs.head_group(16, 4 * mb, 50 * mb) == 16  # 64 MB: under four times L2
+    assert configs.head_group(50, 4 * mb, 50 * mb) == 50  # 200 MB: still plain
+    assert configs.head_group(51, 4 * mb, 50 * mb) == 6  # 204 MB
     assert configs.head_group(16, 64 * mb, 50 * mb) == 1
     for spec, want in (("off", 16), ("3", 3), ("40", 16)):
         monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", spec)

@@ -402,12 +402,12 @@ def fp32_precision() -> str:
 # Launch order by head groups (kernels._grouped_program): where the rows each kernel streams
 # through its loop (K, V for the forward and dQ; Q, dO for dK/dV), summed over all heads,
 # exceed HEAD_GROUP_MIN_L2_MULTIPLE times the L2 cache, programs run a few heads at a time,
-# as many as fit in HEAD_GROUP_L2_SHARE of it. Measured on an H100 (50 MB L2, NOTES.md run
-# 31): 1.28-1.30x backward and 1.05-1.07x forward at d = 64 with 512 MB streamed, forward
-# 1.32-1.38x at d = 128; but 0.96-0.98x backward at 64 MB (the leaderboard shape), so
-# grids that overflow L2 only a little keep the plain order.
+# as many as fit in HEAD_GROUP_L2_SHARE of it. Measured on an H100 (50 MB L2, NOTES.md runs
+# 31-32): at 512 MB streamed 1.07-1.30x backward and 1.06-1.37x forward; at 128 MB mixed
+# (d = 64: 1.03-1.06x backward; d = 128 with 3-head groups: 0.95-0.96x); at 64 MB (the
+# leaderboard shape) 0.96-0.98x backward. Hence grouping from four times L2 up only.
 HEAD_GROUP_L2_SHARE = 0.5
-HEAD_GROUP_MIN_L2_MULTIPLE = 2
+HEAD_GROUP_MIN_L2_MULTIPLE = 4
 DEFAULT_HEAD_GROUP = "auto"
 
 
