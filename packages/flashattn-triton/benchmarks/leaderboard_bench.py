@@ -162,6 +162,14 @@ SWEEPS = {
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma"],
     },
+    "d64cap3": {  # four dK/dV programs per SM at 64-query tiles, spilling (run 34)
+        "fwd": ["128,128,4,3,tma"],
+        "dkdv": [
+            "64,64,4,3,tma,r168", "64,64,4,2,tma,r128", "64,64,4,3,tma,r128",
+            "64,64,4,3,tma,r168",
+        ],
+        "dq": ["128,64,8,4,tma"],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",
