@@ -168,6 +168,15 @@ def test_head_group_setting(monkeypatch):
             configs.head_group(16, 4 * mb, 50 * mb)
 
 
+def test_head_group_args_off_gpu(monkeypatch):
+    """No L2 size off-GPU: auto keeps the plain order; a forced count still groups."""
+    x = torch.zeros(2, 3, 10, 16)
+    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
+    assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 6, "GROUPED": False}
+    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "4")
+    assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 4, "GROUPED": True}
+
+
 def test_tma_needs_aligned_strides():
     x = torch.randn(2, 3, 10, 17)[..., :16]  # row stride 17 floats = 68 bytes
     assert not launch.tma_usable(x)

@@ -409,10 +409,10 @@ def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float
     should run the Triton kernel instead (see ``run_guarded``)."""
     if not applies(q, k, v, do, dk, dv):
         return False
-    from .launch import _head_group
+    from .launch import head_group_args
 
     b, h, n_q, d = q.shape
-    group = _head_group(q, b * h, n_q, d)["head_group"]
+    group = head_group_args(q, b * h, n_q, d)["head_group"]
     return run_guarded(
         "dK/dV",
         (d, q.dtype, causal),

@@ -95,7 +95,7 @@ def _cuda_l2_bytes(index: int) -> int:
     return getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)
 
 
-def _head_group(t: torch.Tensor, bh: int, n_rows: int, block_d: int) -> dict:
+def head_group_args(t: torch.Tensor, bh: int, n_rows: int, block_d: int) -> dict:
     """head_group / GROUPED kernel arguments (configs.head_group) for kernels streaming two
     (n_rows, block_d) tiles per head of t's dtype; the plain order off-GPU."""
     l2 = 0
@@ -340,7 +340,7 @@ def forward(
         "stride_vb": v.stride(0), "stride_vh": v.stride(1), "stride_vn": v.stride(2),
         "stride_ob": o.stride(0), "stride_oh": o.stride(1), "stride_on": o.stride(2),
         "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
-        **_head_group(k, b * h, n_k, block_d),
+        **head_group_args(k, b * h, n_k, block_d),
         "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
         "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
     }  # fmt: skip
@@ -475,7 +475,7 @@ def backward(
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic",
-                 **_head_group(q, b * h, n_q, block_d)},
+                 **head_group_args(q, b * h, n_q, block_d)},
                 n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
             )  # fmt: skip
         if scheme == "atomic":
@@ -488,7 +488,7 @@ def backward(
         dq_args = {
             **common, "DQ": dq,
             "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
-            **_head_group(k, b * h, n_k, block_d),
+            **head_group_args(k, b * h, n_k, block_d),
         }  # fmt: skip
         # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
         gluon_dq_ran = (
