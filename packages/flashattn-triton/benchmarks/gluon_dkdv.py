@@ -109,8 +109,8 @@ def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
         opts.update({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {})
         if kernel == "dq":
             c = dq_kernel.warmup(
-                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125,
-                **tiles, **opts, num_warps=o["block_m"] // 16,
+                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125, b * h,
+                **tiles, **opts, GROUPED=False, num_warps=o["block_m"] // 16,
             )  # fmt: skip
         else:
             c = dkdv_kernel.warmup(

@@ -36,18 +36,20 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_dkdv import _row_stats, _tile_pair, _tma_load
+    from .gluon_dkdv import _grouped_program, _row_stats, _tile_pair, _tma_load
 
     @gluon.jit
     def dq_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, stride_dqb, stride_dqh, stride_dqn,
-        n_heads, n_q, n_k, qk_scale, sm_scale,
+        n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUPED: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: dQ of one query tile (the last, heaviest, first)."""
-        pid_bh = gl.program_id(0)
-        start_m = (gl.num_programs(1) - 1 - gl.program_id(1)) * BLOCK_M
+        """One program: dQ of one query tile (the last, heaviest, first); head_group,
+        GROUPED: the launch order (``kernels._grouped_program``)."""
+        pid_bh, tile = _grouped_program(head_group, GROUPED)
+        start_m = (gl.num_programs(1) - 1 - tile) * BLOCK_M
         dtype: gl.constexpr = q_desc.dtype
         b = pid_bh // n_heads
         h = pid_bh % n_heads
@@ -149,17 +151,20 @@ def launch_dq(
     block_n: int,
     stages: int,
     maxnreg: int | None = None,
+    head_group: int = 0,
 ) -> None:
     """Write dQ of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``gluon_dkdv.applies``)
-    into dq; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing."""
+    into dq; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing.
+    ``head_group``: programs of that many heads at a time; 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    grouped = 0 < head_group < b * h
     dq_kernel[(b * h, -(-n_q // block_m))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k,
-        softmax_scale * LOG2E, softmax_scale,
+        softmax_scale * LOG2E, softmax_scale, head_group if grouped else b * h,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        GROUPED=grouped, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -168,11 +173,16 @@ def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> b
     kernel instead (see ``gluon_dkdv.run_guarded``)."""
     if not applies(q, k, v, do, dq, defaults=DEFAULTS) or not small_grid(q):
         return False
-    d = q.shape[-1]
+    from .launch import head_group_args
+
+    b, h, _, d = q.shape
+    group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
         "dQ",
         (d, q.dtype, causal),
-        lambda: launch_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale, **DEFAULTS[d]),
+        lambda: launch_dq(
+            q, k, v, do, lse, delta, dq, causal, softmax_scale, **DEFAULTS[d], head_group=group
+        ),
     )
 
 
