@@ -7,7 +7,8 @@
 
 Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
 (Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
-kernels off) and the grid is small (``small_grid``). Q and dO stay in shared memory; K and
+kernels off) and the grid is small (``small_grid``) or launched by head groups
+(``kernels._grouped_program``, large grids). Q and dO stay in shared memory; K and
 V stream through a ring of TMA stages, loaded by the math warps STAGES - 1 tiles ahead. One
 program owns BLOCK_M query rows of one (batch, head), one warpgroup per 64 rows; loads go
 through the same 4-D descriptors as ``gluon_dkdv``.
@@ -22,8 +23,10 @@ from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
 # Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
 # The whole backward with this kernel was 1.24-1.25x faster on grids under two waves of
-# 128-row programs, but 0.76-1.06x on larger ones (0.76x at lm-core's 8B shape, 2 x 32 heads
-# x 32K tokens): it runs on such small grids only.
+# 128-row programs, 0.96-1.06x on mid-size ones and 0.76-0.91x on the largest in the plain
+# launch order (run 24); head-grouped (grids whose K / V rows exceed four times L2) it won
+# there too, 1.06-1.07x (run 36; 1.07x at lm-core's 8B shape, 2 x 32 heads x 32K tokens). It
+# runs on small grids and head-grouped ones; mid-size grids keep the Triton kernel.
 MAX_WAVES = 2
 
 if HAVE_GLUON:
@@ -171,12 +174,15 @@ def launch_dq(
 def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
     """Run the default Gluon dQ if it applies; False if the caller should run the Triton
     kernel instead (see ``gluon_dkdv.run_guarded``)."""
-    if not applies(q, k, v, do, dq, defaults=DEFAULTS) or not small_grid(q):
+    if not applies(q, k, v, do, dq, defaults=DEFAULTS):
         return False
     from .launch import head_group_args
 
     b, h, _, d = q.shape
-    group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
+    order = head_group_args(k, b * h, k.shape[2], d)
+    if not (order["GROUPED"] or small_grid(q)):
+        return False
+    group = order["head_group"]
     return run_guarded(
         "dQ",
         (d, q.dtype, causal),
