@@ -7,8 +7,8 @@
 
 Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
 (Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
-kernels off) and the grid is small (``small_grid``) or launched by head groups
-(``kernels._grouped_program``, large grids). Q and dO stay in shared memory; K and
+kernels off) and the grid is small (``small_grid``) or the keys are many (``MIN_KEYS``).
+Q and dO stay in shared memory; K and
 V stream through a ring of TMA stages, loaded by the math warps STAGES - 1 tiles ahead. One
 program owns BLOCK_M query rows of one (batch, head), one warpgroup per 64 rows; loads go
 through the same 4-D descriptors as ``gluon_dkdv``.
@@ -22,12 +22,13 @@ from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
 
 # Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
-# The whole backward with this kernel was 1.24-1.25x faster on grids under two waves of
-# 128-row programs, 0.96-1.06x on mid-size ones and 0.76-0.91x on the largest in the plain
-# launch order (run 24); head-grouped (grids whose K / V rows exceed four times L2) it won
-# there too, 1.06-1.07x (run 36; 1.07x at lm-core's 8B shape, 2 x 32 heads x 32K tokens). It
-# runs on small grids and head-grouped ones; mid-size grids keep the Triton kernel.
+# The whole backward with this kernel (H100, benchmarks/NOTES.md runs 24, 36-38) was
+# 1.24-1.25x faster on grids under MAX_WAVES waves of 128-row programs; with at least
+# MIN_KEYS keys 1.01-1.06x in the plain launch order and 1.05-1.08x head-grouped (lm-core's
+# 8B shape, 2 x 32 heads x 32K tokens: 1.07x; in the plain order the largest grids had lost
+# 0.76-0.91x, which the head groups now prevent); at 512 keys it lost (0.97x).
 MAX_WAVES = 2
+MIN_KEYS = 2048
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -179,10 +180,9 @@ def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> b
     from .launch import head_group_args
 
     b, h, _, d = q.shape
-    order = head_group_args(k, b * h, k.shape[2], d)
-    if not (order["GROUPED"] or small_grid(q)):
+    if k.shape[2] < MIN_KEYS and not small_grid(q):
         return False
-    group = order["head_group"]
+    group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
         "dQ",
         (d, q.dtype, causal),
