@@ -12,8 +12,9 @@ out the exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is b
 products, not by their overlap with the exponentials. At d = 128, causal, it is 1.15-1.21x
 faster than the Triton kernel, so the package uses it there (``gluon_dkdv.DEFAULTS``). The dQ
 kernel (run 24) alone is 1.17x faster than the Triton one at (8, 1, 16384, 128), causal, and
-slower at d = 64; in the whole backward it wins only on small grids, where the package uses
-it (``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``).
+slower at d = 64; in the whole backward it wins on small grids and, since the head-grouped
+launch order, wherever there are 2048 keys or more (runs 36-38), where the package uses it
+(``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``, ``gluon_dq.MIN_KEYS``).
 
 Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default; ``ws``
 for dK/dV only).
