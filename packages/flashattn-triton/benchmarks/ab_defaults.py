@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 D = 128  # the head dim the fwd-tile and gluon comparisons are about (--d for ``tile``)
+HEAD_GROUP_ENV = "FLASHATTN_TRITON_HEAD_GROUP"
 
 
 def parse_shape(spec: str) -> tuple[int, int, int, bool, bool]:
@@ -63,7 +64,7 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
     if what == "head-group":
 
         def setting(value):
-            return lambda: os.environ.__setitem__("FLASHATTN_TRITON_HEAD_GROUP", value)
+            return lambda: os.environ.__setitem__(HEAD_GROUP_ENV, value)
 
         return [(f"head group {new}", setting(new)), (f"head group {old}", setting(old))]
     if what == "tile":
@@ -96,19 +97,39 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
     return [(f"{what} on", gluon(True)), (f"{what} off (Triton)", gluon(False))]
 
 
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _restore(what: str, kind: str, saved: tuple, pairs: list) -> None:
+    """Leave things as before a comparison: the defaults in place for fwd-tile / gluon-*
+    (``pairs``' first side), the caller's override (tile) or head-group setting back."""
+    from flashattn_triton import configs
+
+    override, head_group = saved
+    if what == "tile":
+        configs.OVERRIDES.pop(kind, None)
+        if override is not None:
+            configs.OVERRIDES[kind] = override
+    elif what == "head-group":
+        _set_env(HEAD_GROUP_ENV, head_group)
+    else:
+        pairs[0][1]()
+
+
 def _check_head_group(value: str) -> None:
     """Raise ValueError unless value is a valid FLASHATTN_TRITON_HEAD_GROUP setting."""
     from flashattn_triton.configs import head_group
 
-    saved = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP")
-    os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = value
+    saved = os.environ.get(HEAD_GROUP_ENV)
+    os.environ[HEAD_GROUP_ENV] = value
     try:
         head_group(2, 1, 1)
     finally:
-        if saved is None:
-            os.environ.pop("FLASHATTN_TRITON_HEAD_GROUP")
-        else:
-            os.environ["FLASHATTN_TRITON_HEAD_GROUP"] = saved
+        _set_env(HEAD_GROUP_ENV, saved)
 
 
 def run(
@@ -120,6 +141,7 @@ def run(
     from flashattn_triton import configs, launch
 
     pairs = sides(what, old, new, kind)
+    saved = (configs.OVERRIDES.get(kind), os.environ.get(HEAD_GROUP_ENV))
     forward_only = what == "fwd-tile" or (what in ("tile", "head-group") and kind == "fwd")
     rows = []
     for spec in shapes:
@@ -141,8 +163,7 @@ def run(
                 times[name].append(
                     triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
                 )
-        pairs[0][1]()  # leave the default in place
-        configs.OVERRIDES.pop(kind, None) if what == "tile" else None
+        _restore(what, kind, saved, pairs)
         med = {name: statistics.median(ts) for name, ts in times.items()}
         (a, ta), (c, tc) = med.items()
         rows.append({"shape": spec, "causal": causal, "view": view, a: ta, c: tc,
@@ -155,9 +176,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile", "head-group"))
     ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (bf16)")
-    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile, tile: the config to beat")
-    ap.add_argument("--new", default="", help="tile: the candidate config")
-    ap.add_argument("--kind", default="dkdv", choices=("fwd", "dkdv", "dq"), help="tile: kind")
+    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile, tile, head-group: to beat")
+    ap.add_argument("--new", default="", help="tile, head-group: the candidate")
+    ap.add_argument(
+        "--kind", default="dkdv", choices=("fwd", "dkdv", "dq"),
+        help="tile: the kind overridden; tile, head-group: fwd times the forward, else backward",
+    )  # fmt: skip
     ap.add_argument("--d", type=int, default=D, help="tile, head-group: head dim (others: 128)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph budget, ms")

@@ -111,3 +111,29 @@ def test_ab_defaults_shapes_and_errors(capsys):
         with pytest.raises(SystemExit):
             ab.main(["gluon-dq", "2,8,1000"])
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_ab_defaults_restores_what_it_switched(monkeypatch):
+    """After a comparison the caller's override / head-group setting is back, and the
+    Gluon defaults are in place (benchmarks/ab_defaults.py ``_restore``)."""
+    from flashattn_triton import configs
+
+    ab = _ab_defaults()
+    mine = configs.TileConfig.parse("32,64,4,3")
+    monkeypatch.setattr(configs, "OVERRIDES", {"dkdv": mine})
+    pairs = ab.sides("tile", "64,64,4,3", "32,64,4,2", "dkdv")
+    pairs[1][1]()
+    ab._restore("tile", "dkdv", (mine, None), pairs)
+    assert configs.OVERRIDES["dkdv"] is mine
+    assert len(configs.OVERRIDES) == 1
+    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "off")
+    pairs = ab.sides("head-group", "off", "4")
+    pairs[0][1]()
+    ab._restore("head-group", "dkdv", (None, "off"), pairs)
+    assert os.environ["FLASHATTN_TRITON_HEAD_GROUP"] == "off"
+    before = dict(gluon_dq.DEFAULTS)
+    pairs = ab.sides("gluon-dq", "64,64,4,3")
+    pairs[1][1]()
+    assert not gluon_dq.DEFAULTS
+    ab._restore("gluon-dq", "dkdv", (None, None), pairs)
+    assert dict(gluon_dq.DEFAULTS) == before
