@@ -11,7 +11,8 @@ sm_90, H100). Catches compile errors before spending GPU time and shows register
 ``--schedule`` prints the order, in the PTX, of the tensor-core work and what waits for it:
 ``M4`` four wgmma instructions (one tl.dot), ``C`` a commit of the group, ``[W0]`` a wait
 until at most 0 groups are in flight (``[W1]``: 1), ``e32`` 32 exp2 instructions, ``b`` a
-wait on a TMA/async-copy barrier. A ``[W0]`` right after each dot means the dot is not
+wait on a TMA/async-copy barrier, ``|`` a CTA-wide ``bar.sync`` (``|3``: three in a row).
+A ``[W0]`` right after each dot means the dot is not
 overlapped with the exponentials that follow (inside one warpgroup; other CTAs on the SM can
 still fill the gap).
 """
@@ -93,8 +94,10 @@ def wgmma_schedule(ptx: str) -> str:
             seq.append("e")
         elif op.startswith(("mbarrier.try_wait", "cp.async.wait_group")):
             seq.append("b")
+        elif op.startswith(("bar.sync", "barrier.sync")):
+            seq.append("|")
     text = "".join(seq)
-    return re.sub(r"([Me])\1+", lambda m: f"{m[1]}{len(m[0])}", text)
+    return re.sub(r"([Me|])\1+", lambda m: f"{m[1]}{len(m[0])}", text)
 
 
 def wgmma_a_from_smem(ptx: str) -> int:
