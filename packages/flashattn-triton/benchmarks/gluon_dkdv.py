@@ -76,7 +76,9 @@ def _stats(q, k, v, do, causal, scale):
     return o, lse, delta
 
 
-def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
+def offline(
+    specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv", grouped: bool = False
+) -> int:
     """Compile each variant for sm_90 with no GPU (a stand-in driver); print registers, the
     setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule."""
     import re
@@ -110,13 +112,13 @@ def offline(specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv") -> int:
         opts.update({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {})
         if kernel == "dq":
             c = dq_kernel.warmup(
-                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125, b * h,
-                **tiles, **opts, GROUPED=False, num_warps=o["block_m"] // 16,
+                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125, 2,
+                **tiles, **opts, GROUPED=grouped, num_warps=o["block_m"] // 16,
             )  # fmt: skip
         else:
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, 0.18, 0.125,
-                b * h, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=False,
+                2, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
                 num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
@@ -266,6 +268,9 @@ def main(argv=None) -> int:
         "--shape", default=",".join(map(str, LEADERBOARD)), help="B,H,N,d (offline, time)"
     )
     ap.add_argument("--noncausal", action="store_true", help="time without the causal mask")
+    ap.add_argument(
+        "--grouped", action="store_true", help="offline: the head-grouped launch order's variant"
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "offline":
-        return offline(a.specs, shape, a.kernel)
+        return offline(a.specs, shape, a.kernel, a.grouped)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":

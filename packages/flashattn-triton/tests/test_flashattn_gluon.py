@@ -55,18 +55,26 @@ def test_defaults_cover_only_measured_head_dims():
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(
-    ("kernel", "shape"), [("dkdv", "2,1,256,128"), ("dkdv", "2,1,256,64"), ("dq", "2,1,256,128")]
+    ("kernel", "shape", "grouped"),
+    [
+        ("dkdv", "2,1,256,128", False),
+        ("dkdv", "2,1,256,64", False),
+        ("dq", "2,1,256,128", False),
+        ("dkdv", "2,1,256,128", True),
+        ("dq", "2,1,256,128", True),
+    ],
 )
-def test_kernel_compiles_for_hopper(kernel, shape):
+def test_kernel_compiles_for_hopper(kernel, shape, grouped):
     """The default d = 128 variants (and a d = 64 dK/dV one) compile for sm_90 (catches
-    Gluon API drift across Triton versions before any GPU time is spent)."""
+    Gluon API drift across Triton versions before any GPU time is spent), also in the
+    head-grouped order, whose index math is the @triton.jit ``kernels._grouped_program``."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
     spec = "64,64,2,0" if shape.endswith("128") else "32,64,4,128"
+    args = [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape]
     out = subprocess.run(
-        [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        args + ["--grouped"] * grouped, capture_output=True, text=True, env=env, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reg " in out.stdout, out.stdout
     assert "schedule: " in out.stdout, out.stdout

@@ -45,6 +45,9 @@ try:  # Gluon ships with Triton >= 3.5
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # A @triton.jit helper: Gluon kernels call it like their own (checked with Triton 3.6, 3.9).
+    from .kernels import _grouped_program
+
     HAVE_GLUON = True
     _LOG2E = gl.constexpr(LOG2E)
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later ones async_load.
@@ -200,21 +203,6 @@ if HAVE_GLUON:
         gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
 
     @gluon.jit
-    def _grouped_program(head_group, GROUPED: gl.constexpr):
-        """kernels._grouped_program in Gluon: (batch*head, tile) of this program, programs
-        of head_group heads at a time when GROUPED, else the plain order."""
-        if not GROUPED:
-            return gl.program_id(0), gl.program_id(1)
-        n_bh = gl.num_programs(0)
-        lin = gl.program_id(1) * n_bh + gl.program_id(0)
-        per_group = head_group * gl.num_programs(1)
-        group = lin // per_group
-        first = group * head_group
-        width = gl.minimum(n_bh - first, head_group)
-        within = lin - group * per_group
-        return first + within % width, within // width
-
-    @gluon.jit
     def dkdv_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -367,16 +355,23 @@ def launch_dkdv(
     heads at a time (``kernels._grouped_program``); 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    grouped = 0 < head_group < b * h
+    group, grouped = launch_order(head_group, b * h)
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
-        softmax_scale, head_group if grouped else b * h,
+        softmax_scale, group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, num_warps=block_n // 16,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def launch_order(head_group: int, bh: int) -> tuple[int, bool]:
+    """The (head_group, GROUPED) kernel arguments of both Gluon launchers: programs of
+    head_group heads at a time where 0 < head_group < bh, else the plain order."""
+    grouped = 0 < head_group < bh
+    return (head_group if grouped else bh), grouped
 
 
 def run_guarded(kernel: str, key: tuple, launch: Callable[[], None]) -> bool:

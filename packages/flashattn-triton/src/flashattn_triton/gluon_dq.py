@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, run_guarded
+from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, launch_order, run_guarded
 
 # Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
@@ -162,11 +162,11 @@ def launch_dq(
     ``head_group``: programs of that many heads at a time; 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    grouped = 0 < head_group < b * h
+    group, grouped = launch_order(head_group, b * h)
     dq_kernel[(b * h, -(-n_q // block_m))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k,
-        softmax_scale * LOG2E, softmax_scale, head_group if grouped else b * h,
+        softmax_scale * LOG2E, softmax_scale, group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         GROUPED=grouped, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
