@@ -170,6 +170,15 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma"],
     },
+    "d64atomic2": {  # run 5's one-pass backward again, now with TMA loads too (run 40)
+        "fwd": ["128,128,4,3,tma"],
+        "dkdv": ["64,64,4,3,tma,r168"],
+        "dq": ["128,64,8,4,tma"],
+        "atomic": [
+            "64,64,4,3,tma", "64,64,4,2,tma,r168", "64,64,4,2,tma", "64,128,8,2,tma",
+            "64,128,8,3,tma", "32,128,8,3,tma", "128,128,8,2,tma",
+        ],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",

@@ -188,9 +188,8 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
 def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) -> dict:
     """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ/REG_A for one launch (nothing for the fused kernel).
 
-    For the atomic backward, ``tma`` routes the dQ additions through TMA bulk reductions into
-    the float32 buffer; its loads stay on pointers (TMA loads measured slower in the dK/dV
-    loop, benchmarks/NOTES.md). ``cfg`` None: every flag off (the autotuned path)."""
+    For the atomic backward, ``tma`` also routes the dQ additions through TMA bulk reductions
+    into the float32 buffer. ``cfg`` None: every flag off (the autotuned path)."""
     if kind not in _STREAMED:
         return {}
     name_a, name_b, rows = _STREAMED[kind]
@@ -206,7 +205,7 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         dq = args["DQ"]  # Triton's interpreter has no TMA reductions (triton 3.9)
         if dq.device.type == "cuda" and tma_usable(dq):
             out.update(DESC_C=_descriptor(dq, cfg.block_m, block_d), TMA_DQ=True)
-    elif tma_usable(a) and tma_usable(b):
+    if tma_usable(a) and tma_usable(b):
         block = getattr(cfg, rows)
         out.update(DESC_A=_descriptor(a, block, block_d), DESC_B=_descriptor(b, block, block_d))
         out["USE_TMA"] = True
