@@ -179,7 +179,7 @@ SWEEPS = {
             "64,128,8,3,tma", "32,128,8,3,tma", "128,128,8,2,tma",
         ],
     },
-    "d64atomic3": {  # the best of d64atomic2 with element (v4) atomics or TMA reductions (run 44)
+    "d64atomic3": {  # d64atomic2's best; run 44 also ran it with element atomics (commit 5d342d1)
         "fwd": ["128,128,4,3,tma"],
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma"],

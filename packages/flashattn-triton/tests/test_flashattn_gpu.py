@@ -129,7 +129,7 @@ def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch):
 @pytest.mark.parametrize("d", [64, 80])
 @pytest.mark.parametrize("scheme", ["split", "atomic"])
 def test_tma_tile_flags(scheme, d, monkeypatch):
-    """The opt-in `tma` tile flag (TMA loads; for atomic, TMA dQ reductions) on a ragged
+    """The opt-in `tma` tile flag (TMA loads; for atomic also TMA dQ reductions) on a ragged
     length and a padded head dim: same accuracy bounds as the default path."""
     from dataclasses import replace
 

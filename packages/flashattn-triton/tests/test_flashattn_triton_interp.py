@@ -132,8 +132,9 @@ def test_tma_and_warp_spec_paths(flags, n_q, n_k, d, causal, monkeypatch):
     ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
 )
 def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch):
-    """The atomic backward asked for TMA reductions: the interpreter has none, so it falls
-    back to element atomics (the reduction itself is checked by the GPU tests)."""
+    """The atomic backward with ``tma``: Q and dO stream through TMA descriptors; the
+    interpreter has no TMA reductions, so dQ falls back to element atomics (the reduction
+    itself is checked by the GPU tests)."""
     monkeypatch.setattr(
         configs, "OVERRIDES", {"atomic.fp32": replace(SMALL_TILES["atomic.fp32"], tma=True)}
     )

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
@@ -204,8 +203,7 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         return out
     if kind == "atomic":
         dq = args["DQ"]  # Triton's interpreter has no TMA reductions (triton 3.9)
-        elem = os.environ.get("FLASHATTN_TRITON_ATOMIC_ELEM") == "1"  # experiment (run 44)
-        if dq.device.type == "cuda" and tma_usable(dq) and not elem:
+        if dq.device.type == "cuda" and tma_usable(dq):
             out.update(DESC_C=_descriptor(dq, cfg.block_m, block_d), TMA_DQ=True)
     if tma_usable(a) and tma_usable(b):
         block = getattr(cfg, rows)
