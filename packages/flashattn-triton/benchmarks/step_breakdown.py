@@ -8,7 +8,8 @@ table and saved to ``--out`` as JSON:
    time), and the step's span against the sum of its kernels (idle gaps).
 2. ``sustained``: steps back to back with no profiler, as ``do_bench`` runs them (an L2 flush
    before each), timed by CUDA events around the step and, for ours, around
-   ``launch.forward`` / ``launch.backward`` and each kernel ``launch._run`` starts.
+   ``launch.forward`` / ``launch.backward`` (regions ``forward``, ``backward``) and each
+   kernel ``launch._run`` starts (regions named by kernel kind: ``fwd``, ``dkdv``, ``dq``).
 3. ``power`` (``--seconds`` > 0, needs ``nvidia-smi``): the SM clock, the board power and
    whether the software power cap throttles, sampled every 100 ms while each provider runs
    steps for that many seconds.
@@ -174,8 +175,8 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
         return wrapped
 
     if instrument:
-        launch.forward = wrap("fwd", saved[0])
-        launch.backward = wrap("bwd", saved[1])
+        launch.forward = wrap("forward", saved[0])  # kernel regions: fwd, dkdv, dq, ...
+        launch.backward = wrap("backward", saved[1])
         launch._run = wrap("run", saved[2])
     try:
         flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
