@@ -95,5 +95,7 @@ def test_step_breakdown_runs(sb, tmp_path, capsys):
     assert "attn_bwd_dkdv_kernel" in out or "dkdv" in out
     data = json.loads(next(tmp_path.glob("step_breakdown_*.json")).read_text())
     assert data["ours_kernels"]["busy_us"] > 0
-    assert {"forward", "fwd", "backward", "dkdv", "dq", "step"} <= set(data["ours_sustained"])
+    regions = set(data["ours_sustained"])
+    assert {"forward", "fwd", "backward", "step"} <= regions
+    assert regions & {"dkdv", "fused", "atomic"}, regions  # a backward kernel was timed
     assert data["sdpa_cudnn_sustained"]["step"] > 0
