@@ -185,6 +185,14 @@ SWEEPS = {
         "dq": ["128,64,8,4,tma"],
         "atomic": ["64,64,4,3,tma", "64,64,4,2,tma", "64,64,4,4,tma", "64,128,8,2,tma"],
     },
+    "d64wide": {  # forward / dQ with two or four warpgroups per program sharing K, V (run 49)
+        "fwd": [
+            "128,128,4,3,tma", "128,64,8,3,tma", "128,64,8,4,tma", "256,64,16,3,tma",
+            "256,64,16,4,tma", "128,128,8,2,tma", "128,128,4,3,tma",
+        ],
+        "dkdv": ["64,64,4,3,tma,r168"],
+        "dq": ["128,64,8,4,tma", "256,64,16,4,tma", "256,64,16,3,tma", "128,64,8,4,tma"],
+    },
     "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",
