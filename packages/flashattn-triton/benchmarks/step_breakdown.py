@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -272,7 +273,9 @@ def main(argv=None) -> int:
         regions = sustained_view(step, a.steps, instrument=name == "ours")
         result[f"{name}_sustained"] = regions
         print(f"- {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in regions.items()))
-    if a.seconds > 0:
+    if a.seconds > 0 and shutil.which("nvidia-smi") is None:
+        print("\n(no nvidia-smi on PATH: power view skipped)")
+    elif a.seconds > 0:
         result["power"] = power_view(steps, a.seconds, a.out)
         print("\n### power (nvidia-smi every 100 ms)\n")
         print("| provider | ms/step | SM MHz | W | share power-capped |")
