@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from flashattn_triton.gluon_dkdv import HAVE_GLUON, _desc, launch_dkdv
+from flashattn_triton.gluon_dkdv import HAVE_GLUON, _desc, _flat_desc, launch_dkdv
 from flashattn_triton.gluon_dq import launch_dq
 
 if HAVE_GLUON:
@@ -47,17 +47,21 @@ LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, ca
 def _dq_spec(spec: str) -> dict:
     """The dQ kernel's launch options (no warp specialization)."""
     o = parse_spec(spec)
-    if o.pop("ws"):
-        raise ValueError(f"{spec!r}: the dQ kernel has no 'ws' variant")
+    if o.pop("ws") or o.pop("row_tma", False):
+        raise ValueError(f"{spec!r}: the dQ kernel has no 'ws' or 'rt' variant")
     return o
 
 
 def parse_spec(spec: str) -> dict:
-    """``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` -> launch options."""
+    """``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]`` -> launch options (``rt``: row
+    statistics by TMA, dK/dV only)."""
     parts = spec.split(",")
-    ws = parts[-1] == "ws"
+    flags = set(parts[4:])
+    if not flags <= {"ws", "rt"}:
+        raise ValueError(f"{spec!r}: flags are ws, rt")
     bm, bn, stages, maxnreg = (int(x) for x in parts[:4])
-    return {"block_m": bm, "block_n": bn, "stages": stages, "maxnreg": maxnreg or None, "ws": ws}
+    out = {"block_m": bm, "block_n": bn, "stages": stages, "maxnreg": maxnreg or None}
+    return out | {"ws": "ws" in flags} | ({"row_tma": True} if "rt" in flags else {})
 
 
 def _inputs(shape, n_k=None, dtype=torch.bfloat16, device="cuda"):
@@ -116,10 +120,12 @@ def offline(
                 **tiles, **opts, GROUPED=grouped, num_warps=o["block_m"] // 16,
             )  # fmt: skip
         else:
+            rt = o.get("row_tma", False)
+            rows = (_flat_desc(lse, o["block_m"]),) * 2 if rt else (None, None)
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, 0.18, 0.125,
-                2, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
-                num_warps=o["block_n"] // 16,
+                2, *rows, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
+                ROW_TMA=rt, num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))

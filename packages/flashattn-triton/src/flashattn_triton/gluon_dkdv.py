@@ -83,6 +83,25 @@ if HAVE_GLUON:
         _tma_load(b_desc, [b, h, row, 0], bar, b_smem.index(stage), pred=pred)
 
     @gluon.jit
+    def _tile_quad(
+        i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+        ready, b, h, pid_bh, n_q, STAGES: gl.constexpr, BLOCK: gl.constexpr, pred,
+    ):  # fmt: skip
+        """``_tile_pair`` plus the tile's log-sum-exp and delta rows (1-D TMA over the flat
+        (B*H*n_q,) float32 arrays) on the same barrier (ROW_TMA)."""
+        stage = i % STAGES
+        bar = ready.index(stage)
+        tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+        rows_bytes: gl.constexpr = lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
+        mbarrier.expect(bar, tiles_bytes + rows_bytes, pred=pred)
+        row = lo + i * BLOCK
+        _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
+        _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
+        flat = pid_bh * n_q + row
+        _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
+        _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
+
+    @gluon.jit
     def _row_stats(lse_base, delta_base, offs_m, n_q):
         """log2-domain log-sum-exp (+inf for rows that saw no key: P = 0) and delta of the
         query rows offs_m; rows past n_q read as +inf / 0."""
@@ -112,10 +131,10 @@ if HAVE_GLUON:
     def _consume(
         q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
         LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles, n_q, n_k,
-        qk_scale, sm_scale,
+        qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The math: accumulate dK, dV over the query tiles, then store them. stride_dk,
         stride_dv: (batch, head, row) strides of DK, DV."""
@@ -152,8 +171,13 @@ if HAVE_GLUON:
             stage = i % STAGES
             start_m = lo + i * BLOCK_M
             offs_m = start_m + offs_tm
-            lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
+            if not ROW_TMA:
+                lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            if ROW_TMA:  # arrived with Q and dO; rows past n_q are masked below
+                lse = lse_smem.index(stage).load(col_layout)
+                delta = delta_smem.index(stage).load(col_layout)
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
             q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             s_tok = warpgroup_mma(k_tile, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -164,6 +188,12 @@ if HAVE_GLUON:
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             if WARP_SPEC:
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
+            elif ROW_TMA:
+                nxt = i + STAGES - 1
+                _tile_quad(
+                    nxt, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, nxt < n_tiles,
+                )  # fmt: skip
             else:
                 nxt = i + STAGES - 1
                 _tile_pair(
@@ -206,10 +236,11 @@ if HAVE_GLUON:
     def dkdv_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-        n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
+        n_heads, n_q, n_k, qk_scale, sm_scale, head_group, lse_desc, delta_desc,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, GROUPED: gl.constexpr, ROW_TMA: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
         their (batch, head, row) strides (unit last stride).
@@ -232,6 +263,13 @@ if HAVE_GLUON:
         do_smem = gl.allocate_shared_memory(
             dtype, [STAGES, 1, 1, BLOCK_M, HEAD_DIM], do_desc.layout
         )
+        if ROW_TMA:  # ROW_TMA: the row statistics ride the Q / dO ring (not with WARP_SPEC)
+            gl.static_assert(not WARP_SPEC, "ROW_TMA needs WARP_SPEC off")
+            lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
+            delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
+        else:
+            lse_smem = q_smem
+            delta_smem = q_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -255,8 +293,9 @@ if HAVE_GLUON:
                         (
                             q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
                             kv_ready, LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv,
-                            start_n, lo, n_tiles, n_q, n_k, qk_scale, sm_scale, BLOCK_M,
-                            BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, num_warps,
+                            start_n, lo, n_tiles, n_q, n_k, qk_scale, sm_scale, lse_desc,
+                            delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
                         ),
                     ),
                     (
@@ -276,15 +315,21 @@ if HAVE_GLUON:
             _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
             _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
             for i in gl.static_range(STAGES - 1):
-                _tile_pair(
-                    i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
-                    i < n_tiles,
-                )  # fmt: skip
+                if ROW_TMA:
+                    _tile_quad(
+                        i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                        delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, i < n_tiles,
+                    )  # fmt: skip
+                else:
+                    _tile_pair(
+                        i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
+                        i < n_tiles,
+                    )  # fmt: skip
             _consume(
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
                 LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
-                n_q, n_k, qk_scale, sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC,
-                ABLATE, num_warps,
+                n_q, n_k, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
+                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -346,25 +391,35 @@ def launch_dkdv(
     ws: bool = False,
     ablate: int = 0,
     head_group: int = 0,
+    row_tma: bool = False,
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
     dv; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing:
     ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
     pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
-    heads at a time (``kernels._grouped_program``); 0: the plain order."""
+    heads at a time (``kernels._grouped_program``); 0: the plain order. ``row_tma``: each
+    query tile's lse / delta rows arrive by TMA with its Q / dO (contiguous lse, delta)."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     group, grouped = launch_order(head_group, b * h)
+    rows = (_flat_desc(lse, block_m), _flat_desc(delta, block_m)) if row_tma else (None, None)
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
-        softmax_scale, group,
+        softmax_scale, group, *rows,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, num_warps=block_n // 16,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma,
+        num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def _flat_desc(t: torch.Tensor, block: int) -> TensorDescriptor:
+    """A 1-D TMA descriptor over a contiguous float32 tensor seen flat, for (block,) tiles."""
+    flat = t.view(-1)
+    layout = gl.NVMMASharedLayout.get_default_for([block], gl.float32)
+    return TensorDescriptor(flat, [flat.numel()], [1], [block], layout)
 
 
 def launch_order(head_group: int, bh: int) -> tuple[int, bool]:
