@@ -399,10 +399,12 @@ def launch_dkdv(
     pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
     heads at a time (``kernels._grouped_program``); 0: the plain order. ``row_tma``: each
-    query tile's lse / delta rows arrive by TMA with its Q / dO (contiguous lse, delta)."""
+    query tile's lse / delta rows arrive by TMA with its Q / dO (contiguous lse, delta) where
+    ``rows_by_tma`` allows it; elsewhere they are loaded per tile."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     group, grouped = launch_order(head_group, b * h)
+    row_tma = row_tma and rows_by_tma(lse, delta)
     rows = (_flat_desc(lse, block_m), _flat_desc(delta, block_m)) if row_tma else (None, None)
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
@@ -413,6 +415,19 @@ def launch_dkdv(
         WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
+
+
+def rows_by_tma(lse: torch.Tensor, delta: torch.Tensor) -> bool:
+    """Whether the (B, H, n_q) float32 row statistics can be read by 1-D TMA tiles starting at
+    b*h*n_q + row: contiguous, 16-byte aligned, and n_q a multiple of 4 (a TMA box must start
+    on a 16-byte boundary; unaligned starts fault, NOTES.md run 48)."""
+    return (
+        all(
+            t.is_contiguous() and t.dtype == torch.float32 and t.data_ptr() % 16 == 0
+            for t in (lse, delta)
+        )
+        and lse.shape[-1] % 4 == 0
+    )
 
 
 def _flat_desc(t: torch.Tensor, block: int) -> TensorDescriptor:
