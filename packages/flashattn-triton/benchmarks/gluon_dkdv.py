@@ -16,8 +16,9 @@ slower at d = 64; in the whole backward it wins on small grids and, since the he
 launch order, wherever there are 2048 keys or more (runs 36-38), where the package uses it
 (``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``, ``gluon_dq.MIN_KEYS``).
 
-Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]`` (MAXNREG 0: Triton's default; ``ws``
-for dK/dV only).
+Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]`` (MAXNREG 0: Triton's default;
+``ws`` and ``rt``, lse / delta rows by TMA with Q / dO, for dK/dV only; ``rt`` is in the
+d = 128 default since run 52).
 
     python benchmarks/gluon_dkdv.py offline 32,64,4,128 64,128,3,168,ws  # any machine
     python benchmarks/gluon_dkdv.py check 32,64,4,128 --out $OUT         # Hopper GPU
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=("offline", "check", "time"))
     ap.add_argument("--kernel", choices=("dkdv", "dq"), default="dkdv", help="which kernel")
-    ap.add_argument("specs", nargs="+", help="BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws]")
+    ap.add_argument("specs", nargs="+", help="BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]")
     ap.add_argument(
         "--ablate", type=int, nargs="*", default=[], choices=(1, 2, 3), help="first spec only"
     )
@@ -285,7 +286,9 @@ def main(argv=None) -> int:
         try:
             _dq_spec(spec) if a.kernel == "dq" else parse_spec(spec)
         except ValueError:
-            ap.error(f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws] (ws: dkdv)")
+            ap.error(
+                f"bad spec {spec!r}: want BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt] (ws, rt: dkdv)"
+            )
     if a.kernel == "dq" and a.ablate:
         ap.error("--ablate applies to the dK/dV kernel only")
     shape = tuple(int(x) for x in a.shape.split(","))

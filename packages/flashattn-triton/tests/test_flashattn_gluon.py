@@ -44,6 +44,19 @@ def test_tma_layout_rule():
     assert not gluon_dkdv._tma_ok(padded[..., 1:])  # base 2 bytes off
 
 
+def test_rows_by_tma_rule():
+    """Row statistics go by 1-D TMA only where every tile starts on a 16-byte boundary:
+    contiguous float32 (B, H, n_q) with n_q a multiple of 4."""
+    lse = torch.zeros(2, 3, 1000)
+    assert gluon_dkdv.rows_by_tma(lse, torch.zeros_like(lse))
+    for n_q in (777, 1, 1002):  # b*h*n_q + row would start mid-16-byte
+        odd = torch.zeros(2, 3, n_q)
+        assert not gluon_dkdv.rows_by_tma(odd, torch.zeros_like(odd))
+    assert not gluon_dkdv.rows_by_tma(lse, torch.zeros(2, 3, 1000, dtype=torch.float64))
+    assert not gluon_dkdv.rows_by_tma(torch.zeros(2, 1000, 3).transpose(1, 2), lse)
+    assert not gluon_dkdv.rows_by_tma(torch.zeros(2 * 3 * 1000 + 1)[1:].view(2, 3, 1000), lse)
+
+
 def test_defaults_cover_only_measured_head_dims():
     assert set(gluon_dkdv.DEFAULTS) == {128}
     assert set(gluon_dq.DEFAULTS) == {128}
@@ -70,7 +83,11 @@ def test_kernel_compiles_for_hopper(kernel, shape, grouped):
     head-grouped order, whose index math is the @triton.jit ``kernels._grouped_program``."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
-    spec = "64,64,2,0" if shape.endswith("128") else "32,64,4,128"
+    spec = "32,64,4,128"  # d = 64: an explored variant; d = 128: the default (row_tma: rt)
+    if shape.endswith("128"):
+        cfg = (gluon_dkdv if kernel == "dkdv" else gluon_dq).DEFAULTS[128]
+        spec = f"{cfg['block_m']},{cfg['block_n']},{cfg['stages']},{cfg['maxnreg'] or 0}"
+        spec += ",rt" * bool(cfg.get("row_tma"))
     args = [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape]
     out = subprocess.run(
         args + ["--grouped"] * grouped, capture_output=True, text=True, env=env, timeout=300

@@ -13,7 +13,8 @@ shared memory, TMA, mbarriers and wgmma are explicit. Each query tile goes:
     next tile: issue its S^T, dP^T behind dV, dK; wait for S^T ...
 
 Q and dO tiles stream through a ring of shared-memory stages filled by TMA (by the math warps,
-or with WARP_SPEC by one extra loader warp); K and V stay in shared memory. One program owns
+or with WARP_SPEC by one extra loader warp), with ROW_TMA each tile's lse and delta rows too
+(else they are loaded from global memory per tile); K and V stay in shared memory. One program owns
 BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The loads go through 4-D
 (B, H, N, d) descriptors, so any layout with a unit last stride and 16-byte aligned strides
 works (e.g. a model's (B, N, H, d) buffer seen as (B, H, N, d)); rows past a head's end read
@@ -57,10 +58,12 @@ except ImportError:  # older Triton, or none
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Measured defaults by head dim (H100, NOTES.md run 17): block_m, block_n, stages, maxnreg
-# (None: Triton's), warp specialization. d = 64 is absent: there it only ties the Triton
-# kernel (run 16).
+# (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
+# where ``rows_by_tma`` allows: 1.02-1.08x on the whole backward over seven d = 128 shapes,
+# run 52). d = 64 is absent: there it trails the Triton kernel (0.96-0.98x with row_tma,
+# runs 16, 48).
 DEFAULTS: dict[int, dict] = {
-    128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False},
+    128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False, "row_tma": True},
 }
 _FAILED: dict[tuple, str] = {}  # (kernel, d, dtype, causal) -> why its compile failed
 _COMPILED: set[tuple] = set()
