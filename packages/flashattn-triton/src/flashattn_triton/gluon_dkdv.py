@@ -179,7 +179,6 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             if ROW_TMA:  # arrived with Q and dO; rows past n_q are masked below
                 lse = lse_smem.index(stage).load(col_layout)
-                delta = delta_smem.index(stage).load(col_layout)
                 lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
             q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
@@ -217,6 +216,8 @@ if HAVE_GLUON:
                 p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
             dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))
+            if ROW_TMA:  # read only now: fewer registers live across the exponentials
+                delta = delta_smem.index(stage).load(col_layout)
             if ABLATE >= 2:  # timing experiment: no element-wise dS
                 ds_t = dp_t
             else:
