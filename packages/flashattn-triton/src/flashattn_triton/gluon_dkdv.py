@@ -59,9 +59,9 @@ except ImportError:  # older Triton, or none
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Measured defaults by head dim (H100, NOTES.md run 17): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
-# where ``rows_by_tma`` allows: 1.02-1.08x on the whole backward over seven d = 128 shapes,
-# run 52). d = 64 is absent: there it trails the Triton kernel (0.96-0.98x with row_tma,
-# runs 16, 48).
+# where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes,
+# NOTES.md run 56). d = 64 is absent: there, with row_tma and 168 registers, the whole
+# backward is 0.98-1.03x the Triton kernel's on full grids (run 56), not a clear win.
 DEFAULTS: dict[int, dict] = {
     128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False, "row_tma": True},
 }
