@@ -86,23 +86,27 @@ if HAVE_GLUON:
         _tma_load(b_desc, [b, h, row, 0], bar, b_smem.index(stage), pred=pred)
 
     @gluon.jit
-    def _tile_quad(
+    def _tile_stage(
         i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-        ready, b, h, pid_bh, n_q, STAGES: gl.constexpr, BLOCK: gl.constexpr, pred,
+        ready, b, h, pid_bh, n_q, STAGES: gl.constexpr, BLOCK: gl.constexpr,
+        ROW_TMA: gl.constexpr, pred,
     ):  # fmt: skip
-        """``_tile_pair`` plus the tile's log-sum-exp and delta rows (1-D TMA over the flat
-        (B*H*n_q,) float32 arrays) on the same barrier (ROW_TMA)."""
-        stage = i % STAGES
-        bar = ready.index(stage)
-        tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
-        rows_bytes: gl.constexpr = lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
-        mbarrier.expect(bar, tiles_bytes + rows_bytes, pred=pred)
-        row = lo + i * BLOCK
-        _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
-        _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
-        flat = pid_bh * n_q + row
-        _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
-        _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
+        """``_tile_pair`` for the dK/dV ring; with ROW_TMA the tile's log-sum-exp and delta
+        rows (1-D TMA over the flat (B*H*n_q,) float32 arrays) join Q and dO on its barrier."""
+        if ROW_TMA:
+            stage = i % STAGES
+            bar = ready.index(stage)
+            tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+            rows_bytes: gl.constexpr = lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
+            mbarrier.expect(bar, tiles_bytes + rows_bytes, pred=pred)
+            row = lo + i * BLOCK
+            _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
+            _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
+            flat = pid_bh * n_q + row
+            _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
+            _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
+        else:
+            _tile_pair(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK, pred)
 
     @gluon.jit
     def _row_stats(lse_base, delta_base, offs_m, n_q):
@@ -190,17 +194,11 @@ if HAVE_GLUON:
             s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             if WARP_SPEC:
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
-            elif ROW_TMA:
-                nxt = i + STAGES - 1
-                _tile_quad(
-                    nxt, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, nxt < n_tiles,
-                )  # fmt: skip
             else:
                 nxt = i + STAGES - 1
-                _tile_pair(
-                    nxt, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
-                    nxt < n_tiles,
+                _tile_stage(
+                    nxt, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, ROW_TMA, nxt < n_tiles,
                 )  # fmt: skip
             if ABLATE % 2 == 1:  # timing experiment: no exponentials
                 p_t = s_t * qk_scale - lse2[None, :]
@@ -271,7 +269,7 @@ if HAVE_GLUON:
             gl.static_assert(not WARP_SPEC, "ROW_TMA needs WARP_SPEC off")
             lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], lse_desc.layout)
             delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], delta_desc.layout)
-        else:
+        else:  # placeholders: never read without ROW_TMA
             lse_smem = q_smem
             delta_smem = q_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -319,16 +317,10 @@ if HAVE_GLUON:
             _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
             _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
             for i in gl.static_range(STAGES - 1):
-                if ROW_TMA:
-                    _tile_quad(
-                        i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                        delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, i < n_tiles,
-                    )  # fmt: skip
-                else:
-                    _tile_pair(
-                        i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M,
-                        i < n_tiles,
-                    )  # fmt: skip
+                _tile_stage(
+                    i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, ROW_TMA, i < n_tiles,
+                )  # fmt: skip
             _consume(
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
                 LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
