@@ -255,10 +255,12 @@ def shrink(kind: str, cfg: TileConfig) -> TileConfig | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
 def fit_config(
     kind: str, cfg: TileConfig, n_q: int, n_k: int, block_d: int, elem_bytes: int
 ) -> TileConfig:
-    """Clamp to the sequence lengths, then lower stages and tiles until shared memory fits."""
+    """Clamp to the sequence lengths, then lower stages and tiles until shared memory fits.
+    Cached (a pure function of hashable arguments, asked on every launch)."""
     cfg = _clamp(cfg, kind, n_q, n_k, elem_bytes)
     while not fits(kind, cfg, block_d, elem_bytes):
         smaller = shrink(kind, cfg)

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from .launch import cuda_major
+
 LOG2E = 1.4426950408889634
 
 try:  # Gluon ships with Triton >= 3.5
@@ -348,7 +350,7 @@ def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> 
     if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
         return False
     table = DEFAULTS if defaults is None else defaults
-    if q.shape[-1] not in table or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.shape[-1] not in table or cuda_major(q.get_device()) != 9:
         return False
     if any(t.dim() != 4 or t.stride(-1) != 1 for t in tensors):
         return False

@@ -172,16 +172,22 @@ def launch_dq(
     )  # fmt: skip
 
 
-def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
-    """Run the default Gluon dQ if it applies; False if the caller should run the Triton
-    kernel instead (see ``gluon_dkdv.run_guarded``)."""
+def would_run(q, k, v, do, dq) -> bool:
+    """Whether ``try_dq`` tries the Gluon kernel: it applies (``gluon_dkdv.applies`` with
+    this module's DEFAULTS) and the grid has MIN_KEYS keys or is small."""
     if not applies(q, k, v, do, dq, defaults=DEFAULTS):
+        return False
+    return k.shape[2] >= MIN_KEYS or small_grid(q)
+
+
+def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
+    """Run the default Gluon dQ if ``would_run``; False if the caller should run the Triton
+    kernel instead (see ``gluon_dkdv.run_guarded``). delta must hold D already."""
+    if not would_run(q, k, v, do, dq):
         return False
     from .launch import head_group_args
 
     b, h, _, d = q.shape
-    if k.shape[2] < MIN_KEYS and not small_grid(q):
-        return False
     group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
         "dQ",

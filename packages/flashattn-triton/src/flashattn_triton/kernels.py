@@ -366,17 +366,25 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
-    """L in log2 units (+inf for padding rows and rows that saw no key) and D for a tile."""
+def _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
+    """L of a tile's rows in log2 units (+inf for padding rows and rows that saw no key)."""
     offs_m = start_m + offs_tm
     if CHECK_ROWS:
         lse = tl.load(lse_base + offs_m, mask=offs_m < n_q, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
     else:
         lse = tl.load(lse_base + offs_m)
+    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+
+@triton.jit
+def _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
+    """L in log2 units (see ``_load_lse2``) and D for a tile."""
+    offs_m = start_m + offs_tm
+    if CHECK_ROWS:
+        delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
+    else:
         delta = tl.load(delta_base + offs_m)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    return lse2, delta
+    return _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS), delta
 
 
 @triton.jit
@@ -598,21 +606,25 @@ def _dq_key_loop(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B,
+    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
     b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
+    stride_ob, stride_oh, stride_on,
     n_q, n_k, qk_scale, sm_scale, start_m,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
+    FUSE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
-    TMA descriptors of K and V (with USE_TMA). REG_A: Q and dO feed S and dP from registers."""
+    TMA descriptors of K and V (with USE_TMA). REG_A: Q and dO feed S and dP from registers.
+    FUSE_DELTA: compute the tile's D = rowsum(dO * O) from Out here and store it to DELTA
+    (for the dK/dV kernel that runs next) instead of loading it."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
@@ -627,13 +639,26 @@ def _dq_tile(
         DO + b * stride_dob + h * stride_doh, start_m, n_q, stride_don, offs_tm, offs_d,
         HEAD_DIM, BLOCK_D, not EVEN_M,
     )  # fmt: skip
+    if FUSE_DELTA:  # as attn_bwd_preprocess_kernel, for this tile's rows
+        o = _load_rows(
+            Out + b * stride_ob + h * stride_oh, start_m, n_q, stride_on, offs_tm, offs_d,
+            HEAD_DIM, BLOCK_D, not EVEN_M,
+        )  # fmt: skip
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        delta_ptrs = DELTA + pid_bh.to(tl.int64) * n_q + offs_m
+        if EVEN_M:
+            tl.store(delta_ptrs, delta)
+        else:
+            tl.store(delta_ptrs, delta, mask=offs_m < n_q)
+        lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * n_q, start_m, offs_tm, n_q, not EVEN_M)
+    else:
+        lse2, delta = _load_row_stats(
+            LSE + pid_bh.to(tl.int64) * n_q, DELTA + pid_bh.to(tl.int64) * n_q, start_m,
+            offs_tm, n_q, not EVEN_M,
+        )  # fmt: skip
     if REG_A:
         q = _in_registers(q, n_q)
         do = _in_registers(do, n_q)
-    lse2, delta = _load_row_stats(
-        LSE + pid_bh.to(tl.int64) * n_q, DELTA + pid_bh.to(tl.int64) * n_q, start_m, offs_tm,
-        n_q, not EVEN_M,
-    )  # fmt: skip
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -704,12 +729,13 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B,
+    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
+    stride_ob, stride_oh, stride_on,
     n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -719,17 +745,20 @@ def attn_bwd_dq_kernel(
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
     GROUPED: tl.constexpr,
 ):  # fmt: skip
-    """One program: dQ of one query tile (last query tiles are heaviest: run first)."""
+    """One program: dQ of one query tile (last query tiles are heaviest: run first). It also
+    computes the tile's D = rowsum(dO * O) and stores it for the dK/dV kernel, which runs
+    after it (so the split backward needs no preprocessing launch)."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     _dq_tile(
-        Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, pid_bh // n_heads, pid_bh % n_heads, pid_bh,
+        Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
+        pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-        stride_dqb, stride_dqh, stride_dqn,
+        stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on,
         n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC, REG_A,
+        USE_TMA, WARP_SPEC, REG_A, True,
     )  # fmt: skip
 
 
@@ -774,11 +803,11 @@ def attn_bwd_fused_kernel(
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
-            Q, K, V, DO, LSE, DELTA, DQ, None, None, b32, h32, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DQ, None, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-            stride_dqb, stride_dqh, stride_dqn,
+            stride_dqb, stride_dqh, stride_dqn, 0, 0, 0,
             n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
-            False, False, False,
+            False, False, False, False,
         )  # fmt: skip

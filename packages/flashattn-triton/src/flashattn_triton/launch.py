@@ -4,8 +4,9 @@ These functions run real kernels and are not traced by torch.compile (the custom
 ``ops`` wrap them). Triton is imported on first use, so importing the package costs nothing
 and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
 
-Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dK/dV kernel looping over query
-tiles plus a dQ kernel looping over key tiles (no atomics, P recomputed twice; on Hopper,
+Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dQ kernel looping over key tiles
+(it also computes D = rowsum(dO * O) for its rows), then a dK/dV kernel looping over query
+tiles (no atomics, P recomputed twice; on Hopper,
 for d = 128 and TMA-readable layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``,
 and on small grids the dQ kernel that of ``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
@@ -33,8 +34,10 @@ def _kernels():
     return kernels
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1).
+    Cached: the answer is fixed once ``kernels`` is imported (by the first call)."""
     try:
         import triton.runtime.interpreter as interp
 
@@ -71,11 +74,22 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride()[:3]
+
+
+def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
+    """{"stride_<prefix>b", "stride_<prefix>h", "stride_<prefix>n"}: t's (B, H, N) strides as
+    kernel arguments (one ``stride()`` call: these dicts are built on every launch)."""
+    sb, sh, sn = t.stride()[:3]
+    return {f"stride_{prefix}b": sb, f"stride_{prefix}h": sh, f"stride_{prefix}n": sn}
 
 
 def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Make t's GPU current for the launch (a no-op where it already is, or off-GPU)."""
+    index = t.get_device()
+    if index < 0 or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 @functools.cache
@@ -85,9 +99,14 @@ def _cuda_sm_count(index: int) -> int:
 
 def sm_count(t: torch.Tensor) -> int:
     """Streaming multiprocessors of t's GPU; 0 off-GPU (the interpreter: no small grids)."""
-    if t.device.type != "cuda":
-        return 0
-    return _cuda_sm_count(t.device.index if t.device.index is not None else 0)
+    index = t.get_device()
+    return _cuda_sm_count(index) if index >= 0 else 0
+
+
+@functools.cache
+def cuda_major(index: int) -> int:
+    """Compute-capability major version of GPU ``index`` (cached: asked on every launch)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.cache
@@ -98,9 +117,8 @@ def _cuda_l2_bytes(index: int) -> int:
 def head_group_args(t: torch.Tensor, bh: int, n_rows: int, block_d: int) -> dict:
     """head_group / GROUPED kernel arguments (configs.head_group) for kernels streaming two
     (n_rows, block_d) tiles per head of t's dtype; the plain order off-GPU."""
-    l2 = 0
-    if t.device.type == "cuda":
-        l2 = _cuda_l2_bytes(t.device.index if t.device.index is not None else 0)
+    index = t.get_device()
+    l2 = _cuda_l2_bytes(index) if index >= 0 else 0
     group = C.head_group(bh, 2 * n_rows * block_d * t.element_size(), l2)
     return {"head_group": group, "GROUPED": group < bh}
 
@@ -166,8 +184,9 @@ _STREAMED = {
 def tma_usable(t: torch.Tensor) -> bool:
     """Whether a (B, H, N, d) tensor can be read through a TMA descriptor: a Hopper or newer
     GPU (or Triton's interpreter), a 16-byte aligned base and 16-byte multiple strides."""
-    if t.device.type == "cuda":
-        if torch.cuda.get_device_capability(t.device)[0] < 9:
+    index = t.get_device()
+    if index >= 0:
+        if cuda_major(index) < 9:
             return False
     elif not interpreting():
         return False
@@ -334,10 +353,7 @@ def forward(
     block_d = C.block_d_for(d)
     args = {
         "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
-        "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_qn": q.stride(2),
-        "stride_kb": k.stride(0), "stride_kh": k.stride(1), "stride_kn": k.stride(2),
-        "stride_vb": v.stride(0), "stride_vh": v.stride(1), "stride_vn": v.stride(2),
-        "stride_ob": o.stride(0), "stride_oh": o.stride(1), "stride_on": o.stride(2),
+        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
         "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
         **head_group_args(k, b * h, n_k, block_d),
         "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
@@ -371,6 +387,13 @@ def _gluon_dq(*args) -> bool:
     from . import gluon_dq
 
     return gluon_dq.try_dq(*args)
+
+
+def _gluon_dq_applies(*args) -> bool:
+    """``gluon_dq.would_run``: whether ``_gluon_dq`` would try the Gluon dQ kernel."""
+    from . import gluon_dq
+
+    return gluon_dq.would_run(*args)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -416,20 +439,24 @@ def backward(
     n_sms = sm_count(q)
     scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
     with _device_guard(q):
-        pre_block = 64
-        if only is None:
+
+        def preprocess() -> None:  # D = rowsum(dO * O)
+            pre_block = 64
             kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
                 o, do, delta, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
             )  # fmt: skip
-        else:
-            delta.zero_()
+
+        # The split backward runs its dQ kernel first: the Triton one computes D itself (one
+        # launch fewer); the other schemes and the Gluon dQ kernel read D from preprocess().
+        dq_first = scheme == "split" and only in (None, "dq")
+        if not dq_first and only is None:
+            preprocess()
+        elif not dq_first:
+            delta.zero_()  # one kernel timed alone: D's values do not matter
         common = {
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
-            "stride_qb": q.stride(0), "stride_qh": q.stride(1), "stride_qn": q.stride(2),
-            "stride_kb": k.stride(0), "stride_kh": k.stride(1), "stride_kn": k.stride(2),
-            "stride_vb": v.stride(0), "stride_vh": v.stride(1), "stride_vn": v.stride(2),
-            "stride_dob": do.stride(0), "stride_doh": do.stride(1), "stride_don": do.stride(2),
+            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
             "n_heads": h, "n_q": n_q, "n_k": n_k,
             "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
             "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
@@ -442,10 +469,7 @@ def backward(
             dq_target = dq
         dkdv_out = {
             "DK": dk, "DV": dv, "DQ": dq_target,
-            "stride_dkb": dk.stride(0), "stride_dkh": dk.stride(1), "stride_dkn": dk.stride(2),
-            "stride_dvb": dv.stride(0), "stride_dvh": dv.stride(1), "stride_dvn": dv.stride(2),
-            "stride_dqb": dq_target.stride(0), "stride_dqh": dq_target.stride(1),
-            "stride_dqn": dq_target.stride(2),
+            **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
         }  # fmt: skip
         if scheme == "fused":
 
@@ -458,6 +482,26 @@ def backward(
                 n_q, n_k, block_d, elem,
             )  # fmt: skip
             return dq, dk, dv
+
+        if dq_first:
+            # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
+            gluon_dq_ran = False
+            if q.is_cuda and _gluon_dq_applies(q, k, v, do, dq):
+                preprocess()
+                gluon_dq_ran = _gluon_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale)
+            if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
+
+                def grid_queries(cfg):
+                    return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+                dq_args = {
+                    **common, "DQ": dq, **_strides("dq", dq), "Out": o, **_strides("o", o),
+                    **head_group_args(k, b * h, n_k, block_d),
+                }  # fmt: skip
+                _run(
+                    "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
+                    elem, small_grid=_small_grid(causal, b * h, n_q, n_sms),
+                )  # fmt: skip
 
         def grid_keys(cfg):
             return (b * h, triton_cdiv(n_k, cfg.block_n))
@@ -479,25 +523,4 @@ def backward(
             )  # fmt: skip
         if scheme == "atomic":
             dq.copy_(dq_acc[..., :d])
-            return dq, dk, dv
-
-        def grid_queries(cfg):
-            return (b * h, triton_cdiv(n_q, cfg.block_m))
-
-        dq_args = {
-            **common, "DQ": dq,
-            "stride_dqb": dq.stride(0), "stride_dqh": dq.stride(1), "stride_dqn": dq.stride(2),
-            **head_group_args(k, b * h, n_k, block_d),
-        }  # fmt: skip
-        # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
-        gluon_dq_ran = (
-            only in (None, "dq")
-            and q.is_cuda
-            and _gluon_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale)
-        )
-        if only in (None, "dq") and not gluon_dq_ran:
-            _run(
-                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d, elem,
-                small_grid=_small_grid(causal, b * h, n_q, n_sms),
-            )  # fmt: skip
     return dq, dk, dv
