@@ -239,23 +239,26 @@ def _require_hopper_gluon(gluon_dkdv) -> None:
 
 
 def _spy_gluon(monkeypatch):
-    """Record what each gluon_dkdv.try_dkdv and gluon_dq.try_dq call returned (True: the
-    Gluon kernel ran), as a list of (dK/dV, dQ) pairs, one per backward."""
+    """Record, per backward, whether the Gluon dK/dV and dQ kernels ran, as (dK/dV, dQ)
+    pairs. The split backward runs its dQ kernel first, then asks gluon_dkdv.try_dkdv (on
+    every CUDA backward), so a Gluon dQ launch pairs with the try_dkdv call after it."""
     from flashattn_triton import gluon_dkdv, gluon_dq
 
     calls: list[tuple[bool, bool]] = []
-    real_dkdv, real_dq = gluon_dkdv.try_dkdv, gluon_dq.try_dq
+    dq_launched: list[bool] = []
+    real_dkdv, real_launch_dq = gluon_dkdv.try_dkdv, gluon_dq.launch_dq
+
+    def spy_launch_dq(*args, **kwargs):
+        real_launch_dq(*args, **kwargs)
+        dq_launched.append(True)
 
     def spy_dkdv(*args):
-        calls.append((real_dkdv(*args), None))
+        calls.append((real_dkdv(*args), bool(dq_launched)))
+        dq_launched.clear()
         return calls[-1][0]
 
-    def spy_dq(*args):
-        calls[-1] = (calls[-1][0], real_dq(*args))
-        return calls[-1][1]
-
     monkeypatch.setattr(gluon_dkdv, "try_dkdv", spy_dkdv)
-    monkeypatch.setattr(gluon_dq, "try_dq", spy_dq)
+    monkeypatch.setattr(gluon_dq, "launch_dq", spy_launch_dq)
     return gluon_dkdv, calls
 
 

@@ -76,6 +76,28 @@ def test_split_backward_small_tiles(lead, n_q, n_k, d, causal, small_tiles):
     _check(*_inputs(lead, n_q, n_k, d), causal)
 
 
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
+)
+def test_split_backward_gets_delta_from_the_dq_kernel(n_q, n_k, causal, small_tiles, monkeypatch):
+    """The split backward launches dQ first, which stores D = rowsum(dO * O) for the dK/dV
+    kernel: no preprocessing launch (it would fail here), and dK, dV (which read D) match."""
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the split backward must not launch the preprocessing kernel")
+
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    monkeypatch.setattr(launch._kernels(), "attn_bwd_preprocess_kernel", Refuse())
+    kinds = []
+    run = launch._run
+    monkeypatch.setattr(
+        launch, "_run", lambda kind, *a, **kw: (kinds.append(kind), run(kind, *a, **kw))
+    )
+    _check(*_inputs((2,), n_q, n_k, 16), causal)
+    assert kinds[:3] == ["fwd", "dq", "dkdv"], kinds
+
+
 @pytest.mark.parametrize("scheme", ["fused", "atomic"])
 @pytest.mark.parametrize(
     ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
