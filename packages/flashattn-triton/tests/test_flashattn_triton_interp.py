@@ -77,25 +77,37 @@ def test_split_backward_small_tiles(lead, n_q, n_k, d, causal, small_tiles):
 
 
 @pytest.mark.parametrize(
-    ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
+    ("n_q", "n_k", "causal", "d"),
+    [(97, 97, True, 16), (70, 40, True, 16), (33, 50, False, 16), (70, 70, True, 96)],
 )
-def test_split_backward_gets_delta_from_the_dq_kernel(n_q, n_k, causal, small_tiles, monkeypatch):
-    """The split backward launches dQ first, which stores D = rowsum(dO * O) for the dK/dV
-    kernel: no preprocessing launch (it would fail here), and dK, dV (which read D) match."""
-
-    class Refuse:
-        def __getitem__(self, grid):
-            raise AssertionError("the split backward must not launch the preprocessing kernel")
-
+def test_split_backward_gets_delta_from_the_dq_kernel(n_q, n_k, causal, d, monkeypatch):
+    """The split backward launches dQ first; up to FUSED_DELTA_MAX_D that kernel stores D =
+    rowsum(dO * O) for the dK/dV kernel (no preprocessing launch), above it D comes from the
+    preprocessing kernel. Either way dK, dV (which read D) match the reference."""
     monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
-    monkeypatch.setattr(launch._kernels(), "attn_bwd_preprocess_kernel", Refuse())
+    monkeypatch.setattr(configs, "OVERRIDES", dict(SMALL_TILES))
+    kern = launch._kernels()
+    pre = kern.attn_bwd_preprocess_kernel
+    pre_grids = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            pre_grids.append(grid)
+            return pre[grid]
+
+    monkeypatch.setattr(kern, "attn_bwd_preprocess_kernel", Spy())
     kinds = []
     run = launch._run
-    monkeypatch.setattr(
-        launch, "_run", lambda kind, *a, **kw: (kinds.append(kind), run(kind, *a, **kw))
-    )
-    _check(*_inputs((2,), n_q, n_k, 16), causal)
+
+    def spy_run(kind, *args, **kwargs):
+        kinds.append(kind)
+        return run(kind, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "_run", spy_run)
+    _check(*_inputs((2,), n_q, n_k, d), causal)
     assert kinds[:3] == ["fwd", "dq", "dkdv"], kinds
+    fused = configs.block_d_for(d) <= configs.FUSED_DELTA_MAX_D
+    assert len(pre_grids) == (0 if fused else 1), pre_grids  # _check runs one backward
 
 
 @pytest.mark.parametrize("scheme", ["fused", "atomic"])

@@ -123,6 +123,12 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
         128: TileConfig(64, 128, 8, 2, block_n2=32),
     },
 }
+# The split backward's Triton dQ kernel computes D = rowsum(dO * O) itself (instead of a
+# preprocessing launch) up to this padded head dim: whole backward 1.00-1.07x at d = 64 on
+# CUDA graphs, but 0.89x at (8, 16, 1024, 128), where the extra O tile costs the d = 128
+# dQ kernel more than the launch it saves (NOTES.md run 60).
+FUSED_DELTA_MAX_D = 64
+
 # The one-pass backward was only swept at d = 64 (NOTES.md run 5): its own table.
 DEFAULTS["atomic"] = {bd: TileConfig(32, 128, 8, 3) for bd in (16, 32, 64)}
 DEFAULTS["atomic"][128] = TileConfig(64, 128, 8, 2)

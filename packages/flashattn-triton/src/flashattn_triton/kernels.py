@@ -743,11 +743,11 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPED: tl.constexpr, FUSE_DELTA: tl.constexpr,
 ):  # fmt: skip
-    """One program: dQ of one query tile (last query tiles are heaviest: run first). It also
-    computes the tile's D = rowsum(dO * O) and stores it for the dK/dV kernel, which runs
-    after it (so the split backward needs no preprocessing launch)."""
+    """One program: dQ of one query tile (last query tiles are heaviest: run first). With
+    FUSE_DELTA it also computes the tile's D = rowsum(dO * O) and stores it for the dK/dV
+    kernel, which then runs after it (no preprocessing launch; see ``_dq_tile``)."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     _dq_tile(
@@ -758,7 +758,7 @@ def attn_bwd_dq_kernel(
         stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on,
         n_q, n_k, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC, REG_A, True,
+        USE_TMA, WARP_SPEC, REG_A, FUSE_DELTA,
     )  # fmt: skip
 
 

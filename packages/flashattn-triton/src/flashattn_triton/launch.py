@@ -5,10 +5,10 @@ These functions run real kernels and are not traced by torch.compile (the custom
 and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
 
 Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dQ kernel looping over key tiles
-(it also computes D = rowsum(dO * O) for its rows), then a dK/dV kernel looping over query
-tiles (no atomics, P recomputed twice; on Hopper,
-for d = 128 and TMA-readable layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``,
-and on small grids the dQ kernel that of ``gluon_dq``);
+(for d <= 64 it also computes D = rowsum(dO * O) for its rows), then a dK/dV kernel looping
+over query tiles (no atomics, P recomputed twice; on Hopper, for d = 128 and TMA-readable
+layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids or with
+2048 keys or more the dQ kernel that of ``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
 ``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
 (default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
@@ -447,12 +447,13 @@ def backward(
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
             )  # fmt: skip
 
-        # The split backward runs its dQ kernel first: the Triton one computes D itself (one
-        # launch fewer); the other schemes and the Gluon dQ kernel read D from preprocess().
+        # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
+        # one computes D itself (one launch fewer). Elsewhere D comes from preprocess().
         dq_first = scheme == "split" and only in (None, "dq")
-        if not dq_first and only is None:
+        fuse_delta = dq_first and block_d <= C.FUSED_DELTA_MAX_D
+        if not fuse_delta and only is None:
             preprocess()
-        elif not dq_first:
+        elif not fuse_delta:
             delta.zero_()  # one kernel timed alone: D's values do not matter
         common = {
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
@@ -487,7 +488,8 @@ def backward(
             # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
             gluon_dq_ran = False
             if q.is_cuda and _gluon_dq_applies(q, k, v, do, dq):
-                preprocess()
+                if fuse_delta:
+                    preprocess()  # the Gluon kernel reads D
                 gluon_dq_ran = _gluon_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale)
             if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
 
@@ -496,7 +498,7 @@ def backward(
 
                 dq_args = {
                     **common, "DQ": dq, **_strides("dq", dq), "Out": o, **_strides("o", o),
-                    **head_group_args(k, b * h, n_k, block_d),
+                    "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
                 }  # fmt: skip
                 _run(
                     "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
