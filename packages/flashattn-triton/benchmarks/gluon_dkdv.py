@@ -117,14 +117,14 @@ def offline(
         opts.update({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {})
         if kernel == "dq":
             c = dq_kernel.warmup(
-                *descs, lse, lse, q, *q.stride()[:3], h, n, n, 0.18, 0.125, 2,
+                *descs, lse, lse, q, *q.stride()[:3], h, n, n, n, 0.18, 0.125, 2,
                 **tiles, **opts, GROUPED=grouped, num_warps=o["block_m"] // 16,
             )  # fmt: skip
         else:
             rt = o.get("row_tma", False)
             rows = (_flat_desc(lse, o["block_m"]),) * 2 if rt else (None, None)
             c = dkdv_kernel.warmup(
-                *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, 0.18, 0.125,
+                *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, n, 0.18, 0.125,
                 2, *rows, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
                 ROW_TMA=rt, num_warps=o["block_n"] // 16,
             )  # fmt: skip

@@ -212,6 +212,21 @@ def test_head_group_args_off_gpu(monkeypatch):
     assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 4, "GROUPED": True}
 
 
+def test_row_stats_padding():
+    """The backward's L / D rows: as is for whole multiples of STATS_ROWS, else padded with
+    L = +inf (P = 0 in padding rows, never NaN) and D = 0, the real L kept."""
+    lse = torch.randn(2, 3, launch.STATS_ROWS)
+    same, delta = launch._row_stats(lse, launch.STATS_ROWS)
+    assert same.data_ptr() == lse.data_ptr()
+    assert delta.shape == lse.shape
+    lse = torch.randn(2, 3, 97)
+    padded, delta = launch._row_stats(lse, 97)
+    assert padded.shape == delta.shape == (2, 3, launch.STATS_ROWS)
+    assert torch.equal(padded[..., :97], lse)
+    assert torch.isposinf(padded[..., 97:]).all()
+    assert not delta.any()
+
+
 def test_tma_needs_aligned_strides():
     x = torch.randn(2, 3, 10, 17)[..., :16]  # row stride 17 floats = 68 bytes
     assert not launch.tma_usable(x)

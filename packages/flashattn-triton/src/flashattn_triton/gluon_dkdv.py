@@ -90,11 +90,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_stage(
         i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-        ready, b, h, pid_bh, n_q, STAGES: gl.constexpr, BLOCK: gl.constexpr,
+        ready, b, h, pid_bh, stride_stats, STAGES: gl.constexpr, BLOCK: gl.constexpr,
         ROW_TMA: gl.constexpr, pred,
     ):  # fmt: skip
         """``_tile_pair`` for the dK/dV ring; with ROW_TMA the tile's log-sum-exp and delta
-        rows (1-D TMA over the flat (B*H*n_q,) float32 arrays) join Q and dO on its barrier."""
+        rows (1-D TMA over the flat (B*H*stride_stats,) float32 arrays) join Q and dO on its
+        barrier."""
         if ROW_TMA:
             stage = i % STAGES
             bar = ready.index(stage)
@@ -104,7 +105,7 @@ if HAVE_GLUON:
             row = lo + i * BLOCK
             _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
             _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
-            flat = pid_bh * n_q + row
+            flat = pid_bh * stride_stats + row
             _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
             _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
         else:
@@ -140,7 +141,7 @@ if HAVE_GLUON:
     def _consume(
         q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
         LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles, n_q, n_k,
-        qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
+        stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, num_warps: gl.constexpr,
@@ -169,8 +170,8 @@ if HAVE_GLUON:
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-        lse_base = LSE + pid_bh.to(gl.int64) * n_q
-        delta_base = DELTA + pid_bh.to(gl.int64) * n_q
+        lse_base = LSE + pid_bh.to(gl.int64) * stride_stats
+        delta_base = DELTA + pid_bh.to(gl.int64) * stride_stats
         # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
         # it runs past n_q.
         mask_below = start_n + BLOCK_N - 1 - causal_off
@@ -200,7 +201,8 @@ if HAVE_GLUON:
                 nxt = i + STAGES - 1
                 _tile_stage(
                     nxt, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, ROW_TMA, nxt < n_tiles,
+                    delta_smem, ready, b, h, pid_bh, stride_stats, STAGES, BLOCK_M, ROW_TMA,
+                    nxt < n_tiles,
                 )  # fmt: skip
             if ABLATE % 2 == 1:  # timing experiment: no exponentials
                 p_t = s_t * qk_scale - lse2[None, :]
@@ -240,7 +242,7 @@ if HAVE_GLUON:
     def dkdv_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-        n_heads, n_q, n_k, qk_scale, sm_scale, head_group, lse_desc, delta_desc,
+        n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group, lse_desc, delta_desc,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, GROUPED: gl.constexpr, ROW_TMA: gl.constexpr,
@@ -249,7 +251,8 @@ if HAVE_GLUON:
         """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
         their (batch, head, row) strides (unit last stride).
 
-        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H, n_q).
+        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H,
+        stride_stats) with n_q <= stride_stats rows used.
         WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
         other); otherwise the math warps issue them STAGES - 1 tiles ahead. head_group,
         GROUPED: the launch order (``kernels._grouped_program``)."""
@@ -297,9 +300,9 @@ if HAVE_GLUON:
                         (
                             q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
                             kv_ready, LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv,
-                            start_n, lo, n_tiles, n_q, n_k, qk_scale, sm_scale, lse_desc,
-                            delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM,
-                            STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
+                            start_n, lo, n_tiles, n_q, n_k, stride_stats, qk_scale, sm_scale,
+                            lse_desc, delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N,
+                            HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
                         ),
                     ),
                     (
@@ -321,13 +324,15 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES - 1):
                 _tile_stage(
                     i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                    delta_smem, ready, b, h, pid_bh, n_q, STAGES, BLOCK_M, ROW_TMA, i < n_tiles,
+                    delta_smem, ready, b, h, pid_bh, stride_stats, STAGES, BLOCK_M, ROW_TMA,
+                    i < n_tiles,
                 )  # fmt: skip
             _consume(
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
                 LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
-                n_q, n_k, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
-                BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
+                n_q, n_k, stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem,
+                delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE,
+                ROW_TMA, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -392,7 +397,8 @@ def launch_dkdv(
     row_tma: bool = False,
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
-    dv; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing:
+    dv; lse (natural log) and delta: contiguous (B, H, rows) float32 with rows >= n_q (the
+    launcher pads them, ``launch.STATS_ROWS``; rows past n_q are masked). Checks nothing:
     ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
     pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
@@ -407,8 +413,8 @@ def launch_dkdv(
     dkdv_kernel[(b * h, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
-        softmax_scale, group, *rows,
+        dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, lse.shape[-1],
+        softmax_scale * LOG2E, softmax_scale, group, *rows,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -416,9 +422,11 @@ def launch_dkdv(
 
 
 def rows_by_tma(lse: torch.Tensor, delta: torch.Tensor) -> bool:
-    """Whether the (B, H, n_q) float32 row statistics can be read by 1-D TMA tiles starting at
-    b*h*n_q + row: contiguous, 16-byte aligned, and n_q a multiple of 4 (a TMA box must start
-    on a 16-byte boundary; unaligned starts fault, NOTES.md run 48)."""
+    """Whether the (B, H, rows) float32 row statistics can be read by 1-D TMA tiles starting
+    at b*h*rows + row: contiguous, 16-byte aligned, and rows a multiple of 4 (a TMA box must
+    start on a 16-byte boundary; unaligned starts fault, NOTES.md run 48). The launcher's
+    statistics have rows = n_q where n_q is a multiple of launch.STATS_ROWS, else are padded
+    to one, so only direct callers with other lengths miss it."""
     return (
         all(
             t.is_contiguous() and t.dtype == torch.float32 and t.data_ptr() % 16 == 0

@@ -45,13 +45,14 @@ if HAVE_GLUON:
     @gluon.jit
     def dq_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, stride_dqb, stride_dqh, stride_dqn,
-        n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
+        n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUPED: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dQ of one query tile (the last, heaviest, first); head_group,
-        GROUPED: the launch order (``kernels._grouped_program``)."""
+        GROUPED: the launch order (``kernels._grouped_program``); LSE, DELTA rows are
+        stride_stats apart."""
         pid_bh, tile = _grouped_program(head_group, GROUPED)
         start_m = (gl.num_programs(1) - 1 - tile) * BLOCK_M
         dtype: gl.constexpr = q_desc.dtype
@@ -93,7 +94,10 @@ if HAVE_GLUON:
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         lse2, delta = _row_stats(
-            LSE + pid_bh.to(gl.int64) * n_q, DELTA + pid_bh.to(gl.int64) * n_q, offs_m, n_q
+            LSE + pid_bh.to(gl.int64) * stride_stats,
+            DELTA + pid_bh.to(gl.int64) * stride_stats,
+            offs_m,
+            n_q,
         )
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))
@@ -158,14 +162,15 @@ def launch_dq(
     head_group: int = 0,
 ) -> None:
     """Write dQ of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``gluon_dkdv.applies``)
-    into dq; lse (natural log) and delta: contiguous (B, H, n_q) float32. Checks nothing.
+    into dq; lse (natural log) and delta: contiguous (B, H, >= n_q) float32 (rows past n_q
+    unread). Checks nothing.
     ``head_group``: programs of that many heads at a time; 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     group, grouped = launch_order(head_group, b * h)
     dq_kernel[(b * h, -(-n_q // block_m))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
-        lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k,
+        lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k, lse.shape[-1],
         softmax_scale * LOG2E, softmax_scale, group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         GROUPED=grouped, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -341,11 +341,13 @@ def attn_bwd_preprocess_kernel(
     stride_don,
     n_heads,
     n_q,
+    stride_stats,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """D = rowsum(dO * O) in float32, one (batch, head) row block per program."""
+    """D = rowsum(dO * O) in float32, one (batch, head) row block per program; DELTA's rows
+    are stride_stats apart (see ``attn_bwd_dkdv_kernel``)."""
     pid_bh = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     b = (pid_bh // n_heads).to(tl.int64)
@@ -362,7 +364,7 @@ def attn_bwd_preprocess_kernel(
     )  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + offs_tm
-    tl.store(DELTA + pid_bh.to(tl.int64) * n_q + offs_m, delta, mask=offs_m < n_q)
+    tl.store(DELTA + pid_bh.to(tl.int64) * stride_stats + offs_m, delta, mask=offs_m < n_q)
 
 
 @triton.jit
@@ -429,8 +431,10 @@ def _dkdv_query_loop(
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     TMA_DQ: tl.constexpr,
+    PADDED_STATS: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
+    PADDED_STATS: L and D hold padding rows (+inf, 0) up to hi, so their loads need no mask.
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
@@ -445,7 +449,8 @@ def _dkdv_query_loop(
             desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
-        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, not EVEN_M)
+        check = not EVEN_M and not PADDED_STATS
+        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, check)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
         if MASKED:
@@ -481,11 +486,12 @@ def _dkdv_tile(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_q, n_k, qk_scale, sm_scale, start_n,
+    n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
+    PADDED_STATS: tl.constexpr,
 ):  # fmt: skip
     """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
     DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
@@ -506,8 +512,11 @@ def _dkdv_tile(
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
     dq_base = DQ + b * stride_dqb + h * stride_dqh
-    lse_base = LSE + pid_bh.to(tl.int64) * n_q
-    delta_base = DELTA + pid_bh.to(tl.int64) * n_q
+    # (Unpadded, the row stride is n_q itself: one live argument fewer, so the leaderboard
+    # shape keeps its 16 B of spills instead of 24.)
+    stats_rows = stride_stats if PADDED_STATS else n_q
+    lse_base = LSE + pid_bh.to(tl.int64) * stats_rows
+    delta_base = DELTA + pid_bh.to(tl.int64) * stats_rows
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -529,7 +538,7 @@ def _dkdv_tile(
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-            USE_TMA, False, TMA_DQ,
+            USE_TMA, False, TMA_DQ, PADDED_STATS,
         )  # fmt: skip
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
@@ -541,7 +550,7 @@ def _dkdv_tile(
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC and not MASK_KEYS, TMA_DQ,
+        USE_TMA, WARP_SPEC and not MASK_KEYS, TMA_DQ, PADDED_STATS,
     )  # fmt: skip
     dk = dk * sm_scale
     _store_rows(
@@ -619,7 +628,7 @@ def _dq_tile(
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
-    n_q, n_k, qk_scale, sm_scale, start_m,
+    n_q, n_k, stride_stats, qk_scale, sm_scale, start_m,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -650,16 +659,17 @@ def _dq_tile(
             HEAD_DIM, BLOCK_D, not EVEN_M,
         )  # fmt: skip
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        delta_ptrs = DELTA + pid_bh.to(tl.int64) * n_q + offs_m
+        delta_ptrs = DELTA + pid_bh.to(tl.int64) * stride_stats + offs_m
         if EVEN_M:
             tl.store(delta_ptrs, delta)
         else:
             tl.store(delta_ptrs, delta, mask=offs_m < n_q)
-        lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * n_q, start_m, offs_tm, n_q, not EVEN_M)
+        lse_base = LSE + pid_bh.to(tl.int64) * stride_stats
+        lse2 = _load_lse2(lse_base, start_m, offs_tm, n_q, not EVEN_M)
     else:
         lse2, delta = _load_row_stats(
-            LSE + pid_bh.to(tl.int64) * n_q, DELTA + pid_bh.to(tl.int64) * n_q, start_m,
-            offs_tm, n_q, not EVEN_M,
+            LSE + pid_bh.to(tl.int64) * stride_stats, DELTA + pid_bh.to(tl.int64) * stride_stats,
+            start_m, offs_tm, n_q, not EVEN_M,
         )  # fmt: skip
     if REG_A:
         q = _in_registers(q, n_q)
@@ -703,19 +713,21 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
+    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
-    REG_A: tl.constexpr, GROUPED: tl.constexpr,
+    REG_A: tl.constexpr, GROUPED: tl.constexpr, PADDED_STATS: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
-    DESC_C descriptor with TMA_DQ).
+    DESC_C descriptor with TMA_DQ). LSE and DELTA: (B*H, stride_stats) float32 rows, the
+    first n_q of each used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of
+    query tiles, so the loop reads them without masks.
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
@@ -726,9 +738,9 @@ def attn_bwd_dkdv_kernel(
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         stride_dqb, stride_dqh, stride_dqn,
-        n_q, n_k, qk_scale, sm_scale, start_n,
+        n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ, REG_A,
+        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS,
     )  # fmt: skip
 
 
@@ -741,7 +753,7 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
-    n_heads, n_q, n_k, qk_scale, sm_scale, head_group,
+    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -761,7 +773,7 @@ def attn_bwd_dq_kernel(
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on,
-        n_q, n_k, qk_scale, sm_scale, start_m,
+        n_q, n_k, stride_stats, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
         USE_TMA, WARP_SPEC, REG_A, FUSE_DELTA,
     )  # fmt: skip
@@ -777,14 +789,14 @@ def attn_bwd_fused_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, qk_scale, sm_scale,
+    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
-    EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
+    EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr, PADDED_STATS: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of key tile t and dQ of query tile t (one launch, no atomics).
 
@@ -802,9 +814,9 @@ def attn_bwd_fused_kernel(
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
-            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_N1,
+            n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False, False,
+            False, False, False, False, PADDED_STATS,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
@@ -812,7 +824,7 @@ def attn_bwd_fused_kernel(
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn, 0, 0, 0,
-            n_q, n_k, qk_scale, sm_scale, tile * BLOCK_M2,
+            n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
             False, False, False, False,
         )  # fmt: skip

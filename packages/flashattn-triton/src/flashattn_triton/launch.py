@@ -400,6 +400,25 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Rows of the backward's L and D buffers are padded to a multiple of this (at least every
+# query tile the kernels step by), L = +inf and D = 0 in the padding: the dK/dV loop then
+# reads them without masks, which made ragged lengths up to 14% slower (NOTES.md run 65).
+STATS_ROWS = 256
+
+
+def _row_stats(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's (B, H, rows) float32 L (natural log) and an empty D: lse itself (made
+    contiguous) where n_q is a multiple of STATS_ROWS, else a copy padded to one (L = +inf,
+    D = 0 in the padding; D's real rows are written by the kernels)."""
+    lse = lse.contiguous()
+    rows = triton_cdiv(n_q, STATS_ROWS) * STATS_ROWS
+    if rows == n_q:
+        return lse, torch.empty_like(lse)
+    padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
+    padded[..., :n_q] = lse
+    return padded, lse.new_zeros(padded.shape)
+
+
 def backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -430,11 +449,10 @@ def backward(
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
     # the kernels need unit-stride rows to vectorize their loads.
     do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-    lse = lse.contiguous()
+    lse, delta = _row_stats(lse, n_q)
     kern = _kernels()
     block_d = C.block_d_for(d)
     elem = q.element_size()
-    delta = torch.empty_like(lse)  # (B, H, Nq) float32
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     n_sms = sm_count(q)
     scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
@@ -443,7 +461,7 @@ def backward(
         def preprocess() -> None:  # D = rowsum(dO * O)
             pre_block = 64
             kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
-                o, do, delta, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
+                o, do, delta, *_bhn_strides(o), *_bhn_strides(do), h, n_q, delta.shape[-1],
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
             )  # fmt: skip
 
@@ -458,7 +476,7 @@ def backward(
         common = {
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
-            "n_heads": h, "n_q": n_q, "n_k": n_k,
+            "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
             "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
             "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
             "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
@@ -471,6 +489,7 @@ def backward(
         dkdv_out = {
             "DK": dk, "DV": dv, "DQ": dq_target,
             **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
+            "PADDED_STATS": lse.shape[-1] != n_q,
         }  # fmt: skip
         if scheme == "fused":
 
