@@ -543,14 +543,14 @@ def _dkdv_tile(
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
     # of a product do not mix. Only the one-pass dQ (ATOMIC_DQ) sums over keys, so padding
-    # keys must be masked there. (Masking every tile cost ragged lengths ~30%, NOTES.md run 64.)
+    # keys must be masked there. (It saves the mask work; no measurable time, NOTES.md run 64.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC and not MASK_KEYS, TMA_DQ, PADDED_STATS,
+        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS,
     )  # fmt: skip
     dk = dk * sm_scale
     _store_rows(

@@ -402,7 +402,8 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # Rows of the backward's L and D buffers are padded to a multiple of this (at least every
 # query tile the kernels step by), L = +inf and D = 0 in the padding: the dK/dV loop then
-# reads them without masks, which made ragged lengths up to 14% slower (NOTES.md run 65).
+# reads them without masks, whose per-tile cost made the backward at ragged lengths up to
+# 1.22x slower (NOTES.md runs 65-66).
 STATS_ROWS = 256
 
 
