@@ -129,6 +129,12 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
 # dQ kernel more than the launch it saves (NOTES.md run 60).
 FUSED_DELTA_MAX_D = 64
 
+# Rows of the backward's L and D buffers are padded to a multiple of this (L = +inf, D = 0
+# in the padding, ``launch._row_stats``) so that the dK/dV loop reads them without masks,
+# whose per-tile cost made the backward at ragged lengths up to 1.22x slower (NOTES.md runs
+# 65-66). Query tiles longer than this (no table or candidate has one) keep the masks.
+STATS_ROWS = 256
+
 # The one-pass backward was only swept at d = 64 (NOTES.md run 5): its own table.
 DEFAULTS["atomic"] = {bd: TileConfig(32, 128, 8, 3) for bd in (16, 32, 64)}
 DEFAULTS["atomic"][128] = TileConfig(64, 128, 8, 2)

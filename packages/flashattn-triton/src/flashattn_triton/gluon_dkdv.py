@@ -398,7 +398,7 @@ def launch_dkdv(
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
     dv; lse (natural log) and delta: contiguous (B, H, rows) float32 with rows >= n_q (the
-    launcher pads them, ``launch.STATS_ROWS``; rows past n_q are masked). Checks nothing:
+    launcher pads them, ``configs.STATS_ROWS``; rows past n_q are masked). Checks nothing:
     ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
     pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
@@ -425,7 +425,7 @@ def rows_by_tma(lse: torch.Tensor, delta: torch.Tensor) -> bool:
     """Whether the (B, H, rows) float32 row statistics can be read by 1-D TMA tiles starting
     at b*h*rows + row: contiguous, 16-byte aligned, and rows a multiple of 4 (a TMA box must
     start on a 16-byte boundary; unaligned starts fault, NOTES.md run 48). The launcher's
-    statistics have rows = n_q where n_q is a multiple of launch.STATS_ROWS, else are padded
+    statistics have rows = n_q where n_q is a multiple of configs.STATS_ROWS, else are padded
     to one, so only direct callers with other lengths miss it."""
     return (
         all(

@@ -25,10 +25,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .configs import STATS_ROWS
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(LN2)
+_STATS_ROWS = tl.constexpr(STATS_ROWS)
 
 
 @triton.jit
@@ -434,7 +437,8 @@ def _dkdv_query_loop(
     PADDED_STATS: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
-    PADDED_STATS: L and D hold padding rows (+inf, 0) up to hi, so their loads need no mask.
+    PADDED_STATS: L and D hold padding rows (+inf, 0) up to a multiple of STATS_ROWS, so
+    their loads need no mask (for query tiles that divide it).
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
@@ -449,7 +453,7 @@ def _dkdv_query_loop(
             desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
-        check = not EVEN_M and not PADDED_STATS
+        check = not EVEN_M and not (PADDED_STATS and BLOCK_M <= _STATS_ROWS)
         lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, check)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed

@@ -400,19 +400,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Rows of the backward's L and D buffers are padded to a multiple of this (at least every
-# query tile the kernels step by), L = +inf and D = 0 in the padding: the dK/dV loop then
-# reads them without masks, whose per-tile cost made the backward at ragged lengths up to
-# 1.22x slower (NOTES.md runs 65-66).
-STATS_ROWS = 256
-
-
 def _row_stats(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward's (B, H, rows) float32 L (natural log) and an empty D: lse itself (made
-    contiguous) where n_q is a multiple of STATS_ROWS, else a copy padded to one (L = +inf,
-    D = 0 in the padding; D's real rows are written by the kernels)."""
+    contiguous) where n_q is a multiple of configs.STATS_ROWS, else a copy padded to one
+    (L = +inf, D = 0 in the padding; D's real rows are written by the kernels)."""
     lse = lse.contiguous()
-    rows = triton_cdiv(n_q, STATS_ROWS) * STATS_ROWS
+    rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
     if rows == n_q:
         return lse, torch.empty_like(lse)
     padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
