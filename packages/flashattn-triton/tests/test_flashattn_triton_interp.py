@@ -216,11 +216,11 @@ def test_row_stats_padding():
     """The backward's L / D rows: as is for whole multiples of STATS_ROWS, else padded with
     L = +inf (P = 0 in padding rows, never NaN) and D = 0, the real L kept."""
     lse = torch.randn(2, 3, configs.STATS_ROWS)
-    same, delta = launch._row_stats(lse, configs.STATS_ROWS)
+    same, delta = launch._stats_buffers(lse, configs.STATS_ROWS)
     assert same.data_ptr() == lse.data_ptr()
     assert delta.shape == lse.shape
     lse = torch.randn(2, 3, 97)
-    padded, delta = launch._row_stats(lse, 97)
+    padded, delta = launch._stats_buffers(lse, 97)
     assert padded.shape == delta.shape == (2, 3, configs.STATS_ROWS)
     assert torch.equal(padded[..., :97], lse)
     assert torch.isposinf(padded[..., 97:]).all()

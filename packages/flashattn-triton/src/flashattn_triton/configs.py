@@ -130,7 +130,7 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
 FUSED_DELTA_MAX_D = 64
 
 # Rows of the backward's L and D buffers are padded to a multiple of this (L = +inf, D = 0
-# in the padding, ``launch._row_stats``) so that the dK/dV loop reads them without masks,
+# in the padding, ``launch._stats_buffers``) so that the dK/dV loop reads them without masks,
 # whose per-tile cost made the backward at ragged lengths up to 1.22x slower (NOTES.md runs
 # 65-66). Query tiles longer than this (no table or candidate has one) keep the masks.
 STATS_ROWS = 256

@@ -190,6 +190,12 @@ def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> b
     kernel instead (see ``gluon_dkdv.run_guarded``). delta must hold D already."""
     if not would_run(q, k, v, do, dq):
         return False
+    return run_default(q, k, v, do, lse, delta, dq, causal, softmax_scale)
+
+
+def run_default(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
+    """``try_dq`` for a caller that has checked ``would_run`` itself (the split backward,
+    which must compute D first)."""
     from .launch import head_group_args
 
     b, h, _, d = q.shape

@@ -382,25 +382,18 @@ def _gluon_dkdv(*args) -> bool:
     return gluon_dkdv.try_dkdv(*args)
 
 
-def _gluon_dq(*args) -> bool:
-    """``gluon_dq.try_dq`` (imported on first CUDA backward, like ``_gluon_dkdv``)."""
+def _gluon_dq():
+    """The ``gluon_dq`` module (imported on first CUDA backward, like ``_gluon_dkdv``)."""
     from . import gluon_dq
 
-    return gluon_dq.try_dq(*args)
-
-
-def _gluon_dq_applies(*args) -> bool:
-    """``gluon_dq.would_run``: whether ``_gluon_dq`` would try the Gluon dQ kernel."""
-    from . import gluon_dq
-
-    return gluon_dq.would_run(*args)
+    return gluon_dq
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _row_stats(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stats_buffers(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward's (B, H, rows) float32 L (natural log) and an empty D: lse itself (made
     contiguous) where n_q is a multiple of configs.STATS_ROWS, else a copy padded to one
     (L = +inf, D = 0 in the padding; D's real rows are written by the kernels)."""
@@ -443,7 +436,7 @@ def backward(
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
     # the kernels need unit-stride rows to vectorize their loads.
     do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-    lse, delta = _row_stats(lse, n_q)
+    lse, delta = _stats_buffers(lse, n_q)
     kern = _kernels()
     block_d = C.block_d_for(d)
     elem = q.element_size()
@@ -500,10 +493,12 @@ def backward(
         if dq_first:
             # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
             gluon_dq_ran = False
-            if q.is_cuda and _gluon_dq_applies(q, k, v, do, dq):
+            if q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
                 if fuse_delta:
                     preprocess()  # the Gluon kernel reads D
-                gluon_dq_ran = _gluon_dq(q, k, v, do, lse, delta, dq, causal, softmax_scale)
+                gluon_dq_ran = _gluon_dq().run_default(
+                    q, k, v, do, lse, delta, dq, causal, softmax_scale
+                )
             if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
 
                 def grid_queries(cfg):
