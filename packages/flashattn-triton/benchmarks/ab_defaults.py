@@ -10,7 +10,10 @@ is not in it; medians). What is compared:
 - ``tile``: any kind's config ``--new`` against ``--old`` (``configs.OVERRIDES``), at head dim
   ``--d``; the forward for ``--kind fwd``, else the whole backward;
 - ``head-group``: the launch order by head groups, ``FLASHATTN_TRITON_HEAD_GROUP`` ``--new``
-  against ``--old`` (e.g. ``auto`` against ``off``), forward (``--kind fwd``) or backward.
+  against ``--old`` (e.g. ``auto`` against ``off``), forward (``--kind fwd``) or backward;
+- ``source``: this source against another copy of the package's source, ``--old`` a folder
+  holding a ``flashattn_triton`` package (e.g. an older commit's, from ``git archive``),
+  imported under another name into the same process; forward (``--kind fwd``) or backward.
 
 Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from a
 (B, N, 3, H, d) qkv buffer and dO from (B, N, H, d), as a model passes them.
@@ -19,12 +22,15 @@ Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from 
     python benchmarks/ab_defaults.py fwd-tile 8,16,512 16,1,16384 --old 64,64,4,3
     python benchmarks/ab_defaults.py tile 16,1,16384 --d 64 --kind dkdv \
         --new 32,64,4,3,tma,reg,r128 --old 32,64,4,3,tma
+    git archive c3b3fc8 packages/flashattn-triton/src | tar -x -C /tmp/old --strip-components=3
+    python benchmarks/ab_defaults.py source 16,1,16384 8,16,1024 --d 64 --old /tmp/old
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -35,6 +41,7 @@ import torch
 
 D = 128  # the head dim the fwd-tile and gluon comparisons are about (--d for ``tile``)
 HEAD_GROUP_ENV = "FLASHATTN_TRITON_HEAD_GROUP"
+OLD_PACKAGE = "flashattn_triton_old"  # the module name the ``source`` mode imports --old as
 
 
 def parse_shape(spec: str) -> tuple[int, int, int, bool, bool]:
@@ -57,10 +64,41 @@ def inputs(b: int, h: int, n: int, view: bool, d: int = D):
     return tuple(torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 
 
-def sides(what: str, old: str, new: str = "", kind: str = "dkdv"):
-    """(name, switch) pairs: calling switch() selects that side for the next launches."""
-    from flashattn_triton import configs, gluon_dkdv, gluon_dq
+def check_source(folder: str) -> Path:
+    """The package folder inside ``folder`` (source mode's --old), or ValueError."""
+    package = Path(folder) / "flashattn_triton"
+    if not (package / "__init__.py").is_file():
+        raise ValueError(f"--old {folder!r}: no flashattn_triton/__init__.py in that folder")
+    return package
 
+
+@functools.cache
+def load_source(folder: str):
+    """The ``launch`` module of the flashattn_triton package in ``folder``, imported as
+    OLD_PACKAGE (its relative imports stay inside that copy), next to the installed one."""
+    package = check_source(folder)
+    spec = importlib.util.spec_from_file_location(
+        OLD_PACKAGE, package / "__init__.py", submodule_search_locations=[str(package)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[OLD_PACKAGE] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module(f"{OLD_PACKAGE}.launch")
+
+
+def sides(what: str, old: str, new: str = "", kind: str = "dkdv", target: dict | None = None):
+    """(name, switch) pairs: calling switch() selects that side for the next launches
+    (``source``: by setting target["launch"], the launch module that run() calls)."""
+    from flashattn_triton import configs, gluon_dkdv, gluon_dq, launch
+
+    if what == "source":
+        target = {} if target is None else target
+        old_launch = load_source(old)
+
+        def use(module):
+            return lambda: target.__setitem__("launch", module)
+
+        return [("this source", use(launch)), (f"source {old}", use(old_launch))]
     if what == "head-group":
 
         def setting(value):
@@ -110,6 +148,8 @@ def _restore(what: str, kind: str, saved: tuple, pairs: list) -> None:
     from flashattn_triton import configs
 
     override, head_group = saved
+    if what == "source":
+        return
     if what == "tile":
         configs.OVERRIDES.pop(kind, None)
         if override is not None:
@@ -132,6 +172,11 @@ def _check_head_group(value: str) -> None:
         _set_env(HEAD_GROUP_ENV, saved)
 
 
+def _call(target: dict, name: str, *args):
+    """target["launch"].<name>(*args): the launch module of the side selected last."""
+    return getattr(target["launch"], name)(*args)
+
+
 def run(
     what: str, shapes: list[str], old: str, rounds: int, rep: int, *,
     new: str = "", kind: str = "dkdv", d: int = D,
@@ -140,9 +185,12 @@ def run(
 
     from flashattn_triton import configs, launch
 
-    pairs = sides(what, old, new, kind)
+    target = {"launch": launch}
+    pairs = sides(what, old, new, kind, target)
     saved = (configs.OVERRIDES.get(kind), os.environ.get(HEAD_GROUP_ENV))
-    forward_only = what == "fwd-tile" or (what in ("tile", "head-group") and kind == "fwd")
+    forward_only = what == "fwd-tile" or (
+        what in ("tile", "head-group", "source") and kind == "fwd"
+    )
     rows = []
     for spec in shapes:
         b, h, n, causal, view = parse_shape(spec)
@@ -151,9 +199,9 @@ def run(
         scale = d**-0.5
         o, lse = launch.forward(q, k, v, causal, scale)
         if forward_only:
-            fn = functools.partial(launch.forward, q, k, v, causal, scale)
+            fn = functools.partial(_call, target, "forward", q, k, v, causal, scale)
         else:
-            fn = functools.partial(launch.backward, do, q, k, v, o, lse, causal, scale)
+            fn = functools.partial(_call, target, "backward", do, q, k, v, o, lse, causal, scale)
         times: dict[str, list[float]] = {name: [] for name, _ in pairs}
         for _ in range(rounds):
             for name, switch in pairs:
@@ -174,15 +222,23 @@ def run(
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile", "head-group"))
+    ap.add_argument(
+        "what", choices=("fwd-tile", "gluon-dkdv", "gluon-dq", "tile", "head-group", "source")
+    )
     ap.add_argument("shapes", nargs="+", help="B,H,N[,nc][,view] (bf16)")
-    ap.add_argument("--old", default="64,64,4,3", help="fwd-tile, tile, head-group: to beat")
+    ap.add_argument(
+        "--old", default="64,64,4,3",
+        help="fwd-tile, tile, head-group: to beat; source: the folder of the other source",
+    )  # fmt: skip
     ap.add_argument("--new", default="", help="tile, head-group: the candidate")
     ap.add_argument(
         "--kind", default="dkdv", choices=("fwd", "dkdv", "dq"),
-        help="tile: the kind overridden; tile, head-group: fwd times the forward, else backward",
+        help="tile: the kind overridden; tile, head-group, source: fwd times the forward, "
+        "else the backward",
     )  # fmt: skip
-    ap.add_argument("--d", type=int, default=D, help="tile, head-group: head dim (others: 128)")
+    ap.add_argument(
+        "--d", type=int, default=D, help="tile, head-group, source: head dim (others: 128)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph budget, ms")
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON result")
@@ -199,6 +255,8 @@ def main(argv=None) -> int:
         elif a.what == "head-group":
             for value in (a.new, a.old):
                 _check_head_group(value)
+        elif a.what == "source":
+            check_source(a.old)
         elif a.d != D:
             raise ValueError(f"--d: {a.what} compares d = {D} defaults")
     except ValueError as e:
@@ -211,7 +269,8 @@ def main(argv=None) -> int:
     rows = run(a.what, a.shapes, a.old, a.rounds, a.rep, new=a.new, kind=a.kind, d=a.d)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        tag = f"{a.what}_{a.kind}_d{a.d}" if a.what in ("tile", "head-group") else a.what
+        per_kind = ("tile", "head-group", "source")
+        tag = f"{a.what}_{a.kind}_d{a.d}" if a.what in per_kind else a.what
         (a.out / f"ab_{tag}.json").write_text(json.dumps(rows, indent=1))
     return 0
 

@@ -162,3 +162,29 @@ def test_ab_defaults_restores_what_it_switched(monkeypatch):
     assert not gluon_dq.DEFAULTS
     ab._restore("gluon-dq", "dkdv", (None, None), pairs)
     assert dict(gluon_dq.DEFAULTS) == before
+
+
+def test_ab_defaults_source_mode(tmp_path, capsys):
+    """``source``: --old must hold a flashattn_triton package (clear error before any GPU
+    work); a copy of this package loads under another name next to the installed one, and
+    the switches point run()'s target at one launch module or the other."""
+    import shutil
+
+    from flashattn_triton import launch
+
+    ab = _ab_defaults()
+    with pytest.raises(SystemExit) as e:
+        ab.main(["source", "2,8,1000", "--d", "64", "--old", str(tmp_path)])
+    assert e.value.code == 2
+    assert "no flashattn_triton/__init__.py" in capsys.readouterr().err
+    shutil.copytree(Path(launch.__file__).parent, tmp_path / "flashattn_triton")
+    target = {}
+    pairs = ab.sides("source", str(tmp_path), target=target)
+    old_launch = ab.load_source(str(tmp_path))
+    assert old_launch.__name__ == f"{ab.OLD_PACKAGE}.launch"
+    assert old_launch is not launch
+    assert Path(old_launch.__file__).parent == tmp_path / "flashattn_triton"
+    pairs[1][1]()
+    assert target["launch"] is old_launch
+    pairs[0][1]()
+    assert target["launch"] is launch

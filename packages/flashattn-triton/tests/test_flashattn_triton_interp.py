@@ -213,18 +213,34 @@ def test_head_group_args_off_gpu(monkeypatch):
 
 
 def test_row_stats_padding():
-    """The backward's L / D rows: as is for whole multiples of STATS_ROWS, else padded with
-    L = +inf (P = 0 in padding rows, never NaN) and D = 0, the real L kept."""
+    """The backward's L / L in log2 units / D rows: as is for whole multiples of STATS_ROWS,
+    else padded with L = +inf in both forms (P = 0 in padding rows, never NaN) and D = 0,
+    the real L kept."""
     lse = torch.randn(2, 3, configs.STATS_ROWS)
-    same, delta = launch._stats_buffers(lse, configs.STATS_ROWS)
+    same, lse2, delta = launch._stats_buffers(lse, configs.STATS_ROWS)
     assert same.data_ptr() == lse.data_ptr()
-    assert delta.shape == lse.shape
+    assert lse2.shape == delta.shape == lse.shape
     lse = torch.randn(2, 3, 97)
-    padded, delta = launch._stats_buffers(lse, 97)
-    assert padded.shape == delta.shape == (2, 3, configs.STATS_ROWS)
+    padded, lse2, delta = launch._stats_buffers(lse, 97)
+    assert padded.shape == lse2.shape == delta.shape == (2, 3, configs.STATS_ROWS)
     assert torch.equal(padded[..., :97], lse)
     assert torch.isposinf(padded[..., 97:]).all()
+    assert torch.isposinf(lse2[..., 97:]).all()
     assert not delta.any()
+
+
+@pytest.mark.parametrize(("n_q", "n_k"), [(70, 40), (33, 33)])
+def test_dkdv_alone_gets_log2_row_stats(n_q, n_k, small_tiles):
+    """``launch.backward(..., only="dkdv")`` (the benchmarks' kernel-alone timing) has no
+    kernel before it to write L in log2 units: the host does, so dV = P^T dO still matches
+    the reference, rows without keys (n_k < n_q, causal: L = -inf) included. (D is zero
+    there, so dK is not the gradient: only the time counts.)"""
+    q, k, v, do = _inputs((2,), n_q, n_k, 16)
+    ref = reference_fwd_bwd(q, k, v, do, True)
+    q4, k4, v4, do4 = (t.unsqueeze(1) for t in (q, k, v, do))
+    o, lse = launch.forward(q4, k4, v4, True, 16**-0.5)
+    _, _, dv = launch.backward(do4, q4, k4, v4, o, lse, True, 16**-0.5, only="dkdv")
+    assert rel_err(dv.squeeze(1), ref["dv"]) < 1e-5
 
 
 def test_tma_needs_aligned_strides():

@@ -336,6 +336,8 @@ def attn_bwd_preprocess_kernel(
     Out,
     DO,
     DELTA,
+    LSE,
+    LSE2,
     stride_ob,
     stride_oh,
     stride_on,
@@ -349,7 +351,8 @@ def attn_bwd_preprocess_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """D = rowsum(dO * O) in float32, one (batch, head) row block per program; DELTA's rows
+    """D = rowsum(dO * O) in float32, one (batch, head) row block per program, and L (LSE,
+    natural log) in log2 units into LSE2 (see ``_lse_log2``); the rows of DELTA, LSE and LSE2
     are stride_stats apart (see ``attn_bwd_dkdv_kernel``)."""
     pid_bh = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
@@ -367,29 +370,45 @@ def attn_bwd_preprocess_kernel(
     )  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + offs_tm
-    tl.store(DELTA + pid_bh.to(tl.int64) * stride_stats + offs_m, delta, mask=offs_m < n_q)
+    row0 = pid_bh.to(tl.int64) * stride_stats
+    tl.store(DELTA + row0 + offs_m, delta, mask=offs_m < n_q)
+    lse2 = _load_lse2(LSE + row0, start_m, offs_tm, n_q, True, False)
+    tl.store(LSE2 + row0 + offs_m, lse2, mask=offs_m < n_q)
 
 
 @triton.jit
-def _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
-    """L of a tile's rows in log2 units (+inf for padding rows and rows that saw no key)."""
+def _lse_log2(lse):
+    """L (natural log) -> L in log2 units, the form the backward's exponentials subtract:
+    +inf for a row that saw no key (L = -inf), so that its P = exp2(s - L) is 0, not NaN."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+
+@triton.jit
+def _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr, IN_LOG2: tl.constexpr):
+    """L of a tile's rows in log2 units (+inf for padding rows and rows that saw no key).
+    IN_LOG2: lse_base already holds them so (``_lse_log2``, written by the kernel that
+    computed D), which keeps the conversion out of the dK/dV loop."""
     offs_m = start_m + offs_tm
     if CHECK_ROWS:
         lse = tl.load(lse_base + offs_m, mask=offs_m < n_q, other=float("inf"))
     else:
         lse = tl.load(lse_base + offs_m)
-    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    if IN_LOG2:
+        return lse
+    return _lse_log2(lse)
 
 
 @triton.jit
-def _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr):
+def _load_row_stats(
+    lse_base, delta_base, start_m, offs_tm, n_q, CHECK_ROWS: tl.constexpr, IN_LOG2: tl.constexpr
+):
     """L in log2 units (see ``_load_lse2``) and D for a tile."""
     offs_m = start_m + offs_tm
     if CHECK_ROWS:
         delta = tl.load(delta_base + offs_m, mask=offs_m < n_q, other=0.0)
     else:
         delta = tl.load(delta_base + offs_m)
-    return _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS), delta
+    return _load_lse2(lse_base, start_m, offs_tm, n_q, CHECK_ROWS, IN_LOG2), delta
 
 
 @triton.jit
@@ -435,10 +454,12 @@ def _dkdv_query_loop(
     WARP_SPEC: tl.constexpr,
     TMA_DQ: tl.constexpr,
     PADDED_STATS: tl.constexpr,
+    LSE_LOG2: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
     PADDED_STATS: L and D hold padding rows (+inf, 0) up to a multiple of STATS_ROWS, so
-    their loads need no mask (for query tiles that divide it).
+    their loads need no mask (for query tiles that divide it). LSE_LOG2: L is stored in log2
+    units already (``_load_lse2``).
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
@@ -454,7 +475,7 @@ def _dkdv_query_loop(
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         check = not EVEN_M and not (PADDED_STATS and BLOCK_M <= _STATS_ROWS)
-        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, check)
+        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, check, LSE_LOG2)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
         if MASKED:
@@ -495,7 +516,7 @@ def _dkdv_tile(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
-    PADDED_STATS: tl.constexpr,
+    PADDED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr,
 ):  # fmt: skip
     """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
     DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
@@ -542,7 +563,7 @@ def _dkdv_tile(
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-            USE_TMA, False, TMA_DQ, PADDED_STATS,
+            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2,
         )  # fmt: skip
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
@@ -554,7 +575,7 @@ def _dkdv_tile(
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS,
+        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS, LSE_LOG2,
     )  # fmt: skip
     dk = dk * sm_scale
     _store_rows(
@@ -624,7 +645,7 @@ def _dq_key_loop(
 
 @triton.jit
 def _dq_tile(
-    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
+    Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out,
     b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
@@ -641,8 +662,8 @@ def _dq_tile(
 ):  # fmt: skip
     """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
     TMA descriptors of K and V (with USE_TMA). REG_A: Q and dO feed S and dP from registers.
-    FUSE_DELTA: compute the tile's D = rowsum(dO * O) from Out here and store it to DELTA
-    (for the dK/dV kernel that runs next) instead of loading it."""
+    FUSE_DELTA: compute the tile's D = rowsum(dO * O) from Out here and store it to DELTA,
+    and L in log2 units to LSE2 (for the dK/dV kernel that runs next), instead of loading D."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
@@ -669,11 +690,16 @@ def _dq_tile(
         else:
             tl.store(delta_ptrs, delta, mask=offs_m < n_q)
         lse_base = LSE + pid_bh.to(tl.int64) * stride_stats
-        lse2 = _load_lse2(lse_base, start_m, offs_tm, n_q, not EVEN_M)
+        lse2 = _load_lse2(lse_base, start_m, offs_tm, n_q, not EVEN_M, False)
+        lse2_ptrs = LSE2 + pid_bh.to(tl.int64) * stride_stats + offs_m
+        if EVEN_M:
+            tl.store(lse2_ptrs, lse2)
+        else:
+            tl.store(lse2_ptrs, lse2, mask=offs_m < n_q)
     else:
         lse2, delta = _load_row_stats(
             LSE + pid_bh.to(tl.int64) * stride_stats, DELTA + pid_bh.to(tl.int64) * stride_stats,
-            start_m, offs_tm, n_q, not EVEN_M,
+            start_m, offs_tm, n_q, not EVEN_M, False,
         )  # fmt: skip
     if REG_A:
         q = _in_registers(q, n_q)
@@ -725,13 +751,15 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
     REG_A: tl.constexpr, GROUPED: tl.constexpr, PADDED_STATS: tl.constexpr,
+    LSE_LOG2: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
     DESC_C descriptor with TMA_DQ). LSE and DELTA: (B*H, stride_stats) float32 rows, the
     first n_q of each used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of
-    query tiles, so the loop reads them without masks.
+    query tiles, so the loop reads them without masks. LSE_LOG2: LSE holds L in log2 units
+    (``_lse_log2``), as the kernel that wrote D leaves it, else natural logs.
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
@@ -744,13 +772,13 @@ def attn_bwd_dkdv_kernel(
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS,
+        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS, LSE_LOG2,
     )  # fmt: skip
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
+    Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -767,12 +795,13 @@ def attn_bwd_dq_kernel(
     GROUPED: tl.constexpr, FUSE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first). With
-    FUSE_DELTA it also computes the tile's D = rowsum(dO * O) and stores it for the dK/dV
-    kernel, which then runs after it (no preprocessing launch; see ``_dq_tile``)."""
+    FUSE_DELTA it also computes the tile's D = rowsum(dO * O) and stores it, with L in log2
+    units (LSE2), for the dK/dV kernel, which then runs after it (no preprocessing launch;
+    see ``_dq_tile``)."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     _dq_tile(
-        Q, K, V, DO, LSE, DELTA, DQ, DESC_A, DESC_B, Out,
+        Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out,
         pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -820,11 +849,11 @@ def attn_bwd_fused_kernel(
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False, False, PADDED_STATS,
+            False, False, False, False, PADDED_STATS, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
-            Q, K, V, DO, LSE, DELTA, DQ, None, None, None, b32, h32, pid_bh,
+            Q, K, V, DO, LSE, DELTA, None, DQ, None, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn, 0, 0, 0,

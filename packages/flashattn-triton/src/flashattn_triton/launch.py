@@ -393,17 +393,18 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _stats_buffers(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward's (B, H, rows) float32 L (natural log) and an empty D: lse itself (made
-    contiguous) where n_q is a multiple of configs.STATS_ROWS, else a copy padded to one
-    (L = +inf, D = 0 in the padding; D's real rows are written by the kernels)."""
+def _stats_buffers(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's (B, H, rows) float32 row statistics: L (natural log), and empty buffers
+    for L in log2 units and for D. L is lse itself (made contiguous) where n_q is a multiple
+    of configs.STATS_ROWS, else a copy padded to one (L = +inf, D = 0 in the padding; the
+    real rows of the other two are written by the kernel that computes D)."""
     lse = lse.contiguous()
     rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
     if rows == n_q:
-        return lse, torch.empty_like(lse)
+        return lse, torch.empty_like(lse), torch.empty_like(lse)
     padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
     padded[..., :n_q] = lse
-    return padded, lse.new_zeros(padded.shape)
+    return padded, torch.full_like(padded, float("inf")), lse.new_zeros(padded.shape)
 
 
 def backward(
@@ -436,7 +437,7 @@ def backward(
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
     # the kernels need unit-stride rows to vectorize their loads.
     do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-    lse, delta = _stats_buffers(lse, n_q)
+    lse, lse2, delta = _stats_buffers(lse, n_q)
     kern = _kernels()
     block_d = C.block_d_for(d)
     elem = q.element_size()
@@ -445,21 +446,23 @@ def backward(
     scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
     with _device_guard(q):
 
-        def preprocess() -> None:  # D = rowsum(dO * O)
+        def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
             pre_block = 64
             kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
-                o, do, delta, *_bhn_strides(o), *_bhn_strides(do), h, n_q, delta.shape[-1],
-                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
+                o, do, delta, lse, lse2, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
+                delta.shape[-1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
             )  # fmt: skip
 
         # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
-        # one computes D itself (one launch fewer). Elsewhere D comes from preprocess().
+        # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
+        # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).
         dq_first = scheme == "split" and only in (None, "dq")
         fuse_delta = dq_first and block_d <= C.FUSED_DELTA_MAX_D
         if not fuse_delta and only is None:
             preprocess()
-        elif not fuse_delta:
-            delta.zero_()  # one kernel timed alone: D's values do not matter
+        elif not fuse_delta:  # one kernel timed alone: D's values do not matter, L's do
+            delta.zero_()
+            torch.mul(lse, kern.LOG2E, out=lse2).masked_fill_(lse == float("-inf"), float("inf"))
         common = {
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
@@ -505,7 +508,8 @@ def backward(
                     return (b * h, triton_cdiv(n_q, cfg.block_m))
 
                 dq_args = {
-                    **common, "DQ": dq, **_strides("dq", dq), "Out": o, **_strides("o", o),
+                    **common, "LSE2": lse2, "DQ": dq, **_strides("dq", dq), "Out": o,
+                    **_strides("o", o),
                     "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
                 }  # fmt: skip
                 _run(
@@ -527,8 +531,8 @@ def backward(
         if only in (None, kind) and not gluon_ran:
             _run(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
-                {**common, **dkdv_out, "ATOMIC_DQ": scheme == "atomic",
-                 **head_group_args(q, b * h, n_q, block_d)},
+                {**common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
+                 "ATOMIC_DQ": scheme == "atomic", **head_group_args(q, b * h, n_q, block_d)},
                 n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
             )  # fmt: skip
         if scheme == "atomic":
