@@ -157,6 +157,7 @@ def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
     launch.interpreting = lambda: False
     launch.tma_usable = lambda t: tma
     launch._descriptor = lambda t, rows, block_d: _MetaDescriptor(t, [1, 1, rows, block_d])
+    launch._stats_descriptor = lambda t, rows: _MetaDescriptor(t, [1, rows])
     os.environ["FLASHATTN_TRITON_BWD"] = scheme
     b, h, n, d = shape
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")

@@ -422,8 +422,11 @@ def _dkdv_query_loop(
     desc_q,
     desc_do,
     desc_dq,
+    desc_lse,
+    desc_delta,
     b32,
     h32,
+    pid_bh,
     lse_base,
     delta_base,
     dq_base,
@@ -455,11 +458,14 @@ def _dkdv_query_loop(
     TMA_DQ: tl.constexpr,
     PADDED_STATS: tl.constexpr,
     LSE_LOG2: tl.constexpr,
+    STATS_TMA: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
     PADDED_STATS: L and D hold padding rows (+inf, 0) up to a multiple of STATS_ROWS, so
     their loads need no mask (for query tiles that divide it). LSE_LOG2: L is stored in log2
-    units already (``_load_lse2``).
+    units already (``_load_lse2``). STATS_TMA: both come through the 2-D (B*H, rows) TMA
+    descriptors desc_lse / desc_delta (L in log2 units; the rows run to a whole number of
+    query tiles), one bulk copy each per tile instead of per-thread copies.
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
@@ -474,8 +480,14 @@ def _dkdv_query_loop(
             desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
-        check = not EVEN_M and not (PADDED_STATS and BLOCK_M <= _STATS_ROWS)
-        lse2, delta = _load_row_stats(lse_base, delta_base, start_m, offs_tm, n_q, check, LSE_LOG2)
+        if STATS_TMA:
+            lse2 = desc_lse.load([pid_bh, start_m]).reshape(BLOCK_M)
+            delta = desc_delta.load([pid_bh, start_m]).reshape(BLOCK_M)
+        else:
+            check = not EVEN_M and not (PADDED_STATS and BLOCK_M <= _STATS_ROWS)
+            lse2, delta = _load_row_stats(
+                lse_base, delta_base, start_m, offs_tm, n_q, check, LSE_LOG2
+            )
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
         if MASKED:
@@ -502,7 +514,7 @@ def _dkdv_query_loop(
 
 @triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
     b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
@@ -516,7 +528,7 @@ def _dkdv_tile(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
-    PADDED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr,
+    PADDED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
 ):  # fmt: skip
     """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
     DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
@@ -559,11 +571,12 @@ def _dkdv_tile(
         mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D, b32, h32,
+            pid_bh, lse_base,
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2,
+            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
         )  # fmt: skip
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
@@ -571,11 +584,12 @@ def _dkdv_tile(
     # keys must be masked there. (It saves the mask work; no measurable time, NOTES.md run 64.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, b32, h32, lse_base,
+        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D, b32, h32,
+        pid_bh, lse_base,
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS, LSE_LOG2,
+        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
     )  # fmt: skip
     dk = dk * sm_scale
     _store_rows(
@@ -735,7 +749,7 @@ def _dq_tile(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -751,7 +765,7 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
     REG_A: tl.constexpr, GROUPED: tl.constexpr, PADDED_STATS: tl.constexpr,
-    LSE_LOG2: tl.constexpr,
+    LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
@@ -759,12 +773,13 @@ def attn_bwd_dkdv_kernel(
     DESC_C descriptor with TMA_DQ). LSE and DELTA: (B*H, stride_stats) float32 rows, the
     first n_q of each used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of
     query tiles, so the loop reads them without masks. LSE_LOG2: LSE holds L in log2 units
-    (``_lse_log2``), as the kernel that wrote D leaves it, else natural logs.
+    (``_lse_log2``), as the kernel that wrote D leaves it, else natural logs. STATS_TMA:
+    the loop reads both through DESC_L / DESC_D (``_dkdv_query_loop``).
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
     _dkdv_tile(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
         pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
@@ -772,7 +787,7 @@ def attn_bwd_dkdv_kernel(
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS, LSE_LOG2,
+        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS, LSE_LOG2, STATS_TMA,
     )  # fmt: skip
 
 
@@ -842,14 +857,14 @@ def attn_bwd_fused_kernel(
     h32 = pid_bh % n_heads
     if tile * BLOCK_N1 < n_k:
         _dkdv_tile(
-            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, None, None, None, b32, h32, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, None, None, None, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False, False, PADDED_STATS, False,
+            False, False, False, False, PADDED_STATS, False, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(

@@ -204,6 +204,15 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
 
 
+def _stats_descriptor(t: torch.Tensor, rows: int):
+    """2-D TMA descriptor of a (B, H, R) float32 row-statistics buffer as (B*H, R) rows,
+    boxes of [1, rows]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = t.view(-1, t.shape[-1])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, rows])
+
+
 def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) -> dict:
     """DESC_*/USE_TMA/WARP_SPEC/TMA_DQ/REG_A for one launch (nothing for the fused kernel).
 
@@ -217,7 +226,7 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
     if kind != "fwd":
         out["REG_A"] = bool(cfg and cfg.reg)
     if kind in ("dkdv", "atomic"):
-        out.update(DESC_C=None, TMA_DQ=False)
+        out.update(DESC_C=None, TMA_DQ=False, DESC_L=None, DESC_D=None, STATS_TMA=False)
     if cfg is None or not cfg.tma:
         return out
     if kind == "atomic":
@@ -228,6 +237,21 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         block = getattr(cfg, rows)
         out.update(DESC_A=_descriptor(a, block, block_d), DESC_B=_descriptor(b, block, block_d))
         out["USE_TMA"] = True
+        # The row statistics by TMA too: L in log2 units, rows in whole query tiles.
+        lse, delta = args.get("LSE"), args.get("DELTA")
+        if (
+            kind in ("dkdv", "atomic")
+            and args.get("LSE_LOG2")
+            and C.STATS_TMA
+            and lse.shape[-1] % block == 0
+            and tma_usable(lse)
+            and tma_usable(delta)
+        ):
+            out.update(
+                DESC_L=_stats_descriptor(lse, block),
+                DESC_D=_stats_descriptor(delta, block),
+                STATS_TMA=True,
+            )
     return out
 
 
