@@ -126,7 +126,7 @@ def offline(
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, n, 0.18, 0.125,
                 2, *rows, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
-                ROW_TMA=rt, num_warps=o["block_n"] // 16,
+                ROW_TMA=rt, LSE_LOG2=True, num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))

@@ -252,8 +252,8 @@ def _spy_gluon(monkeypatch):
         real_launch_dq(*args, **kwargs)
         dq_launched.append(True)
 
-    def spy_dkdv(*args):
-        calls.append((real_dkdv(*args), bool(dq_launched)))
+    def spy_dkdv(*args, **kwargs):
+        calls.append((real_dkdv(*args, **kwargs), bool(dq_launched)))
         dq_launched.clear()
         return calls[-1][0]
 

@@ -112,14 +112,21 @@ if HAVE_GLUON:
             _tile_pair(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK, pred)
 
     @gluon.jit
-    def _row_stats(lse_base, delta_base, offs_m, n_q):
-        """log2-domain log-sum-exp (+inf for rows that saw no key: P = 0) and delta of the
-        query rows offs_m; rows past n_q read as +inf / 0."""
+    def _lse_log2(lse, LSE_LOG2: gl.constexpr):
+        """lse in log2 units (+inf for rows that saw no key: P = 0); as is with LSE_LOG2
+        (stored so already by the kernel that computed delta)."""
+        if LSE_LOG2:
+            return lse
+        return gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+    @gluon.jit
+    def _row_stats(lse_base, delta_base, offs_m, n_q, LSE_LOG2: gl.constexpr):
+        """log2-domain log-sum-exp (``_lse_log2``) and delta of the query rows offs_m; rows
+        past n_q read as +inf / 0."""
         in_rows = offs_m < n_q
         lse = gl.load(lse_base + offs_m, mask=in_rows, other=float("inf"))
         delta = gl.load(delta_base + offs_m, mask=in_rows, other=0.0)
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-        return lse2, delta
+        return _lse_log2(lse, LSE_LOG2), delta
 
     @gluon.jit
     def _produce(
@@ -144,7 +151,8 @@ if HAVE_GLUON:
         stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, num_warps: gl.constexpr,
+        ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, LSE_LOG2: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """The math: accumulate dK, dV over the query tiles, then store them. stride_dk,
         stride_dv: (batch, head, row) strides of DK, DV."""
@@ -182,11 +190,10 @@ if HAVE_GLUON:
             start_m = lo + i * BLOCK_M
             offs_m = start_m + offs_tm
             if not ROW_TMA:
-                lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q)
+                lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q, LSE_LOG2)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             if ROW_TMA:  # arrived with Q and dO; rows past n_q are masked below
-                lse = lse_smem.index(stage).load(col_layout)
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+                lse2 = _lse_log2(lse_smem.index(stage).load(col_layout), LSE_LOG2)
             q_s = q_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             do_s = do_smem.index(stage).reshape([BLOCK_M, HEAD_DIM])
             s_tok = warpgroup_mma(k_tile, q_s.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -246,13 +253,13 @@ if HAVE_GLUON:
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, GROUPED: gl.constexpr, ROW_TMA: gl.constexpr,
-        num_warps: gl.constexpr,
+        LSE_LOG2: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
         their (batch, head, row) strides (unit last stride).
 
-        LSE holds natural-log row log-sum-exps and DELTA rowsum(dO * O), both (B*H,
-        stride_stats) with n_q <= stride_stats rows used.
+        LSE holds natural-log row log-sum-exps (in log2 units, ``_lse_log2``, with LSE_LOG2)
+        and DELTA rowsum(dO * O), both (B*H, stride_stats) with n_q <= stride_stats rows used.
         WARP_SPEC: one extra warp issues the TMA loads (the math warps never wait for each
         other); otherwise the math warps issue them STAGES - 1 tiles ahead. head_group,
         GROUPED: the launch order (``kernels._grouped_program``)."""
@@ -302,7 +309,8 @@ if HAVE_GLUON:
                             kv_ready, LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv,
                             start_n, lo, n_tiles, n_q, n_k, stride_stats, qk_scale, sm_scale,
                             lse_desc, delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N,
-                            HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, num_warps,
+                            HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2,
+                            num_warps,
                         ),
                     ),
                     (
@@ -332,7 +340,7 @@ if HAVE_GLUON:
                 LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
                 n_q, n_k, stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem,
                 delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE,
-                ROW_TMA, num_warps,
+                ROW_TMA, LSE_LOG2, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -395,10 +403,12 @@ def launch_dkdv(
     ablate: int = 0,
     head_group: int = 0,
     row_tma: bool = False,
+    lse_log2: bool = False,
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
-    dv; lse (natural log) and delta: contiguous (B, H, rows) float32 with rows >= n_q (the
-    launcher pads them, ``configs.STATS_ROWS``; rows past n_q are masked). Checks nothing:
+    dv; lse (natural log, or with ``lse_log2`` in log2 units, +inf for rows without keys)
+    and delta: contiguous (B, H, rows) float32 with rows >= n_q (the launcher pads them,
+    ``configs.STATS_ROWS``; rows past n_q are masked). Checks nothing:
     ``try_dkdv`` (via ``applies``) is the gated entry point; this one is for benchmarks that
     pick their own tiles. ``ablate`` is for timing experiments only (wrong results): 1 drops
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
@@ -416,7 +426,7 @@ def launch_dkdv(
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, lse.shape[-1],
         softmax_scale * LOG2E, softmax_scale, group, *rows,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma,
+        WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma, LSE_LOG2=lse_log2,
         num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
@@ -475,9 +485,12 @@ def run_guarded(kernel: str, key: tuple, launch: Callable[[], None]) -> bool:
     return True
 
 
-def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float) -> bool:
+def try_dkdv(
+    q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float, lse_log2: bool = False
+) -> bool:
     """Run the default Gluon dK/dV if it applies (see ``applies``); False if the caller
-    should run the Triton kernel instead (see ``run_guarded``)."""
+    should run the Triton kernel instead (see ``run_guarded``). ``lse_log2``: see
+    ``launch_dkdv``."""
     if not applies(q, k, v, do, dk, dv):
         return False
     from .launch import head_group_args
@@ -489,6 +502,6 @@ def try_dkdv(q, k, v, do, lse, delta, dk, dv, causal: bool, softmax_scale: float
         (d, q.dtype, causal),
         lambda: launch_dkdv(
             q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[d],
-            head_group=group,
+            head_group=group, lse_log2=lse_log2,
         ),
     )  # fmt: skip

@@ -98,6 +98,7 @@ if HAVE_GLUON:
             DELTA + pid_bh.to(gl.int64) * stride_stats,
             offs_m,
             n_q,
+            False,
         )
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout))

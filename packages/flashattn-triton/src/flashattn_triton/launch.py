@@ -399,11 +399,11 @@ def forward(
     return o, lse
 
 
-def _gluon_dkdv(*args) -> bool:
+def _gluon_dkdv(*args, **kwargs) -> bool:
     """``gluon_dkdv.try_dkdv`` (imported on first CUDA backward: it imports Triton's Gluon)."""
     from . import gluon_dkdv
 
-    return gluon_dkdv.try_dkdv(*args)
+    return gluon_dkdv.try_dkdv(*args, **kwargs)
 
 
 def _gluon_dq():
@@ -550,7 +550,7 @@ def backward(
             kind == "dkdv"
             and only in (None, kind)
             and q.is_cuda
-            and _gluon_dkdv(q, k, v, do, lse, delta, dk, dv, causal, softmax_scale)
+            and _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, softmax_scale, lse_log2=True)
         )
         if only in (None, kind) and not gluon_ran:
             _run(
