@@ -212,21 +212,46 @@ def test_head_group_args_off_gpu(monkeypatch):
     assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 4, "GROUPED": True}
 
 
-def test_row_stats_padding():
+@pytest.mark.parametrize("packed", [False, True])
+def test_row_stats_padding(packed):
     """The backward's L / L in log2 units / D rows: as is for whole multiples of STATS_ROWS,
     else padded with L = +inf in both forms (P = 0 in padding rows, never NaN) and D = 0,
-    the real L kept."""
-    lse = torch.randn(2, 3, configs.STATS_ROWS)
-    same, lse2, delta = launch._stats_buffers(lse, configs.STATS_ROWS)
+    the real L kept. Packed, the last two are the halves of one (B, H, 2, rows) buffer."""
+    rows = configs.STATS_ROWS
+    lse = torch.randn(2, 3, rows)
+    same, lse2, delta, stride = launch._stats_buffers(lse, rows, packed)
     assert same.data_ptr() == lse.data_ptr()
     assert lse2.shape == delta.shape == lse.shape
+    assert stride == (2 * rows if packed else rows) == lse2.stride(1) == delta.stride(1)
     lse = torch.randn(2, 3, 97)
-    padded, lse2, delta = launch._stats_buffers(lse, 97)
-    assert padded.shape == lse2.shape == delta.shape == (2, 3, configs.STATS_ROWS)
+    padded, lse2, delta, stride = launch._stats_buffers(lse, 97, packed)
+    assert padded.shape == lse2.shape == delta.shape == (2, 3, rows)
     assert torch.equal(padded[..., :97], lse)
     assert torch.isposinf(padded[..., 97:]).all()
     assert torch.isposinf(lse2[..., 97:]).all()
-    assert not delta.any()
+    assert not delta[..., 97:].any()
+    both = launch._packed_rows(lse2, delta, stride)
+    if packed:
+        assert both.shape == (6, 2, rows)
+        lse2.copy_(torch.randn_like(lse2))
+        delta.copy_(torch.randn_like(delta))
+        assert torch.equal(both[:, 0], lse2.reshape(6, rows))
+        assert torch.equal(both[:, 1], delta.reshape(6, rows))
+    else:
+        assert both is None
+
+
+@pytest.mark.parametrize("scheme", ["split", "atomic"])
+@pytest.mark.parametrize(
+    ("n_q", "n_k", "causal"), [(97, 97, True), (256, 256, True), (70, 40, False)]
+)
+def test_packed_row_stats_by_pointers(scheme, n_q, n_k, causal, small_tiles, monkeypatch):
+    """Packed L / D rows (``launch._stats_buffers``) read by pointers, not TMA (a dK/dV config
+    without ``tma`` whose statistics were packed anyway): their row strides are twice the
+    unpacked ones, padded (97) or not (256)."""
+    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+    monkeypatch.setattr(launch, "_stats_by_tma", lambda *args: True)
+    _check(*_inputs((2,), n_q, n_k, 16), causal)
 
 
 @pytest.mark.parametrize(("n_q", "n_k"), [(70, 40), (33, 33)])

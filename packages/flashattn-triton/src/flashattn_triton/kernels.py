@@ -347,13 +347,14 @@ def attn_bwd_preprocess_kernel(
     n_heads,
     n_q,
     stride_stats,
+    stride_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """D = rowsum(dO * O) in float32, one (batch, head) row block per program, and L (LSE,
-    natural log) in log2 units into LSE2 (see ``_lse_log2``); the rows of DELTA, LSE and LSE2
-    are stride_stats apart (see ``attn_bwd_dkdv_kernel``)."""
+    natural log) in log2 units into LSE2 (see ``_lse_log2``). The (batch, head) rows of LSE
+    are stride_stats apart, those of DELTA and LSE2 stride_rows (see ``attn_bwd_dkdv_kernel``)."""
     pid_bh = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     b = (pid_bh // n_heads).to(tl.int64)
@@ -370,9 +371,9 @@ def attn_bwd_preprocess_kernel(
     )  # fmt: skip
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     offs_m = start_m + offs_tm
-    row0 = pid_bh.to(tl.int64) * stride_stats
+    row0 = pid_bh.to(tl.int64) * stride_rows
     tl.store(DELTA + row0 + offs_m, delta, mask=offs_m < n_q)
-    lse2 = _load_lse2(LSE + row0, start_m, offs_tm, n_q, True, False)
+    lse2 = _load_lse2(LSE + pid_bh.to(tl.int64) * stride_stats, start_m, offs_tm, n_q, True, False)
     tl.store(LSE2 + row0 + offs_m, lse2, mask=offs_m < n_q)
 
 
@@ -422,8 +423,7 @@ def _dkdv_query_loop(
     desc_q,
     desc_do,
     desc_dq,
-    desc_lse,
-    desc_delta,
+    desc_rows,
     b32,
     h32,
     pid_bh,
@@ -463,9 +463,9 @@ def _dkdv_query_loop(
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
     PADDED_STATS: L and D hold padding rows (+inf, 0) up to a multiple of STATS_ROWS, so
     their loads need no mask (for query tiles that divide it). LSE_LOG2: L is stored in log2
-    units already (``_load_lse2``). STATS_TMA: both come through the 2-D (B*H, rows) TMA
-    descriptors desc_lse / desc_delta (L in log2 units; the rows run to a whole number of
-    query tiles), one bulk copy each per tile instead of per-thread copies.
+    units already (``_load_lse2``). STATS_TMA: both come through desc_rows, a TMA descriptor
+    of the (B*H, 2, rows) buffer that holds L in log2 units and D (``launch._stats_buffers``;
+    the rows run to a whole number of query tiles): one bulk copy per tile.
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
@@ -481,8 +481,8 @@ def _dkdv_query_loop(
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         if STATS_TMA:
-            lse2 = desc_lse.load([pid_bh, start_m]).reshape(BLOCK_M)
-            delta = desc_delta.load([pid_bh, start_m]).reshape(BLOCK_M)
+            rows = desc_rows.load([pid_bh, 0, start_m]).reshape(2, BLOCK_M)
+            lse2, delta = tl.split(tl.permute(rows, (1, 0)))
         else:
             check = not EVEN_M and not (PADDED_STATS and BLOCK_M <= _STATS_ROWS)
             lse2, delta = _load_row_stats(
@@ -513,8 +513,23 @@ def _dkdv_query_loop(
 
 
 @triton.jit
+def _stats_strides(
+    stride_stats, n_q, PADDED_STATS: tl.constexpr, PACKED_STATS: tl.constexpr,
+    LSE_LOG2: tl.constexpr,
+):  # fmt: skip
+    """(batch, head) row strides of the L and D the dK/dV loop reads: L (natural log) rows
+    are stride_stats apart; D rows, and L rows in log2 units (LSE_LOG2), twice that when
+    PACKED_STATS (``launch._stats_buffers``). Unpadded, stride_stats is n_q itself: using n_q
+    keeps one live argument fewer (d = 16: 127 registers instead of 134, 4 programs per SM)."""
+    rows = stride_stats if PADDED_STATS else n_q
+    stride_delta = 2 * rows if PACKED_STATS else rows
+    stride_lse = stride_delta if LSE_LOG2 else rows
+    return stride_lse, stride_delta
+
+
+@triton.jit
 def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
     b32, h32, pid_bh,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
@@ -523,7 +538,7 @@ def _dkdv_tile(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
+    n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -549,11 +564,8 @@ def _dkdv_tile(
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
     dq_base = DQ + b * stride_dqb + h * stride_dqh
-    # (Unpadded, the row stride is n_q itself: one live argument fewer, so the leaderboard
-    # shape keeps its 16 B of spills instead of 24.)
-    stats_rows = stride_stats if PADDED_STATS else n_q
-    lse_base = LSE + pid_bh.to(tl.int64) * stats_rows
-    delta_base = DELTA + pid_bh.to(tl.int64) * stats_rows
+    lse_base = LSE + pid_bh.to(tl.int64) * stride_lse
+    delta_base = DELTA + pid_bh.to(tl.int64) * stride_delta
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -571,7 +583,7 @@ def _dkdv_tile(
         mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D, b32, h32,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
             pid_bh, lse_base,
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
@@ -584,7 +596,7 @@ def _dkdv_tile(
     # keys must be masked there. (It saves the mask work; no measurable time, NOTES.md run 64.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D, b32, h32,
+        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
         pid_bh, lse_base,
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
@@ -667,7 +679,7 @@ def _dq_tile(
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
-    n_q, n_k, stride_stats, qk_scale, sm_scale, start_m,
+    n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, start_m,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
@@ -698,21 +710,21 @@ def _dq_tile(
             HEAD_DIM, BLOCK_D, not EVEN_M,
         )  # fmt: skip
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        delta_ptrs = DELTA + pid_bh.to(tl.int64) * stride_stats + offs_m
+        delta_ptrs = DELTA + pid_bh.to(tl.int64) * stride_rows + offs_m
         if EVEN_M:
             tl.store(delta_ptrs, delta)
         else:
             tl.store(delta_ptrs, delta, mask=offs_m < n_q)
         lse_base = LSE + pid_bh.to(tl.int64) * stride_stats
         lse2 = _load_lse2(lse_base, start_m, offs_tm, n_q, not EVEN_M, False)
-        lse2_ptrs = LSE2 + pid_bh.to(tl.int64) * stride_stats + offs_m
+        lse2_ptrs = LSE2 + pid_bh.to(tl.int64) * stride_rows + offs_m
         if EVEN_M:
             tl.store(lse2_ptrs, lse2)
         else:
             tl.store(lse2_ptrs, lse2, mask=offs_m < n_q)
     else:
         lse2, delta = _load_row_stats(
-            LSE + pid_bh.to(tl.int64) * stride_stats, DELTA + pid_bh.to(tl.int64) * stride_stats,
+            LSE + pid_bh.to(tl.int64) * stride_stats, DELTA + pid_bh.to(tl.int64) * stride_rows,
             start_m, offs_tm, n_q, not EVEN_M, False,
         )  # fmt: skip
     if REG_A:
@@ -749,7 +761,7 @@ def _dq_tile(
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -757,7 +769,7 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
+    n_heads, n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -765,27 +777,32 @@ def attn_bwd_dkdv_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
     REG_A: tl.constexpr, GROUPED: tl.constexpr, PADDED_STATS: tl.constexpr,
-    LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
+    PACKED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
-    DESC_C descriptor with TMA_DQ). LSE and DELTA: (B*H, stride_stats) float32 rows, the
-    first n_q of each used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of
-    query tiles, so the loop reads them without masks. LSE_LOG2: LSE holds L in log2 units
-    (``_lse_log2``), as the kernel that wrote D leaves it, else natural logs. STATS_TMA:
-    the loop reads both through DESC_L / DESC_D (``_dkdv_query_loop``).
+    DESC_C descriptor with TMA_DQ). LSE and DELTA: float32 rows per (batch, head), stride_rows
+    apart for DELTA (and for LSE with LSE_LOG2: L in log2 units, ``_lse_log2``, as the kernel
+    that wrote D leaves it), else stride_stats apart (natural logs); stride_rows is
+    stride_stats, or twice it with PACKED_STATS (``_stats_strides``). The first n_q of each
+    are used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of query tiles,
+    so the loop reads them without masks. STATS_TMA: the loop reads both through DESC_ROWS
+    (``_dkdv_query_loop``).
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
+    stride_lse, stride_delta = _stats_strides(
+        stride_stats, n_q, PADDED_STATS, PACKED_STATS, LSE_LOG2
+    )
     _dkdv_tile(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_L, DESC_D,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
         pid_bh // n_heads, pid_bh % n_heads, pid_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         stride_dqb, stride_dqh, stride_dqn,
-        n_q, n_k, stride_stats, qk_scale, sm_scale, start_n,
+        n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
         USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS, LSE_LOG2, STATS_TMA,
     )  # fmt: skip
@@ -800,7 +817,7 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
-    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
+    n_heads, n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -821,7 +838,7 @@ def attn_bwd_dq_kernel(
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on,
-        n_q, n_k, stride_stats, qk_scale, sm_scale, start_m,
+        n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, start_m,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
         USE_TMA, WARP_SPEC, REG_A, FUSE_DELTA,
     )  # fmt: skip
@@ -837,7 +854,7 @@ def attn_bwd_fused_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale,
+    n_heads, n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -845,6 +862,7 @@ def attn_bwd_fused_kernel(
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
     EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
     EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr, PADDED_STATS: tl.constexpr,
+    PACKED_STATS: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of key tile t and dQ of query tile t (one launch, no atomics).
 
@@ -856,13 +874,16 @@ def attn_bwd_fused_kernel(
     b32 = pid_bh // n_heads
     h32 = pid_bh % n_heads
     if tile * BLOCK_N1 < n_k:
+        stride_lse, stride_delta = _stats_strides(
+            stride_stats, n_q, PADDED_STATS, PACKED_STATS, False
+        )
         _dkdv_tile(
-            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, None, None, None, None, None, b32, h32, pid_bh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, None, None, None, None, b32, h32, pid_bh,
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
-            n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_N1,
+            n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, tile * BLOCK_N1,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
             False, False, False, False, PADDED_STATS, False, False,
         )  # fmt: skip
@@ -872,7 +893,7 @@ def attn_bwd_fused_kernel(
             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn, 0, 0, 0,
-            n_q, n_k, stride_stats, qk_scale, sm_scale, tile * BLOCK_M2,
+            n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, tile * BLOCK_M2,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
             False, False, False, False,
         )  # fmt: skip

@@ -204,13 +204,21 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
 
 
-def _stats_descriptor(t: torch.Tensor, rows: int):
-    """2-D TMA descriptor of a (B, H, R) float32 row-statistics buffer as (B*H, R) rows,
-    boxes of [1, rows]."""
+def _packed_rows(lse2: torch.Tensor, delta: torch.Tensor, stride_rows: int) -> torch.Tensor | None:
+    """The (B*H, 2, R) float32 buffer behind the views lse2 = [:, 0], delta = [:, 1] of a
+    packed ``_stats_buffers``, or None if they are not laid out so."""
+    rows = lse2.shape[-1]
+    if stride_rows != 2 * rows or delta.data_ptr() != lse2.data_ptr() + 4 * rows:
+        return None
+    return lse2.as_strided((lse2.numel() // rows, 2, rows), (2 * rows, rows, 1))
+
+
+def _rows_descriptor(rows: torch.Tensor, block: int):
+    """TMA descriptor of a (B*H, 2, R) row-statistics buffer: [1, 2, block] boxes, one query
+    tile's L (log2 units) and D in one copy."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    flat = t.view(-1, t.shape[-1])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [1, rows])
+    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [1, 2, block])
 
 
 def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) -> dict:
@@ -226,7 +234,7 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
     if kind != "fwd":
         out["REG_A"] = bool(cfg and cfg.reg)
     if kind in ("dkdv", "atomic"):
-        out.update(DESC_C=None, TMA_DQ=False, DESC_L=None, DESC_D=None, STATS_TMA=False)
+        out.update(DESC_C=None, TMA_DQ=False, DESC_ROWS=None, STATS_TMA=False)
     if cfg is None or not cfg.tma:
         return out
     if kind == "atomic":
@@ -237,21 +245,12 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         block = getattr(cfg, rows)
         out.update(DESC_A=_descriptor(a, block, block_d), DESC_B=_descriptor(b, block, block_d))
         out["USE_TMA"] = True
-        # The row statistics by TMA too: L in log2 units, rows in whole query tiles.
-        lse, delta = args.get("LSE"), args.get("DELTA")
-        if (
-            kind in ("dkdv", "atomic")
-            and args.get("LSE_LOG2")
-            and C.STATS_TMA
-            and lse.shape[-1] % block == 0
-            and tma_usable(lse)
-            and tma_usable(delta)
-        ):
-            out.update(
-                DESC_L=_stats_descriptor(lse, block),
-                DESC_D=_stats_descriptor(delta, block),
-                STATS_TMA=True,
-            )
+        # The row statistics by TMA too: L in log2 units and D from one packed buffer, rows
+        # in whole query tiles.
+        if kind in ("dkdv", "atomic") and args.get("LSE_LOG2") and C.STATS_TMA:
+            rows = _packed_rows(args["LSE"], args["DELTA"], args["stride_rows"])
+            if rows is not None and rows.shape[-1] % block == 0 and rows.data_ptr() % 16 == 0:
+                out.update(DESC_ROWS=_rows_descriptor(rows, block), STATS_TMA=True)
     return out
 
 
@@ -417,18 +416,56 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _stats_buffers(lse: torch.Tensor, n_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward's (B, H, rows) float32 row statistics: L (natural log), and empty buffers
-    for L in log2 units and for D. L is lse itself (made contiguous) where n_q is a multiple
-    of configs.STATS_ROWS, else a copy padded to one (L = +inf, D = 0 in the padding; the
-    real rows of the other two are written by the kernel that computes D)."""
+def _gluon_reads_stats(q: torch.Tensor) -> bool:
+    """Whether a Gluon kernel may read this backward's row statistics (CUDA, a head dim in a
+    Gluon DEFAULTS table): they then stay in separate contiguous buffers, as its row TMA
+    needs."""
+    if not q.is_cuda:
+        return False
+    from . import gluon_dkdv, gluon_dq
+
+    return q.shape[-1] in gluon_dkdv.DEFAULTS or q.shape[-1] in gluon_dq.DEFAULTS
+
+
+def _stats_by_tma(
+    q: torch.Tensor, kind: str | None, n_q: int, n_k: int, block_d: int, elem: int, small: bool
+) -> bool:
+    """Whether the Triton dK/dV kernel (``kind`` 'dkdv' or 'atomic') will bring L and D by
+    TMA, so that ``_stats_buffers`` packs them: configs.STATS_TMA, its default config asks
+    for TMA and q allows it, and no Gluon kernel may read them. (Packed rows read by pointers
+    cost registers instead: d = 32, 72 B of stack against 56.)"""
+    if kind is None or not C.STATS_TMA or C.autotune_enabled() or _gluon_reads_stats(q):
+        return False
+    return C.default_config(kind, n_q, n_k, block_d, elem, small).tma and tma_usable(q)
+
+
+def _stats_buffers(
+    lse: torch.Tensor, n_q: int, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The backward's (B, H, rows) float32 row statistics: L (natural log), buffers for L in
+    log2 units and for D (written by the kernel that computes D), and the row stride of the
+    last two. L is lse itself (made contiguous) where n_q is a multiple of
+    configs.STATS_ROWS, else a copy padded to one (L = +inf, D = 0 in the padding).
+
+    ``packed``: the last two are the [..., 0, :] and [..., 1, :] views of one (B, H, 2, rows)
+    buffer (stride 2 * rows), so that the dK/dV kernel brings a query tile's L and D by one
+    TMA copy; else two contiguous buffers (stride rows)."""
     lse = lse.contiguous()
     rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
-    if rows == n_q:
-        return lse, torch.empty_like(lse), torch.empty_like(lse)
-    padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
-    padded[..., :n_q] = lse
-    return padded, torch.full_like(padded, float("inf")), lse.new_zeros(padded.shape)
+    if rows != n_q:
+        padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
+        padded[..., :n_q] = lse
+        lse = padded
+    if not packed:
+        if rows == n_q:
+            return lse, torch.empty_like(lse), torch.empty_like(lse), rows
+        return lse, torch.full_like(lse, float("inf")), lse.new_zeros(lse.shape), rows
+    both = lse.new_empty((*lse.shape[:-1], 2, rows))
+    lse2, delta = both[..., 0, :], both[..., 1, :]
+    if rows != n_q:
+        lse2[..., n_q:] = float("inf")
+        delta[..., n_q:] = 0.0
+    return lse, lse2, delta, 2 * rows
 
 
 def backward(
@@ -461,20 +498,23 @@ def backward(
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
     # the kernels need unit-stride rows to vectorize their loads.
     do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-    lse, lse2, delta = _stats_buffers(lse, n_q)
     kern = _kernels()
     block_d = C.block_d_for(d)
     elem = q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     n_sms = sm_count(q)
     scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
+    kind = {"split": "dkdv", "atomic": "atomic"}.get(scheme)  # the dK/dV kernel's, if Triton's
+    small_dkdv = _small_grid(causal, b * h, n_k, n_sms)
+    packed = _stats_by_tma(q, kind, n_q, n_k, block_d, elem, small_dkdv)
+    lse, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
     with _device_guard(q):
 
         def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
             pre_block = 64
             kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
                 o, do, delta, lse, lse2, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
-                delta.shape[-1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
+                lse.shape[-1], stride_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
             )  # fmt: skip
 
         # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
@@ -486,11 +526,12 @@ def backward(
             preprocess()
         elif not fuse_delta:  # one kernel timed alone: D's values do not matter, L's do
             delta.zero_()
-            torch.mul(lse, kern.LOG2E, out=lse2).masked_fill_(lse == float("-inf"), float("inf"))
+            lse2.copy_(lse * kern.LOG2E).masked_fill_(lse == float("-inf"), float("inf"))
         common = {
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
             "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
+            "stride_rows": stride_rows,
             "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
             "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
             "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
@@ -503,7 +544,7 @@ def backward(
         dkdv_out = {
             "DK": dk, "DV": dv, "DQ": dq_target,
             **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
-            "PADDED_STATS": lse.shape[-1] != n_q,
+            "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": stride_rows != lse.shape[-1],
         }  # fmt: skip
         if scheme == "fused":
 
@@ -544,7 +585,6 @@ def backward(
         def grid_keys(cfg):
             return (b * h, triton_cdiv(n_k, cfg.block_n))
 
-        kind = "atomic" if scheme == "atomic" else "dkdv"
         # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
         gluon_ran = (
             kind == "dkdv"
@@ -557,7 +597,7 @@ def backward(
                 kind, kern.attn_bwd_dkdv_kernel, grid_keys,
                 {**common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
                  "ATOMIC_DQ": scheme == "atomic", **head_group_args(q, b * h, n_q, block_d)},
-                n_q, n_k, block_d, elem, small_grid=_small_grid(causal, b * h, n_k, n_sms),
+                n_q, n_k, block_d, elem, small_grid=small_dkdv,
             )  # fmt: skip
         if scheme == "atomic":
             dq.copy_(dq_acc[..., :d])
