@@ -253,6 +253,8 @@ def main(argv=None) -> int:
     for name in ("n", "heads", "d", "steps"):
         if getattr(a, name) < 1:
             ap.error(f"--{name} must be >= 1")
+    if a.out:  # before any work: the power view writes its CSV there mid-run
+        a.out.mkdir(parents=True, exist_ok=True)
     import torch
 
     if not torch.cuda.is_available():
@@ -287,7 +289,6 @@ def main(argv=None) -> int:
                     f"| {p['power_capped']:.2f} |"
                 )
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
         path = a.out / f"step_breakdown_d{a.d}_h{a.heads}_n{a.n}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"\nwrote {path}")
