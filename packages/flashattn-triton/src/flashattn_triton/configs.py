@@ -135,8 +135,9 @@ FUSED_DELTA_MAX_D = 64
 # whose per-tile cost made the backward at ragged lengths up to 1.22x slower (NOTES.md runs
 # 65-66). Query tiles longer than this (no table or candidate has one) keep the masks.
 STATS_ROWS = 256
-# The TMA dK/dV kernel also brings each query tile's L (in log2 units) and D by TMA: one bulk
-# copy each instead of a per-thread asynchronous copy of every value a thread uses.
+# The TMA dK/dV kernel also brings each query tile's L (in log2 units) and D by TMA, one bulk
+# copy from their packed buffer instead of a per-thread asynchronous copy of every value a
+# thread uses (1.05x, then 1.03x packed, on the leaderboard backward: NOTES.md runs 70, 72).
 STATS_TMA = True
 
 # The one-pass backward was only swept at d = 64 (NOTES.md run 5): its own table.

@@ -769,7 +769,7 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_heads, n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, head_group,
+    n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -782,13 +782,12 @@ def attn_bwd_dkdv_kernel(
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
     With ATOMIC_DQ it also adds its share of dQ (float32) into DQ atomically (through the
-    DESC_C descriptor with TMA_DQ). LSE and DELTA: float32 rows per (batch, head), stride_rows
-    apart for DELTA (and for LSE with LSE_LOG2: L in log2 units, ``_lse_log2``, as the kernel
-    that wrote D leaves it), else stride_stats apart (natural logs); stride_rows is
-    stride_stats, or twice it with PACKED_STATS (``_stats_strides``). The first n_q of each
-    are used; with PADDED_STATS the rest hold +inf / 0 up to a whole number of query tiles,
-    so the loop reads them without masks. STATS_TMA: the loop reads both through DESC_ROWS
-    (``_dkdv_query_loop``).
+    DESC_C descriptor with TMA_DQ). LSE and DELTA: float32 rows per (batch, head),
+    stride_stats apart, twice that with PACKED_STATS for DELTA and, with LSE_LOG2 (L in log2
+    units, ``_lse_log2``, as the kernel that wrote D leaves it), for LSE (``_stats_strides``;
+    else LSE holds natural logs). The first n_q of each are used; with PADDED_STATS the rest
+    hold +inf / 0 up to a whole number of query tiles, so the loop reads them without masks.
+    STATS_TMA: the loop reads both through DESC_ROWS (``_dkdv_query_loop``).
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N

@@ -204,11 +204,11 @@ def _descriptor(t: torch.Tensor, rows: int, block_d: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
 
 
-def _packed_rows(lse2: torch.Tensor, delta: torch.Tensor, stride_rows: int) -> torch.Tensor | None:
+def _packed_rows(lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
     """The (B*H, 2, R) float32 buffer behind the views lse2 = [:, 0], delta = [:, 1] of a
     packed ``_stats_buffers``, or None if they are not laid out so."""
     rows = lse2.shape[-1]
-    if stride_rows != 2 * rows or delta.data_ptr() != lse2.data_ptr() + 4 * rows:
+    if lse2.stride(-2) != 2 * rows or delta.data_ptr() != lse2.data_ptr() + 4 * rows:
         return None
     return lse2.as_strided((lse2.numel() // rows, 2, rows), (2 * rows, rows, 1))
 
@@ -247,8 +247,8 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         out["USE_TMA"] = True
         # The row statistics by TMA too: L in log2 units and D from one packed buffer, rows
         # in whole query tiles.
-        if kind in ("dkdv", "atomic") and args.get("LSE_LOG2") and C.STATS_TMA:
-            rows = _packed_rows(args["LSE"], args["DELTA"], args["stride_rows"])
+        if kind in ("dkdv", "atomic") and args.get("PACKED_STATS") and C.STATS_TMA:
+            rows = _packed_rows(args["LSE"], args["DELTA"])
             if rows is not None and rows.shape[-1] % block == 0 and rows.data_ptr() % 16 == 0:
                 out.update(DESC_ROWS=_rows_descriptor(rows, block), STATS_TMA=True)
     return out
@@ -531,7 +531,6 @@ def backward(
             "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
             **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
             "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
-            "stride_rows": stride_rows,
             "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
             "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
             "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
@@ -544,7 +543,7 @@ def backward(
         dkdv_out = {
             "DK": dk, "DV": dv, "DQ": dq_target,
             **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
-            "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": stride_rows != lse.shape[-1],
+            "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": packed,
         }  # fmt: skip
         if scheme == "fused":
 
@@ -553,7 +552,8 @@ def backward(
                 return (b * h, n_tiles)
 
             _run(
-                "fused", kern.attn_bwd_fused_kernel, grid_fused, {**common, **dkdv_out},
+                "fused", kern.attn_bwd_fused_kernel, grid_fused,
+                {**common, **dkdv_out, "stride_rows": stride_rows},
                 n_q, n_k, block_d, elem,
             )  # fmt: skip
             return dq, dk, dv
@@ -573,8 +573,8 @@ def backward(
                     return (b * h, triton_cdiv(n_q, cfg.block_m))
 
                 dq_args = {
-                    **common, "LSE2": lse2, "DQ": dq, **_strides("dq", dq), "Out": o,
-                    **_strides("o", o),
+                    **common, "LSE2": lse2, "stride_rows": stride_rows, "DQ": dq,
+                    **_strides("dq", dq), "Out": o, **_strides("o", o),
                     "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
                 }  # fmt: skip
                 _run(
