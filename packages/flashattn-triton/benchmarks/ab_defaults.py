@@ -9,7 +9,7 @@ is not in it; medians). What is compared:
   Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24;
 - ``tile``: any kind's config ``--new`` against ``--old`` (``configs.OVERRIDES``), at head dim
   ``--d``; the forward for ``--kind fwd``, else the whole backward;
-- ``head-group``: the launch order by head groups, ``FLASHATTN_TRITON_HEAD_GROUP`` ``--new``
+- ``head-group``: the launch order by head groups, ``Options.head_group`` ``--new``
   against ``--old`` (e.g. ``auto`` against ``off``), forward (``--kind fwd``) or backward;
 - ``source``: this source against another copy of the package's source, ``--old`` a folder
   holding a ``flashattn_triton`` package (e.g. an older commit's, from ``git archive``),
@@ -32,15 +32,15 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from flashattn_triton.options import get_options, set_options
+
 D = 128  # the head dim the fwd-tile and gluon comparisons are about (--d for ``tile``)
-HEAD_GROUP_ENV = "FLASHATTN_TRITON_HEAD_GROUP"
 OLD_PACKAGE = "flashattn_triton_old"  # the module name the ``source`` mode imports --old as
 
 
@@ -102,7 +102,7 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv", target: dict |
     if what == "head-group":
 
         def setting(value):
-            return lambda: os.environ.__setitem__(HEAD_GROUP_ENV, value)
+            return lambda: set_options(head_group=value)
 
         return [(f"head group {new}", setting(new)), (f"head group {old}", setting(old))]
     if what == "tile":
@@ -135,13 +135,6 @@ def sides(what: str, old: str, new: str = "", kind: str = "dkdv", target: dict |
     return [(f"{what} on", gluon(True)), (f"{what} off (Triton)", gluon(False))]
 
 
-def _set_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def _restore(what: str, kind: str, saved: tuple, pairs: list) -> None:
     """Leave things as before a comparison: the defaults in place for fwd-tile / gluon-*
     (``pairs``' first side), the caller's override (tile) or head-group setting back."""
@@ -155,21 +148,16 @@ def _restore(what: str, kind: str, saved: tuple, pairs: list) -> None:
         if override is not None:
             configs.OVERRIDES[kind] = override
     elif what == "head-group":
-        _set_env(HEAD_GROUP_ENV, head_group)
+        set_options(head_group=head_group)
     else:
         pairs[0][1]()
 
 
 def _check_head_group(value: str) -> None:
-    """Raise ValueError unless value is a valid FLASHATTN_TRITON_HEAD_GROUP setting."""
-    from flashattn_triton.configs import head_group
+    """Raise ValueError unless value is a valid ``Options.head_group`` setting."""
+    from flashattn_triton.options import Options
 
-    saved = os.environ.get(HEAD_GROUP_ENV)
-    os.environ[HEAD_GROUP_ENV] = value
-    try:
-        head_group(2, 1, 1)
-    finally:
-        _set_env(HEAD_GROUP_ENV, saved)
+    Options(head_group=value)
 
 
 def _call(target: dict, name: str, *args):
@@ -187,7 +175,7 @@ def run(
 
     target = {"launch": launch}
     pairs = sides(what, old, new, kind, target)
-    saved = (configs.OVERRIDES.get(kind), os.environ.get(HEAD_GROUP_ENV))
+    saved = (configs.OVERRIDES.get(kind), get_options().head_group)
     forward_only = what == "fwd-tile" or (
         what in ("tile", "head-group", "source") and kind == "fwd"
     )
@@ -206,6 +194,7 @@ def run(
         for _ in range(rounds):
             for name, switch in pairs:
                 switch()
+                launch.clear_plans()  # the tables changed in place
                 fn()
                 torch.cuda.synchronize()
                 times[name].append(

@@ -20,7 +20,6 @@ still fill the gap).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import subprocess
 import sys
@@ -166,7 +165,9 @@ def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
         return lse2.as_strided((lse2.numel() // n, 2, n), (2 * n, n, 1))
 
     launch._packed_rows = packed_rows
-    os.environ["FLASHATTN_TRITON_BWD"] = scheme
+    from flashattn_triton.options import set_options
+
+    set_options(backward=scheme)
     b, h, n, d = shape
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
     k = torch.empty((b, h, n_k, d), dtype=dtype, device="meta")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -138,16 +137,11 @@ def offline(
 
 def _triton_only(fn):
     """Run fn with the Gluon kernels switched off (our Triton kernels, the yardstick); the
-    caller's FLASHATTN_TRITON_GLUON setting is restored afterwards."""
-    before = os.environ.get("FLASHATTN_TRITON_GLUON")
-    os.environ["FLASHATTN_TRITON_GLUON"] = "0"
-    try:
+    caller's options are restored afterwards."""
+    from flashattn_triton.options import use_options
+
+    with use_options(gluon=False):
         return fn()
-    finally:
-        if before is None:
-            os.environ.pop("FLASHATTN_TRITON_GLUON")
-        else:
-            os.environ["FLASHATTN_TRITON_GLUON"] = before
 
 
 def check(specs: list[str], out: Path | None, kernel: str = "dkdv") -> int:

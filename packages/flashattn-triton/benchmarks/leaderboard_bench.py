@@ -266,7 +266,9 @@ def _set_variant(kind: str, spec: str) -> None:
     C.OVERRIDES.clear()
     C.OVERRIDES[kind] = C.TileConfig.parse(spec)
     scheme = {"fused": "fused", "atomic": "atomic"}.get(kind, "split")
-    os.environ["FLASHATTN_TRITON_BWD"] = scheme
+    from flashattn_triton.options import set_options
+
+    set_options(backward=scheme)
 
 
 def _run_variant(kind, spec, q4, k4, v4, o, lse, do, scale, alone=False):
@@ -486,7 +488,9 @@ def main(argv=None) -> int:
             specs = {kind: best[kind][0] for kind in ("fwd", *SCHEME_KINDS[scheme]) if kind in best}
             for kind, spec in specs.items():
                 C.OVERRIDES[kind] = C.TileConfig.parse(spec)
-            os.environ["FLASHATTN_TRITON_BWD"] = scheme
+            from flashattn_triton.options import set_options
+
+            set_options(backward=scheme)
             env = ";".join(f"{kd}={sp}" for kd, sp in specs.items())
             row = time_provider(f"ours[{scheme}]", fn, q, k, v, a, f_fb, f_f, f_b)
             row["FLASHATTN_TRITON_CONFIGS"] = env

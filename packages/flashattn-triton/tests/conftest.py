@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def set_options():
+    """``set_options(**changes)`` for one test; the previous options come back afterwards."""
+    from flashattn_triton import options
+
+    saved = options.get_options()
+    yield options.set_options
+    options.set_options(saved)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashattn_triton as fa
-from flashattn_triton import configs, launch
+from flashattn_triton import _device, configs, options
 from flashattn_triton.api import resolve_backend
 from flashattn_triton.flops import visible_pairs
 
@@ -74,7 +74,7 @@ def test_triton_backend_limits():
 
 
 def test_triton_on_cpu_without_interpreter_says_what_to_do(monkeypatch):
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(_device, "interpreting", lambda: False)
     q, k, v = _qkv(1, 10, 16)
     with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=1.*backend='torch'"):
         fa.FlashAttention2Triton.apply(q, k, v, False)
@@ -110,17 +110,18 @@ def test_flops_and_floor():
         fa.attention_flops(1, 8, 8, 16, False, "both")
 
 
-def test_configs_parse_fit_and_prune(monkeypatch):
-    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "fwd=64,32,4,2; dq.fp32=32,32,4,2")
-    assert configs.default_config("fwd", 4096, 4096, 64, 2) == configs.TileConfig(64, 32, 4, 2)
-    assert configs.default_config("dq", 4096, 4096, 64, 4) == configs.TileConfig(32, 32, 4, 2)
-    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "bogus=1,2,3,4")
+def test_configs_parse_fit_and_prune(set_options):
+    spec = "fwd=64,32,4,2; dq.fp32=32,32,4,2"
+    cfg = configs.default_config("fwd", 4096, 4096, 64, 2, tile_configs=spec)
+    assert cfg == configs.TileConfig(64, 32, 4, 2)
+    cfg = configs.default_config("dq", 4096, 4096, 64, 4, tile_configs=spec)
+    assert cfg == configs.TileConfig(32, 32, 4, 2)
     with pytest.raises(ValueError, match="unknown kind"):
-        configs.default_config("fwd", 64, 64, 64, 2)
-    monkeypatch.setenv("FLASHATTN_TRITON_CONFIGS", "fwd=1,2")
+        configs.default_config("fwd", 64, 64, 64, 2, tile_configs="bogus=1,2,3,4")
     with pytest.raises(ValueError, match="m,n,warps,stages"):
-        configs.default_config("fwd", 64, 64, 64, 2)
-    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS")
+        set_options(tile_configs="fwd=1,2")
+    with pytest.raises(ValueError, match=r"FLASHATTN_TRITON_CONFIGS.*unknown kind"):
+        options.from_env({"FLASHATTN_TRITON_CONFIGS": "bogus=1,2,3,4"})
     # Short sequences clamp tiles; float32 tiles never go below 32.
     assert configs.default_config("fwd", 5, 5, 64, 2).block_m == 16
     assert configs.default_config("fwd", 5, 5, 64, 4).block_m == 32
@@ -132,19 +133,22 @@ def test_configs_parse_fit_and_prune(monkeypatch):
                 kept = configs.prune_configs(kind, configs.CANDIDATES[kind], 16384, 16384, bd, elem)
                 assert kept
                 assert all(configs.fits(kind, c, bd, elem) for c in kept)
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "magic")
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_BWD"):
-        configs.backward_scheme()
-    monkeypatch.setenv("FLASHATTN_TRITON_FP32_PRECISION", "fp64")
+        options.from_env({"FLASHATTN_TRITON_BWD": "magic"})
+    with pytest.raises(ValueError, match="backward"):
+        set_options(backward="magic")
     with pytest.raises(ValueError, match="FP32_PRECISION"):
-        configs.fp32_precision()
+        options.from_env({"FLASHATTN_TRITON_FP32_PRECISION": "fp64"})
+    with pytest.raises(ValueError, match="FLASHATTN_TRITON_FAST_LAUNCH"):
+        options.from_env({"FLASHATTN_TRITON_FAST_LAUNCH": "maybe"})
+    with pytest.raises(TypeError, match="unknown option"):
+        set_options(bwd="split")
 
 
-def test_small_grid_rules(monkeypatch):
+def test_small_grid_rules(monkeypatch, set_options):
     """Small causal grids (about one wave) halve 128-wide grid-axis tiles and, for 16-bit
     inputs, pick the fused backward; explicit settings and overrides win."""
-    monkeypatch.delenv("FLASHATTN_TRITON_BWD", raising=False)
-    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    set_options(backward="auto", tile_configs="")
     monkeypatch.setattr(configs, "OVERRIDES", {})
     sms = 132
     # batch x heads = 1 at 32768 tokens: 256 programs of 128 rows on 132 SMs (<= 2 per SM).
@@ -153,7 +157,10 @@ def test_small_grid_rules(monkeypatch):
     assert not configs.small_grid(1, 32768, 0)  # SM count unknown
     assert not configs.small_grid(1, 8192, sms)  # below the measured lengths
     assert not configs.small_grid(2, 32768, sms, per_sm=1)
-    resolve = configs.resolve_backward_scheme
+
+    def resolve(*args):
+        return configs.resolve_backward_scheme("auto", *args)
+
     assert resolve(True, 1, 32768, 64, 2, sms) == "fused"
     assert resolve(True, 2, 32768, 64, 2, sms) == "split"  # 512 programs: a full grid
     assert resolve(False, 1, 32768, 64, 2, sms) == "split"  # no causal imbalance
@@ -162,8 +169,7 @@ def test_small_grid_rules(monkeypatch):
     assert resolve(True, 1, 16384, 128, 2, sms) == "fused"
     assert resolve(True, 1, 32768, 64, 2, 0) == "split"  # SM count unknown
     assert resolve(True, 4, 512, 64, 2, sms) == "split"  # short sequences: not measured
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "atomic")
-    assert resolve(True, 1, 32768, 64, 2, sms) == "atomic"
+    assert configs.resolve_backward_scheme("atomic", True, 1, 32768, 64, 2, sms) == "atomic"
     # Tiles: 128-wide grid axes halve at 4 warps; narrower ones and other kinds stay.
     half = configs.for_small_grid
     assert half("fwd", configs.TileConfig(128, 128, 4, 3)) == configs.TileConfig(64, 128, 4, 3)
@@ -184,10 +190,10 @@ def test_small_grid_rules(monkeypatch):
     assert forced == configs.TileConfig(128, 64, 8, 3)
 
 
-def test_few_programs_rule(monkeypatch):
+def test_few_programs_rule(monkeypatch, set_options):
     """The d = 128 forward's 128-row tile is used from FEW_WAVES waves of programs up; fewer
     programs (and one-wave causal grids) take its FEW_PROGRAMS entry; overrides still win."""
-    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    set_options(tile_configs="")
     monkeypatch.setattr(configs, "OVERRIDES", {})
     sms = 132
     few = configs.few_programs
@@ -212,9 +218,9 @@ def test_few_programs_rule(monkeypatch):
     assert forced == configs.TileConfig(128, 64, 8, 3)
 
 
-def test_few_programs_flag_without_an_entry_keeps_the_table(monkeypatch):
+def test_few_programs_flag_without_an_entry_keeps_the_table(monkeypatch, set_options):
     """A kind with no FEW_PROGRAMS entry ignores the flag instead of failing."""
-    monkeypatch.delenv("FLASHATTN_TRITON_CONFIGS", raising=False)
+    set_options(tile_configs="")
     monkeypatch.setattr(configs, "OVERRIDES", {})
     for kind in ("dq", "dkdv"):
         plain = configs.default_config(kind, 16384, 16384, 128, 2)

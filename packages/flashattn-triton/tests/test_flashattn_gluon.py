@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import gluon_dkdv, gluon_dq
+from flashattn_triton import gluon_dkdv, gluon_dq, options
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_dkdv.py"
 
 
 @pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), (" 0 ", False)])
-def test_switch(value, on, monkeypatch):
-    if value is None:
-        monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
-    else:
-        monkeypatch.setenv("FLASHATTN_TRITON_GLUON", value)
+def test_switch(value, on, set_options):
+    env = {} if value is None else {"FLASHATTN_TRITON_GLUON": value}
+    set_options(options.from_env(env))
     assert gluon_dkdv.enabled() is on
 
 
@@ -124,11 +122,11 @@ def test_ab_defaults_shapes_and_errors(capsys):
         ab.main(["fwd-tile", "2,8,1000", "--old", "1,2"])
     with pytest.raises(SystemExit):
         ab.main(["tile", "2,8,1000", "--d", "64", "--new", "32,64,4", "--old", "32,64,4,3"])
-    before = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP")
+    before = options.get_options()
     with pytest.raises(SystemExit):
         ab.main(["head-group", "2,8,1000", "--new", "fast", "--old", "off"])
-    assert "FLASHATTN_TRITON_HEAD_GROUP" in capsys.readouterr().err
-    assert os.environ.get("FLASHATTN_TRITON_HEAD_GROUP") == before
+    assert "head_group" in capsys.readouterr().err
+    assert options.get_options() == before
     with pytest.raises(SystemExit):
         ab.main(["gluon-dq", "2,8,1000", "--d", "64"])
     assert "--d" in capsys.readouterr().err
@@ -138,7 +136,7 @@ def test_ab_defaults_shapes_and_errors(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_ab_defaults_restores_what_it_switched(monkeypatch):
+def test_ab_defaults_restores_what_it_switched(monkeypatch, set_options):
     """After a comparison the caller's override / head-group setting is back, and the
     Gluon defaults are in place (benchmarks/ab_defaults.py ``_restore``)."""
     from flashattn_triton import configs
@@ -151,11 +149,12 @@ def test_ab_defaults_restores_what_it_switched(monkeypatch):
     ab._restore("tile", "dkdv", (mine, None), pairs)
     assert configs.OVERRIDES["dkdv"] is mine
     assert len(configs.OVERRIDES) == 1
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "off")
+    set_options(head_group="off")
     pairs = ab.sides("head-group", "off", "4")
     pairs[0][1]()
+    assert options.get_options().head_group == 4
     ab._restore("head-group", "dkdv", (None, "off"), pairs)
-    assert os.environ["FLASHATTN_TRITON_HEAD_GROUP"] == "off"
+    assert options.get_options().head_group == "off"
     before = dict(gluon_dq.DEFAULTS)
     pairs = ab.sides("gluon-dq", "64,64,4,3")
     pairs[1][1]()

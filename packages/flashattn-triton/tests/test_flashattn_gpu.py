@@ -98,8 +98,8 @@ def test_unequal_lengths(n_q, n_k, causal):
 
 
 @pytest.mark.parametrize("scheme", ["split", "fused", "atomic"])
-def test_backward_schemes(scheme, monkeypatch):
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+def test_backward_schemes(scheme, monkeypatch, set_options):
+    set_options(backward=scheme)
     q, k, v, do = _inputs((2, 3, 1000, 64), 1000, torch.bfloat16)
     _check(q, k, v, do, True)
 
@@ -109,10 +109,10 @@ def test_backward_schemes(scheme, monkeypatch):
     ((1, 1, 16500, 64), False, {"fwd", "dkdv", "dq"}),
     ((2, 4, 8000, 64), True, {"fwd", "dkdv", "dq"}),  # shorter than the measured lengths
 ])  # fmt: skip
-def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch):
+def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch, set_options):
     """The default (auto) backward: fused on small causal grids, split elsewhere; both
     within the accuracy bounds."""
-    monkeypatch.delenv("FLASHATTN_TRITON_BWD", raising=False)
+    set_options(backward="auto")
     seen = set()
     run = launch._run
 
@@ -128,7 +128,7 @@ def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 80])
 @pytest.mark.parametrize("scheme", ["split", "atomic"])
-def test_tma_tile_flags(scheme, d, monkeypatch):
+def test_tma_tile_flags(scheme, d, monkeypatch, set_options):
     """The opt-in `tma` tile flag (TMA loads; for atomic also TMA dQ reductions) on a ragged
     length and a padded head dim: same accuracy bounds as the default path."""
     from dataclasses import replace
@@ -148,7 +148,7 @@ def test_tma_tile_flags(scheme, d, monkeypatch):
             for kind in kinds
         },
     )
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+    set_options(backward=scheme)
     _check(q, k, v, do, True)
 
 
@@ -274,11 +274,11 @@ def _spy_gluon(monkeypatch):
         ((4, 16, 2048, 128), 2048, True),  # a model's shape
     ],
 )
-def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
+def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch, set_options):
     """d = 128 on Hopper: the split backward's dK/dV and dQ come from the Gluon kernels,
     within the same bounds as every other path."""
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
-    monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
+    set_options(backward="split")
+    set_options(gluon=True)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
     _require_hopper_gluon(gluon_dkdv)
     from flashattn_triton import gluon_dq
@@ -296,20 +296,20 @@ def test_gluon_dkdv_on_hopper(shape, n_k, causal, dtype, monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_head_grouped_launch_order(d, causal, monkeypatch):
+def test_head_grouped_launch_order(d, causal, monkeypatch, set_options):
     """Programs launched 3 heads at a time (7 heads: a partial last group) give the same
     accuracy; at d = 128 on Hopper this includes the Gluon dK/dV and dQ kernels."""
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "3")
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    set_options(head_group="3")
+    set_options(backward="split")
     q, k, v, do = _inputs((7, 1000, d), 1000, torch.bfloat16)
     _check(q, k, v, do, causal)
 
 
-def test_gluon_dkdv_on_strided_views(monkeypatch):
+def test_gluon_dkdv_on_strided_views(monkeypatch, set_options):
     """A model's (B, N, 3, H, d) qkv buffer seen as (B, H, N, d) views (and a transposed dO)
     runs the Gluon kernel through its 4-D descriptors."""
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
-    monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
+    set_options(backward="split")
+    set_options(gluon=True)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
     _require_hopper_gluon(gluon_dkdv)
     b, n, h, d = 2, 300, 4, 128
@@ -323,11 +323,11 @@ def test_gluon_dkdv_on_strided_views(monkeypatch):
     assert calls == [(True, True), (True, True)]
 
 
-def test_gluon_dkdv_falls_back(monkeypatch):
+def test_gluon_dkdv_falls_back(monkeypatch, set_options):
     """Inputs TMA cannot read (a base 2 bytes past 16-byte alignment, 258-byte rows), and
     FLASHATTN_TRITON_GLUON=0, take the Triton kernel, with the Gluon path's gradients."""
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
-    monkeypatch.delenv("FLASHATTN_TRITON_GLUON", raising=False)
+    set_options(backward="split")
+    set_options(gluon=True)
     gluon_dkdv, calls = _spy_gluon(monkeypatch)
     b, h, n, d = 2, 3, 300, 128
     scale = d**-0.5
@@ -338,10 +338,55 @@ def test_gluon_dkdv_falls_back(monkeypatch):
     strided = launch.backward(do, q, k, v, o, lse, True, scale)
     dense = [t.contiguous() for t in (do, q, k, v, o)]
     gluon = launch.backward(*dense, lse, True, scale)
-    monkeypatch.setenv("FLASHATTN_TRITON_GLUON", "0")
+    set_options(gluon=False)
     off = launch.backward(*dense, lse, True, scale)
     has_gluon = gluon_dkdv.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
     assert calls == [(False, False), (has_gluon, has_gluon), (False, False)]
     for name, a, g, t in zip(("dq", "dk", "dv"), strided, gluon, off):
         assert rel_err(a, t) < 1e-3, name  # the same Triton kernels
         assert rel_err(g, t) < 1e-2, name  # Gluon against Triton: bf16 rounding apart
+
+
+def _fwd_bwd_outputs(q, k, v, do, causal):
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(qq, kk, vv, causal=causal)
+    o.backward(do)
+    return o.detach(), qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize(
+    ("shape", "n_k", "causal", "dtype", "layout"),
+    [
+        ((2, 4, 1000, 64), 1000, True, torch.bfloat16, "plain"),  # ragged, split + TMA
+        ((2, 4, 512, 64), 512, False, torch.float16, "model"),  # (B, N, H, d) views
+        ((1, 2, 16384, 64), 16384, True, torch.bfloat16, "plain"),  # small grid: fused
+        ((2, 8, 1024, 128), 1024, True, torch.bfloat16, "plain"),  # d = 128 (Gluon dK/dV)
+        ((1, 4, 4096, 128), 4096, True, torch.bfloat16, "model"),  # Gluon dQ too
+        ((2, 3, 77, 40), 120, False, torch.bfloat16, "plain"),  # padded head dim, Nq != Nk
+        ((1, 2, 300, 64), 300, True, torch.float32, "plain"),  # tf32x3
+    ],
+)
+def test_fast_launch_replays_exactly(shape, n_k, causal, dtype, layout, set_options):
+    """Replayed launches (fastlaunch) give bit-for-bit the outputs of Triton's dispatch on
+    fresh inputs of the same layout, and the replay path is really taken."""
+    b, h, n_q, d = shape
+
+    def make(seed):
+        if layout == "model":
+            g = torch.Generator(device=DEV).manual_seed(seed)
+            qkv = torch.randn(b, n_q, 3, h, d, device=DEV, generator=g).to(dtype)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+            do = torch.randn(b, n_q, h, d, device=DEV, generator=g).to(dtype).transpose(1, 2)
+            return q, k, v, do
+        return _inputs(shape, n_k, dtype, seed=seed)
+
+    set_options(fast_launch=False)
+    launch.clear_plans()
+    first = make(1)
+    want = _fwd_bwd_outputs(*first, causal)
+    set_options(fast_launch=True)
+    _fwd_bwd_outputs(*make(2), causal)  # records the plans
+    assert launch._PLANS.replays() >= 2, "forward and backward should both be replayed"
+    got = _fwd_bwd_outputs(*first, causal)  # replayed on the first inputs
+    for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, w), f"{name} differs between replay and dispatch"

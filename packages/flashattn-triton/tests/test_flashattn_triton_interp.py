@@ -14,7 +14,7 @@ import pytest
 import torch
 from flashattn_testutil import reference_fwd_bwd, rel_err, run_fwd_bwd, saved_lse
 
-from flashattn_triton import FlashAttention2Triton, configs, flash_attention, launch
+from flashattn_triton import FlashAttention2Triton, configs, flash_attention, launch, options
 
 pytestmark = [
     pytest.mark.skipif(
@@ -80,11 +80,13 @@ def test_split_backward_small_tiles(lead, n_q, n_k, d, causal, small_tiles):
     ("n_q", "n_k", "causal", "d"),
     [(97, 97, True, 16), (70, 40, True, 16), (33, 50, False, 16), (70, 70, True, 96)],
 )
-def test_split_backward_gets_delta_from_the_dq_kernel(n_q, n_k, causal, d, monkeypatch):
+def test_split_backward_gets_delta_from_the_dq_kernel(
+    n_q, n_k, causal, d, monkeypatch, set_options
+):
     """The split backward launches dQ first; up to FUSED_DELTA_MAX_D that kernel stores D =
     rowsum(dO * O) for the dK/dV kernel (no preprocessing launch), above it D comes from the
     preprocessing kernel. Either way dK, dV (which read D) match the reference."""
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "split")
+    set_options(backward="split")
     monkeypatch.setattr(configs, "OVERRIDES", dict(SMALL_TILES))
     kern = launch._kernels()
     pre = kern.attn_bwd_preprocess_kernel
@@ -114,8 +116,8 @@ def test_split_backward_gets_delta_from_the_dq_kernel(n_q, n_k, causal, d, monke
 @pytest.mark.parametrize(
     ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
 )
-def test_other_backward_schemes(scheme, n_q, n_k, causal, small_tiles, monkeypatch):
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+def test_other_backward_schemes(scheme, n_q, n_k, causal, small_tiles, monkeypatch, set_options):
+    set_options(backward=scheme)
     _check(*_inputs((2,), n_q, n_k, 16), causal)
 
 
@@ -165,50 +167,50 @@ def test_tma_and_warp_spec_paths(flags, n_q, n_k, d, causal, monkeypatch):
 @pytest.mark.parametrize(
     ("n_q", "n_k", "causal"), [(97, 97, True), (70, 40, True), (33, 50, False)]
 )
-def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch):
+def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch, set_options):
     """The atomic backward with ``tma``: Q and dO stream through TMA descriptors; the
     interpreter has no TMA reductions, so dQ falls back to element atomics (the reduction
     itself is checked by the GPU tests)."""
     monkeypatch.setattr(
         configs, "OVERRIDES", {"atomic.fp32": replace(SMALL_TILES["atomic.fp32"], tma=True)}
     )
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", "atomic")
+    set_options(backward="atomic")
     _check(*_inputs((2,), n_q, n_k, 24), causal)
 
 
 @pytest.mark.parametrize("group", ["1", "2", "3"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch):
+def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch, set_options):
     """Programs launched a few heads at a time (5 heads: the last group is partial) still
     cover every tile of every head exactly once, forward and backward."""
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", group)
+    set_options(head_group=group)
     _check(*_inputs((5,), 70, 70, 16), causal)
 
 
-def test_head_group_setting(monkeypatch):
+def test_head_group_setting(set_options):
     mb = 1 << 20
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
     assert configs.head_group(64, 8 * mb, 50 * mb) == 3  # half of L2 / 8 MB per head
     assert configs.head_group(64, 8 * mb, 0) == 64  # L2 unknown: plain order
     assert configs.head_group(16, 4 * mb, 50 * mb) == 16  # 64 MB: under four times L2
     assert configs.head_group(50, 4 * mb, 50 * mb) == 50  # 200 MB: still plain
     assert configs.head_group(51, 4 * mb, 50 * mb) == 6  # 204 MB
     assert configs.head_group(16, 64 * mb, 50 * mb) == 1
-    for spec, want in (("off", 16), ("3", 3), ("40", 16)):
-        monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", spec)
-        assert configs.head_group(16, 4 * mb, 50 * mb) == want
-    for bad in ("0", "fast", "-2"):
-        monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", bad)
+    for spec, want in (("off", 16), ("3", 3), (3, 3), ("40", 16)):
+        setting = options.Options(head_group=spec).head_group
+        assert configs.head_group(16, 4 * mb, 50 * mb, setting) == want
+    for bad in ("0", "fast", "-2", 0, True):
+        with pytest.raises((ValueError, TypeError), match="head_group"):
+            set_options(head_group=bad)
         with pytest.raises(ValueError, match="FLASHATTN_TRITON_HEAD_GROUP"):
-            configs.head_group(16, 4 * mb, 50 * mb)
+            options.from_env({"FLASHATTN_TRITON_HEAD_GROUP": str(bad)})
 
 
-def test_head_group_args_off_gpu(monkeypatch):
+def test_head_group_args_off_gpu(monkeypatch, set_options):
     """No L2 size off-GPU: auto keeps the plain order; a forced count still groups."""
     x = torch.zeros(2, 3, 10, 16)
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "auto")
+    set_options(head_group="auto")
     assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 6, "GROUPED": False}
-    monkeypatch.setenv("FLASHATTN_TRITON_HEAD_GROUP", "4")
+    set_options(head_group="4")
     assert launch.head_group_args(x, 6, 10, 16) == {"head_group": 4, "GROUPED": True}
 
 
@@ -245,11 +247,13 @@ def test_row_stats_padding(packed):
 @pytest.mark.parametrize(
     ("n_q", "n_k", "causal"), [(97, 97, True), (256, 256, True), (70, 40, False)]
 )
-def test_packed_row_stats_by_pointers(scheme, n_q, n_k, causal, small_tiles, monkeypatch):
+def test_packed_row_stats_by_pointers(
+    scheme, n_q, n_k, causal, small_tiles, monkeypatch, set_options
+):
     """Packed L / D rows (``launch._stats_buffers``) read by pointers, not TMA (a dK/dV config
     without ``tma`` whose statistics were packed anyway): their row strides are twice the
     unpacked ones, padded (97) or not (256)."""
-    monkeypatch.setenv("FLASHATTN_TRITON_BWD", scheme)
+    set_options(backward=scheme)
     monkeypatch.setattr(launch, "_stats_by_tma", lambda *args: True)
     _check(*_inputs((2,), n_q, n_k, 16), causal)
 

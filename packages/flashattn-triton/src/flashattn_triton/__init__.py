@@ -3,12 +3,14 @@ torch.compile-friendly custom op.
 
 Read top-down: ``reference`` (naive attention) -> ``torch_impl`` (FlashAttention2Torch) ->
 ``kernels`` (Triton) -> ``launch`` / ``ops`` (custom ops) -> ``autograd``
-(FlashAttention2Triton) -> ``api`` (flash_attention, FlashAttention).
+(FlashAttention2Triton) -> ``api`` (flash_attention, FlashAttention). ``options`` holds the
+launch switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans.
 """
 
 from .api import BACKENDS, FlashAttention, flash_attention
 from .autograd import FlashAttention2Triton
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
+from .options import Options, get_options, set_options, use_options
 from .reference import attention_reference, causal_mask
 from .torch_impl import FlashAttention2Torch
 
@@ -19,11 +21,15 @@ __all__ = [
     "FlashAttention",
     "FlashAttention2Torch",
     "FlashAttention2Triton",
+    "Options",
     "attention_bytes",
     "attention_floor_ms",
     "attention_flops",
     "attention_reference",
     "causal_mask",
     "flash_attention",
+    "get_options",
+    "set_options",
     "tflops_per_s",
+    "use_options",
 ]

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._checks import MAX_HEAD_DIM, TRITON_DTYPES, check_qkv
-from .autograd import FlashAttention2Triton
+from ._checks import (
+    MAX_HEAD_DIM,
+    TRITON_DTYPES,
+    check_qkv,
+    check_triton_dtype_and_dim,
+    resolve_scale,
+)
+from .autograd import CheckedFlashAttention
 from .torch_impl import FlashAttention2Torch
 
 BACKENDS = ("auto", "triton", "torch")
@@ -46,7 +52,9 @@ def flash_attention(
     """
     check_qkv(q, k, v, causal)
     if resolve_backend(backend, q) == "triton":
-        return FlashAttention2Triton.apply(q, k, v, causal, softmax_scale)
+        check_triton_dtype_and_dim(q)
+        scale = resolve_scale(softmax_scale, q.shape[-1])
+        return CheckedFlashAttention.apply(q, k, v, causal, scale)
     return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
 
 

@@ -48,6 +48,20 @@ def _lse_as_bhn(lse: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
     return lse.reshape(q4.shape[:-1])  # (B, H, Nq)
 
 
+def _forward(ctx, q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """The forward of both Functions below, on checked inputs."""
+    if q.dim() == 4:  # (B, H, N, d): no views to make (the common case, kept lean)
+        o, lse = _fwd(q, k, v, causal, scale)
+    else:
+        o4, lse4 = _fwd(as_bhnd(q), as_bhnd(k), as_bhnd(v), causal, scale)
+        o = o4.reshape(q.shape)  # (..., Nq, d)
+        lse = lse4.reshape(q.shape[:-1])  # (..., Nq)
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal = causal
+    ctx.softmax_scale = scale
+    return o
+
+
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2 in Triton: ``FlashAttention2Triton.apply(q, k, v, is_causal=False)``.
 
@@ -61,22 +75,26 @@ class FlashAttention2Triton(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=False, softmax_scale=None):
         check_qkv(q, k, v, is_causal)
         check_triton_dtype_and_dim(q)
-        scale = resolve_scale(softmax_scale, q.shape[-1])
-        q4, k4, v4 = as_bhnd(q), as_bhnd(k), as_bhnd(v)
-        o4, lse4 = _fwd(q4, k4, v4, is_causal, scale)
-        o = o4.reshape(q.shape)  # (..., Nq, d)
-        lse = lse4.reshape(q.shape[:-1])  # (..., Nq)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
-        ctx.softmax_scale = scale
-        return o
+        return _forward(ctx, q, k, v, is_causal, resolve_scale(softmax_scale, q.shape[-1]))
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        if q.dim() == 4:
+            dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.softmax_scale)
+            return dq, dk, dv, None, None
         q4 = as_bhnd(q)
         dq4, dk4, dv4 = _bwd(
             as_bhnd(do), q4, as_bhnd(k), as_bhnd(v), as_bhnd(o), _lse_as_bhn(lse, q4),
             ctx.is_causal, ctx.softmax_scale,
         )  # fmt: skip
         return dq4.reshape(q.shape), dk4.reshape(k.shape), dv4.reshape(v.shape), None, None
+
+
+class CheckedFlashAttention(FlashAttention2Triton):
+    """``flash_attention``'s Function: the same, for inputs it has checked already and a
+    resolved ``softmax_scale`` (no second round of checks per call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, softmax_scale):
+        return _forward(ctx, q, k, v, is_causal, softmax_scale)

@@ -5,24 +5,15 @@ H100, see benchmarks/NOTES.md) and a candidate list for ``triton.autotune``. Bot
 ``fit_config`` / ``prune_configs``, which clamp tiles to the sequence lengths and drop configs
 whose shared-memory estimate exceeds the chip's limit.
 
-Environment switches (read at each call, never inside traced code):
-- ``FLASHATTN_TRITON_AUTOTUNE=1``: autotune per (sequence bucket, head dim, dtype, causal)
-  instead of using the default table (first call per key takes seconds to minutes).
-- ``FLASHATTN_TRITON_BWD=auto|split|fused|atomic``: the backward scheme (see ``launch``);
-  ``auto`` (default) picks ``fused`` for causal 16-bit inputs on small grids, else ``split``.
-- ``FLASHATTN_TRITON_FP32_PRECISION=tf32x3|tf32|ieee``: matrix-unit precision for float32.
-- ``FLASHATTN_TRITON_GLUON=0``: no Gluon dK/dV kernel (``gluon_dkdv``; d = 128 on Hopper).
-- ``FLASHATTN_TRITON_HEAD_GROUP=auto|off|N``: launch order by head groups (``head_group``).
-- ``FLASHATTN_TRITON_CONFIGS="fwd=128,64,4,3;dq=128,64,8,3,tma"``: per-kind overrides of the
-  table (block_m, block_n, num_warps, num_stages[, block_n2][, tma][, ws][, reg][, rN]), e.g.
-  to replay a benchmark's winner (see ``TileConfig.parse``).
+The user-facing switches (backward scheme, tile overrides, head groups, ...) live in
+``options.Options``; the functions here take their values as arguments and read nothing from
+the environment. ``OVERRIDES`` is a programmatic per-kind override table for benchmarks.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass, replace
 
 # Shared memory per block on Hopper is 227 KB. The estimate below undercounts what Triton
@@ -31,9 +22,6 @@ from dataclasses import dataclass, replace
 SMEM_LIMIT_BYTES = 222 * 1024
 SMEM_FUDGE = {2: 1.25, 4: 1.7}
 MIN_TILE = 32  # shrinking stops here (sequences shorter than a tile still clamp below it)
-BWD_SCHEMES = ("auto", "split", "fused", "atomic")
-DEFAULT_BWD_SCHEME = "auto"
-FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 
 
 @dataclass(frozen=True)
@@ -176,9 +164,16 @@ DEFAULTS_FP32: dict[str, dict[int, TileConfig]] = {
 }
 DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
 
+
 # Per-kind overrides, e.g. set by a benchmark sweeping configs: {"fwd": TileConfig(...)};
 # keys "fwd", "dkdv", ... apply to 16-bit inputs, "fwd.fp32", ... to float32 inputs.
 OVERRIDES: dict[str, TileConfig] = {}
+
+
+def overrides_key() -> tuple:
+    """The current ``OVERRIDES`` as a hashable value (part of the launch-plan cache key, so
+    a benchmark that changes them gets new plans)."""
+    return tuple(OVERRIDES.items())
 
 
 def _candidates(kind: str) -> list[TileConfig]:
@@ -296,11 +291,11 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
         kind, _, vals = item.partition("=")
         kind = kind.strip()
         if kind.removesuffix(".fp32") not in DEFAULTS:
-            raise ValueError(f"FLASHATTN_TRITON_CONFIGS: unknown kind {kind!r} in {item!r}")
+            raise ValueError(f"tile_configs: unknown kind {kind!r} in {item!r}")
         try:
             out[kind] = TileConfig.parse(vals)
         except ValueError as e:
-            raise ValueError(f"FLASHATTN_TRITON_CONFIGS: {e} (in {item!r})") from None
+            raise ValueError(f"tile_configs: {e} (in {item!r})") from None
     return out
 
 
@@ -348,13 +343,14 @@ def default_config(
     elem_bytes: int,
     small_grid: bool = False,
     few_programs: bool = False,
+    tile_configs: str = "",
 ) -> TileConfig:
-    """The config used without autotuning: an override, else the measured table (its
-    FEW_PROGRAMS entry for a grid of few programs, see ``few_programs``; adapted to a small
-    grid, see ``for_small_grid``), fitted."""
+    """The config used without autotuning: an override (``OVERRIDES``, then the
+    ``tile_configs`` spec of ``Options``), else the measured table (its FEW_PROGRAMS entry
+    for a grid of few programs, see ``few_programs``; adapted to a small grid, see
+    ``for_small_grid``), fitted."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
-    env = parse_overrides(os.environ.get("FLASHATTN_TRITON_CONFIGS", ""))
-    cfg = OVERRIDES.get(key) or env.get(key)
+    cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
     if cfg is None:
         cfg = table[kind][_table_key(block_d)]
         if few_programs and elem_bytes < 4:
@@ -376,46 +372,19 @@ def prune_configs(
     return out or [default_config(kind, n_q, n_k, block_d, elem_bytes)]
 
 
-def autotune_enabled() -> bool:
-    return os.environ.get("FLASHATTN_TRITON_AUTOTUNE", "0").lower() in ("1", "true", "yes", "on")
-
-
-def backward_scheme() -> str:
-    """The FLASHATTN_TRITON_BWD setting (``auto`` unless set); see ``resolve_backward_scheme``."""
-    scheme = os.environ.get("FLASHATTN_TRITON_BWD", DEFAULT_BWD_SCHEME).lower()
-    if scheme not in BWD_SCHEMES:
-        raise ValueError(f"FLASHATTN_TRITON_BWD must be one of {BWD_SCHEMES}, got {scheme!r}")
-    return scheme
-
-
 def resolve_backward_scheme(
-    causal: bool, bh: int, n_k: int, block_d: int, elem_bytes: int, n_sms: int
+    scheme: str, causal: bool, bh: int, n_k: int, block_d: int, elem_bytes: int, n_sms: int
 ) -> str:
-    """The scheme to run: the setting, or for ``auto`` the fused backward where a causal
-    16-bit grid is small enough (``small_grid`` with FUSED_GRID_PER_SM per SM), else
-    split. float32 stays on split: the fused kernel was not measured there."""
-    scheme = backward_scheme()
+    """The scheme to run: ``scheme`` (``Options.backward``), or for ``auto`` the fused
+    backward where a causal 16-bit grid is small enough (``small_grid`` with
+    FUSED_GRID_PER_SM per SM), else split. float32 stays on split: the fused kernel was not
+    measured there."""
     if scheme != "auto":
         return scheme
     limit = FUSED_GRID_PER_SM[_table_key(block_d)]
     if causal and elem_bytes == 2 and small_grid(bh, n_k, n_sms, limit):
         return "fused"
     return "split"
-
-
-def fp32_precision() -> str:
-    """Matrix-unit precision for float32 inputs: the env switch, else torch's own setting
-    (``torch.get_float32_matmul_precision()``: 'highest' -> tf32x3, near-fp32 accuracy;
-    'high'/'medium' -> tf32, about 1e-3 relative error but faster)."""
-    import torch
-
-    default = "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    prec = os.environ.get("FLASHATTN_TRITON_FP32_PRECISION", default).lower()
-    if prec not in FP32_PRECISIONS:
-        raise ValueError(
-            f"FLASHATTN_TRITON_FP32_PRECISION must be one of {FP32_PRECISIONS}, got {prec!r}"
-        )
-    return prec
 
 
 # Launch order by head groups (kernels._grouped_program): where the rows each kernel streams
@@ -427,25 +396,20 @@ def fp32_precision() -> str:
 # leaderboard shape) 0.96-0.98x backward. Hence grouping from four times L2 up only.
 HEAD_GROUP_L2_SHARE = 0.5
 HEAD_GROUP_MIN_L2_MULTIPLE = 4
-DEFAULT_HEAD_GROUP = "auto"
 
 
-def head_group(n_bh: int, streamed_bytes_per_head: int, l2_bytes: int) -> int:
+def head_group(
+    n_bh: int, streamed_bytes_per_head: int, l2_bytes: int, setting: str | int = "auto"
+) -> int:
     """How many heads' programs run at a time (``n_bh``: the plain order, head fastest).
 
-    ``FLASHATTN_TRITON_HEAD_GROUP``: ``auto`` (see HEAD_GROUP_MIN_L2_MULTIPLE; off where the
-    L2 size is unknown, e.g. Triton's interpreter), ``off``, or a number of heads; unset:
-    DEFAULT_HEAD_GROUP."""
-    spec = os.environ.get("FLASHATTN_TRITON_HEAD_GROUP", DEFAULT_HEAD_GROUP).strip().lower()
+    ``setting`` (``Options.head_group``): ``auto`` (see HEAD_GROUP_MIN_L2_MULTIPLE; off where
+    the L2 size is unknown, e.g. Triton's interpreter), ``off``, or a number of heads."""
     n_bh = max(n_bh, 1)
-    if spec == "off":
+    if setting == "off":
         return n_bh
-    if spec.isdigit() and int(spec) >= 1:
-        return min(int(spec), n_bh)
-    if spec != "auto":
-        raise ValueError(
-            f"FLASHATTN_TRITON_HEAD_GROUP must be auto, off or a positive count, got {spec!r}"
-        )
+    if isinstance(setting, int):
+        return min(setting, n_bh)
     if l2_bytes <= 0 or n_bh * streamed_bytes_per_head <= HEAD_GROUP_MIN_L2_MULTIPLE * l2_bytes:
         return n_bh
     fit = int(l2_bytes * HEAD_GROUP_L2_SHARE) // max(streamed_bytes_per_head, 1)

@@ -20,19 +20,21 @@ BLOCK_N keys of one (batch, head), one warpgroup per 64 keys. The loads go throu
 works (e.g. a model's (B, N, H, d) buffer seen as (B, H, N, d)); rows past a head's end read
 as zeros. dK and dV are stored through their own strides.
 
-``FLASHATTN_TRITON_GLUON=0`` turns it off. If a compile fails (e.g. a Triton whose Gluon API
-differs), a warning names the cause and the Triton kernel takes over for that key.
+``Options.gluon`` (``FLASHATTN_TRITON_GLUON=0``) turns it off. If a compile fails (e.g. a
+Triton whose Gluon API differs), a warning names the cause and the Triton kernel takes over
+for that key.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from .launch import cuda_major
+from . import fastlaunch
+from ._device import cuda_major, head_group_args
+from .options import get_options
 
 LOG2E = 1.4426950408889634
 
@@ -349,8 +351,8 @@ if HAVE_GLUON:
 
 
 def enabled() -> bool:
-    """False when ``FLASHATTN_TRITON_GLUON=0`` (read at each call)."""
-    return os.environ.get("FLASHATTN_TRITON_GLUON", "1").strip() != "0"
+    """``Options.gluon`` (``FLASHATTN_TRITON_GLUON=0`` in the environment turns it off)."""
+    return get_options().gluon
 
 
 def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> bool:
@@ -420,7 +422,8 @@ def launch_dkdv(
     group, grouped = launch_order(head_group, b * h)
     row_tma = row_tma and rows_by_tma(lse, delta)
     rows = (_flat_desc(lse, block_m), _flat_desc(delta, block_m)) if row_tma else (None, None)
-    dkdv_kernel[(b * h, -(-n_k // block_n))](
+    fastlaunch.launch(
+        dkdv_kernel, (b * h, -(-n_k // block_n)),
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, lse.shape[-1],
@@ -493,8 +496,6 @@ def try_dkdv(
     ``launch_dkdv``."""
     if not applies(q, k, v, do, dk, dv):
         return False
-    from .launch import head_group_args
-
     b, h, n_q, d = q.shape
     group = head_group_args(q, b * h, n_q, d)["head_group"]
     return run_guarded(

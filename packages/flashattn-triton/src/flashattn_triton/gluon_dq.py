@@ -6,7 +6,7 @@
     wait for dP; dS = P (dP - delta); issue dQ += dS K
 
 Used by the split backward where ``gluon_dkdv.applies`` holds with this module's DEFAULTS
-(Hopper, 16-bit, d = 128, TMA-readable layouts; ``FLASHATTN_TRITON_GLUON=0`` turns both Gluon
+(Hopper, 16-bit, d = 128, TMA-readable layouts; ``Options.gluon`` turns both Gluon
 kernels off) and the grid is small (``small_grid``) or the keys are many (``MIN_KEYS``).
 Q and dO stay in shared memory; K and
 V stream through a ring of TMA stages, loaded by the math warps STAGES - 1 tiles ahead. One
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from . import fastlaunch
+from ._device import head_group_args, sm_count
 from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, launch_order, run_guarded
 
 # Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
@@ -169,7 +171,8 @@ def launch_dq(
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     group, grouped = launch_order(head_group, b * h)
-    dq_kernel[(b * h, -(-n_q // block_m))](
+    fastlaunch.launch(
+        dq_kernel, (b * h, -(-n_q // block_m)),
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k, lse.shape[-1],
         softmax_scale * LOG2E, softmax_scale, group,
@@ -197,8 +200,6 @@ def try_dq(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> b
 def run_default(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float) -> bool:
     """``try_dq`` for a caller that has checked ``would_run`` itself (the split backward,
     which must compute D first)."""
-    from .launch import head_group_args
-
     b, h, _, d = q.shape
     group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
@@ -213,7 +214,5 @@ def run_default(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float)
 def small_grid(q: torch.Tensor) -> bool:
     """Whether q's (B, H, N, d) grid has fewer than MAX_WAVES programs of 128 rows per SM
     (the measured domain where this kernel wins; False off-GPU)."""
-    from .launch import sm_count
-
     b, h, n_q, _ = q.shape
     return b * h * -(-n_q // 128) < MAX_WAVES * sm_count(q)

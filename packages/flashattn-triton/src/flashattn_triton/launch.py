@@ -4,7 +4,12 @@ These functions run real kernels and are not traced by torch.compile (the custom
 ``ops`` wrap them). Triton is imported on first use, so importing the package costs nothing
 and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
 
-Backward schemes (``FLASHATTN_TRITON_BWD``): ``split`` = a dQ kernel looping over key tiles
+Host cost: the first call for a given input layout (shapes, strides, dtype, flags, options,
+pointer alignment) picks tiles and launches through Triton's JIT; later calls with that
+layout replay the recorded launches with the compiled kernels (``fastlaunch``), so per call
+only the outputs are allocated and the new addresses filled in.
+
+Backward schemes (``Options.backward``): ``split`` = a dQ kernel looping over key tiles
 (for d <= 64 it also computes D = rowsum(dO * O) for its rows), then a dK/dV kernel looping
 over query tiles (no atomics, P recomputed twice; on Hopper, for d = 128 and TMA-readable
 layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids or with
@@ -23,41 +28,36 @@ import functools
 
 import torch
 
+from . import _device as _D
 from . import configs as C
+from . import fastlaunch
+from .options import get_options, on_change
 
 MAX_GRID_Y = 65535
 
 
-def _kernels():
-    from . import kernels
+_kernels = _D.kernels
+interpreting = _D.interpreting
+require_runnable = _D.require_runnable
+sm_count = _D.sm_count
+cuda_major = _D.cuda_major
+head_group_args = _D.head_group_args
+tma_usable = _D.tma_usable
 
-    return kernels
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1).
-    Cached: the answer is fixed once ``kernels`` is imported (by the first call)."""
-    try:
-        import triton.runtime.interpreter as interp
-
-        return isinstance(_kernels().attn_fwd_kernel, interp.InterpretedFunction)
-    except ImportError:  # no triton, or the interpreter's numpy missing
-        return False
+# Launch plans by input layout (see ``fastlaunch``), dropped whenever the options change.
+_PLANS = fastlaunch.PlanCache()
+_GENERATION = [0]
 
 
-def require_runnable(t: torch.Tensor) -> None:
-    """Fail clearly, before any launch, where the Triton kernels cannot run."""
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and interpreting():
-        return
-    raise RuntimeError(
-        f"the Triton kernels need CUDA tensors, got tensors on {t.device}. Move q, k, v to a "
-        "GPU, or set TRITON_INTERPRET=1 before the first call to run the kernels in Triton's "
-        "(slow) CPU interpreter, or call flash_attention(..., backend='torch') (or 'auto', "
-        "which picks the PyTorch implementation off-GPU)."
-    )
+def clear_plans() -> None:
+    """Forget every launch plan (after changing ``configs`` tables in place; option changes
+    through ``set_options`` and ``configs.OVERRIDES`` are noticed without it)."""
+    _GENERATION[0] += 1
+    _PLANS.clear()
+    _BWD_SCHEMES.clear()
+
+
+on_change(clear_plans)
 
 
 def out_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -79,7 +79,7 @@ def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
     """{"stride_<prefix>b", "stride_<prefix>h", "stride_<prefix>n"}: t's (B, H, N) strides as
-    kernel arguments (one ``stride()`` call: these dicts are built on every launch)."""
+    kernel arguments."""
     sb, sh, sn = t.stride()[:3]
     return {f"stride_{prefix}b": sb, f"stride_{prefix}h": sh, f"stride_{prefix}n": sn}
 
@@ -92,35 +92,46 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(index)
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _layout_key(inputs: tuple[torch.Tensor, ...], *flags) -> tuple | None:
+    """The launch-plan key of a call on CUDA ``inputs``: their shapes, strides and 16-byte
+    alignment (Triton specializes on it), dtype, device, the options and ``flags``; None
+    where launches must go through Triton's dispatch (``Options.fast_launch`` off,
+    autotuning, a device other than the current one)."""
+    opts = get_options()
+    if not opts.fast_launch or opts.autotune:
+        return None
+    q = inputs[0]
+    index = q.get_device()
+    if index < 0 or index != torch.cuda.current_device():
+        return None
+    align = 0
+    for i, t in enumerate(inputs):
+        if t.data_ptr() & 15:
+            align |= 1 << i
+    prec = opts.resolved_fp32_precision() if q.dtype == torch.float32 else None
+    layout = tuple((t.shape, t.stride()) for t in inputs)
+    return (layout, q.dtype, index, align, prec, _GENERATION[0], C.overrides_key(), *flags)
 
 
-def sm_count(t: torch.Tensor) -> int:
-    """Streaming multiprocessors of t's GPU; 0 off-GPU (the interpreter: no small grids)."""
-    index = t.get_device()
-    return _cuda_sm_count(index) if index >= 0 else 0
-
-
-@functools.cache
-def cuda_major(index: int) -> int:
-    """Compute-capability major version of GPU ``index`` (cached: asked on every launch)."""
-    return torch.cuda.get_device_capability(index)[0]
-
-
-@functools.cache
-def _cuda_l2_bytes(index: int) -> int:
-    return getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0)
-
-
-def head_group_args(t: torch.Tensor, bh: int, n_rows: int, block_d: int) -> dict:
-    """head_group / GROUPED kernel arguments (configs.head_group) for kernels streaming two
-    (n_rows, block_d) tiles per head of t's dtype; the plain order off-GPU."""
-    index = t.get_device()
-    l2 = _cuda_l2_bytes(index) if index >= 0 else 0
-    group = C.head_group(bh, 2 * n_rows * block_d * t.element_size(), l2)
-    return {"head_group": group, "GROUPED": group < bh}
+def _launch_planned(
+    key: tuple | None,
+    inputs: tuple[torch.Tensor, ...],
+    outputs: tuple[torch.Tensor, ...],
+    launch_jit,
+) -> None:
+    """Run ``launch_jit`` (this call's launches through Triton's dispatch), or replay the
+    launches recorded for ``key`` with these buffers (``fastlaunch.PlanCache``). Buffers
+    that alias each other or outputs off 16-byte alignment take the dispatch path (a
+    replay maps arguments to buffers by address)."""
+    if key is not None:
+        addresses = [t.data_ptr() for t in inputs + outputs]
+        aligned = not any(a & 15 for a in addresses[len(inputs) :])
+        if aligned and len(set(addresses)) == len(addresses):
+            stream = torch._C._cuda_getCurrentRawStream(inputs[0].get_device())
+            _PLANS.run(key, addresses, stream, launch_jit)
+            return
+    with _device_guard(inputs[0]):
+        launch_jit()
 
 
 def _small_grid(causal: bool, bh: int, n: int, n_sms: int) -> bool:
@@ -129,7 +140,7 @@ def _small_grid(causal: bool, bh: int, n: int, n_sms: int) -> bool:
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    return C.fp32_precision() if dtype == torch.float32 else "tf32"
+    return get_options().resolved_fp32_precision() if dtype == torch.float32 else "tf32"
 
 
 def _check_grid(n_tiles: int, what: str, block: int) -> None:
@@ -179,23 +190,6 @@ _STREAMED = {
     "dkdv": ("Q", "DO", "block_m"),
     "atomic": ("Q", "DO", "block_m"),
 }
-
-
-def tma_usable(t: torch.Tensor) -> bool:
-    """Whether a (B, H, N, d) tensor can be read through a TMA descriptor: a Hopper or newer
-    GPU (or Triton's interpreter), a 16-byte aligned base and 16-byte multiple strides."""
-    index = t.get_device()
-    if index >= 0:
-        if cuda_major(index) < 9:
-            return False
-    elif not interpreting():
-        return False
-    elem = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
-    )
 
 
 def _descriptor(t: torch.Tensor, rows: int, block_d: int):
@@ -316,7 +310,8 @@ def _run(
     If the device has less shared memory than a config needs, Triton refuses the launch
     (OutOfResources, before anything runs); retry with smaller configs instead of failing.
     """
-    if C.autotune_enabled() and not interpreting():
+    opts = get_options()
+    if opts.autotune and not interpreting():
 
         def tuned_grid(meta):
             return grid(_to_tile_config(kind, meta))
@@ -325,12 +320,16 @@ def _run(
         return
     from triton.runtime.errors import OutOfResources
 
-    first = C.default_config(kind, n_q, n_k, block_d, elem, small_grid, few_programs)
+    first = C.default_config(
+        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs
+    )
     key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
     cfg = _SHRUNK.get(key, first)
     while True:
         try:
-            kernel[grid(cfg)](
+            fastlaunch.launch(
+                kernel,
+                grid(cfg),
                 **args,
                 **_meta(kind, cfg, n_q, n_k),
                 **_stream_args(kind, cfg, args, block_d),
@@ -372,29 +371,33 @@ def forward(
     if n_k == 0:  # no key at all: every row is empty
         return o.zero_(), lse.fill_(float("-inf"))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    kern = _kernels()
-    block_d = C.block_d_for(d)
-    args = {
-        "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
-        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
-        "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
-        **head_group_args(k, b * h, n_k, block_d),
-        "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
-        "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
-    }  # fmt: skip
 
-    def grid(cfg):
-        return (b * h, triton_cdiv(n_q, cfg.block_m))
+    def launch_jit() -> None:
+        kern = _kernels()
+        block_d = C.block_d_for(d)
+        args = {
+            "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
+            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
+            "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
+            **head_group_args(k, b * h, n_k, block_d),
+            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+        }  # fmt: skip
 
-    _check_grid(triton_cdiv(n_q, 16), "query length", 16)
-    n_sms = sm_count(q)
-    small = _small_grid(causal, b * h, n_q, n_sms)
-    few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
-    with _device_guard(q):
+        def grid(cfg):
+            return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+        _check_grid(triton_cdiv(n_q, 16), "query length", 16)
+        n_sms = sm_count(q)
+        small = _small_grid(causal, b * h, n_q, n_sms)
+        few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
         _run(
             "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
             small_grid=small, few_programs=few,
         )  # fmt: skip
+
+    key = _layout_key((q, k, v), "fwd", causal, softmax_scale) if q.is_cuda else None
+    _launch_planned(key, (q, k, v), (o, lse), launch_jit)
     return o, lse
 
 
@@ -434,9 +437,11 @@ def _stats_by_tma(
     TMA, so that ``_stats_buffers`` packs them: configs.STATS_TMA, its default config asks
     for TMA and q allows it, and no Gluon kernel may read them. (Packed rows read by pointers
     cost registers instead: d = 32, 72 B of stack against 56.)"""
-    if kind is None or not C.STATS_TMA or C.autotune_enabled() or _gluon_reads_stats(q):
+    opts = get_options()
+    if kind is None or not C.STATS_TMA or opts.autotune or _gluon_reads_stats(q):
         return False
-    return C.default_config(kind, n_q, n_k, block_d, elem, small).tma and tma_usable(q)
+    cfg = C.default_config(kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs)
+    return cfg.tma and tma_usable(q)
 
 
 def _stats_buffers(
@@ -498,107 +503,154 @@ def backward(
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
     # the kernels need unit-stride rows to vectorize their loads.
     do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-    kern = _kernels()
-    block_d = C.block_d_for(d)
-    elem = q.element_size()
+    inputs = (q, k, v, do, o, lse)
+    key = None
+    if q.is_cuda and only is None:
+        key = _layout_key(inputs, "bwd", causal, softmax_scale)
+    plan = _BWD_SCHEMES.get(key) if key is not None else None
+    if plan is None:
+        plan = _backward_scheme(q, k, causal)
+        if key is not None:
+            if len(_BWD_SCHEMES) >= 4096:
+                _BWD_SCHEMES.clear()
+            _BWD_SCHEMES[key] = plan
+    scheme, _, _, packed = plan
+    lse_c, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
+    if scheme == "atomic":
+        dq_acc = torch.zeros((b, h, n_q, C.block_d_for(d)), dtype=torch.float32, device=q.device)
+
+    def launch_jit() -> None:
+        _backward_launches(
+            do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv,
+            dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only,
+        )  # fmt: skip
+
+    if scheme == "atomic":  # accumulates into dq_acc: never replayed
+        key = None
+    outputs = (dq, dk, dv, lse2, delta) + ((lse_c,) if lse_c is not lse else ())
+    _launch_planned(key, inputs, outputs, launch_jit)
+    if scheme == "atomic":
+        dq.copy_(dq_acc[..., :d])
+    return dq, dk, dv
+
+
+# Backward scheme choices by launch-plan key, dropped with the plans.
+_BWD_SCHEMES: dict[tuple, tuple[str, str | None, bool, bool]] = {}
+
+
+def _backward_scheme(
+    q: torch.Tensor, k: torch.Tensor, causal: bool
+) -> tuple[str, str | None, bool, bool]:
+    """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics)."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     n_sms = sm_count(q)
-    scheme = C.resolve_backward_scheme(causal, b * h, n_k, block_d, elem, n_sms)
+    setting = get_options().backward
+    scheme = C.resolve_backward_scheme(setting, causal, b * h, n_k, block_d, elem, n_sms)
     kind = {"split": "dkdv", "atomic": "atomic"}.get(scheme)  # the dK/dV kernel's, if Triton's
     small_dkdv = _small_grid(causal, b * h, n_k, n_sms)
     packed = _stats_by_tma(q, kind, n_q, n_k, block_d, elem, small_dkdv)
-    lse, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
-    with _device_guard(q):
+    return scheme, kind, small_dkdv, packed
 
-        def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
-            pre_block = 64
-            kern.attn_bwd_preprocess_kernel[(b * h, triton_cdiv(n_q, pre_block))](
-                o, do, delta, lse, lse2, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
-                lse.shape[-1], stride_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
-            )  # fmt: skip
 
-        # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
-        # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
-        # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).
-        dq_first = scheme == "split" and only in (None, "dq")
-        fuse_delta = dq_first and block_d <= C.FUSED_DELTA_MAX_D
-        if not fuse_delta and only is None:
-            preprocess()
-        elif not fuse_delta:  # one kernel timed alone: D's values do not matter, L's do
-            delta.zero_()
-            lse2.copy_(lse * kern.LOG2E).masked_fill_(lse == float("-inf"), float("inf"))
-        common = {
-            "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
-            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
-            "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
-            "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
-            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
-            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
-        }  # fmt: skip
-        if scheme == "atomic":
-            dq_acc = torch.zeros((b, h, n_q, block_d), dtype=torch.float32, device=q.device)
-            dq_target = dq_acc
-        else:
-            dq_target = dq
-        dkdv_out = {
-            "DK": dk, "DV": dv, "DQ": dq_target,
-            **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
-            "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": packed,
-        }  # fmt: skip
-        if scheme == "fused":
+def _backward_launches(
+    do, q, k, v, o, lse, lse2, delta, stride_rows, dq, dk, dv, dq_target,
+    causal: bool, softmax_scale: float, plan: tuple, only: str | None,
+) -> None:  # fmt: skip
+    """The backward's kernels through Triton's dispatch (``backward`` allocated every
+    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic scheme)."""
+    scheme, kind, small_dkdv, packed = plan
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    kern = _kernels()
+    block_d = C.block_d_for(d)
+    elem = q.element_size()
+    n_sms = sm_count(q)
 
-            def grid_fused(cfg):
-                n_tiles = max(triton_cdiv(n_k, cfg.block_n), triton_cdiv(n_q, cfg.block_n))
-                return (b * h, n_tiles)
+    def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
+        pre_block = 64
+        fastlaunch.launch(
+            kern.attn_bwd_preprocess_kernel, (b * h, triton_cdiv(n_q, pre_block)),
+            o, do, delta, lse, lse2, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
+            lse.shape[-1], stride_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
+        )  # fmt: skip
 
+    # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
+    # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
+    # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).
+    dq_first = scheme == "split" and only in (None, "dq")
+    fuse_delta = dq_first and block_d <= C.FUSED_DELTA_MAX_D
+    if not fuse_delta and only is None:
+        preprocess()
+    elif not fuse_delta:  # one kernel timed alone: D's values do not matter, L's do
+        delta.zero_()
+        lse2.copy_(lse * kern.LOG2E).masked_fill_(lse == float("-inf"), float("inf"))
+    common = {
+        "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
+        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
+        "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
+        "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
+        "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+        "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+    }  # fmt: skip
+    dkdv_out = {
+        "DK": dk, "DV": dv, "DQ": dq_target,
+        **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
+        "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": packed,
+    }  # fmt: skip
+    if scheme == "fused":
+
+        def grid_fused(cfg):
+            n_tiles = max(triton_cdiv(n_k, cfg.block_n), triton_cdiv(n_q, cfg.block_n))
+            return (b * h, n_tiles)
+
+        _run(
+            "fused", kern.attn_bwd_fused_kernel, grid_fused,
+            {**common, **dkdv_out, "stride_rows": stride_rows},
+            n_q, n_k, block_d, elem,
+        )  # fmt: skip
+        return
+
+    if dq_first:
+        # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
+        gluon_dq_ran = False
+        if q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
+            if fuse_delta:
+                preprocess()  # the Gluon kernel reads D
+            gluon_dq_ran = _gluon_dq().run_default(
+                q, k, v, do, lse, delta, dq, causal, softmax_scale
+            )
+        if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
+
+            def grid_queries(cfg):
+                return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+            dq_args = {
+                **common, "LSE2": lse2, "stride_rows": stride_rows, "DQ": dq,
+                **_strides("dq", dq), "Out": o, **_strides("o", o),
+                "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
+            }  # fmt: skip
             _run(
-                "fused", kern.attn_bwd_fused_kernel, grid_fused,
-                {**common, **dkdv_out, "stride_rows": stride_rows},
-                n_q, n_k, block_d, elem,
+                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
+                elem, small_grid=_small_grid(causal, b * h, n_q, n_sms),
             )  # fmt: skip
-            return dq, dk, dv
 
-        if dq_first:
-            # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
-            gluon_dq_ran = False
-            if q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
-                if fuse_delta:
-                    preprocess()  # the Gluon kernel reads D
-                gluon_dq_ran = _gluon_dq().run_default(
-                    q, k, v, do, lse, delta, dq, causal, softmax_scale
-                )
-            if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
+    def grid_keys(cfg):
+        return (b * h, triton_cdiv(n_k, cfg.block_n))
 
-                def grid_queries(cfg):
-                    return (b * h, triton_cdiv(n_q, cfg.block_m))
-
-                dq_args = {
-                    **common, "LSE2": lse2, "stride_rows": stride_rows, "DQ": dq,
-                    **_strides("dq", dq), "Out": o, **_strides("o", o),
-                    "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
-                }  # fmt: skip
-                _run(
-                    "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
-                    elem, small_grid=_small_grid(causal, b * h, n_q, n_sms),
-                )  # fmt: skip
-
-        def grid_keys(cfg):
-            return (b * h, triton_cdiv(n_k, cfg.block_n))
-
-        # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
-        gluon_ran = (
-            kind == "dkdv"
-            and only in (None, kind)
-            and q.is_cuda
-            and _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, softmax_scale, lse_log2=True)
-        )
-        if only in (None, kind) and not gluon_ran:
-            _run(
-                kind, kern.attn_bwd_dkdv_kernel, grid_keys,
-                {**common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
-                 "ATOMIC_DQ": scheme == "atomic", **head_group_args(q, b * h, n_q, block_d)},
-                n_q, n_k, block_d, elem, small_grid=small_dkdv,
-            )  # fmt: skip
-        if scheme == "atomic":
-            dq.copy_(dq_acc[..., :d])
-    return dq, dk, dv
+    # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
+    gluon_ran = (
+        kind == "dkdv"
+        and only in (None, kind)
+        and q.is_cuda
+        and _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, softmax_scale, lse_log2=True)
+    )
+    if only in (None, kind) and not gluon_ran:
+        _run(
+            kind, kern.attn_bwd_dkdv_kernel, grid_keys,
+            {**common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
+             "ATOMIC_DQ": scheme == "atomic", **head_group_args(q, b * h, n_q, block_d)},
+            n_q, n_k, block_d, elem, small_grid=small_dkdv,
+        )  # fmt: skip

@@ -1,0 +1,206 @@
+"""Launch plans: repeat a call's kernel launches with the compiled kernels themselves.
+
+Triton's ``kernel[grid](**kwargs)`` binds, specializes and hashes every argument on every
+call; for our 36-60 argument kernels that is most of a launch's host time (on an H100 host,
+76-98 us per launch through the JIT against 25-31 us for the same compiled kernel called
+directly). So the launchers run the first call for a given input layout the ordinary way
+while a ``Recorder`` notes each launch, then build a ``Replay`` that, for later calls with
+the same layout, fills the new data pointers into the recorded argument lists and calls each
+compiled kernel directly, the way Triton's own dispatcher finally does.
+
+A replay is only valid where the recorded launches depend on nothing but the cache key:
+shapes, strides, dtypes, flags, options and the 16-byte alignment of every pointer (all part
+of the key; Triton specializes on them). Every tensor argument must be one of the call's
+buffers, matched by data pointer; a launch that cannot be expressed so (an unknown tensor,
+a callable grid, an unfamiliar compiled-kernel object) makes the key fall back to the JIT
+path for good. A replay that raises is dropped the same way, with one warning.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_local = threading.local()
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    """``kernel[grid](*args, **kwargs)``, noted by the active ``Recorder`` of this thread."""
+    compiled = kernel[grid](*args, **kwargs)
+    recorder = getattr(_local, "recorder", None)
+    if recorder is not None:
+        recorder.note(kernel, grid, args, kwargs, compiled)
+    return compiled
+
+
+class Recorder:
+    """Notes the launches made through ``launch`` inside its ``with`` block (this thread)."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple] = []
+
+    def note(self, kernel, grid, args, kwargs, compiled) -> None:
+        self.records.append((kernel, grid, args, kwargs, compiled))
+
+    def __enter__(self) -> Recorder:
+        self._outer = getattr(_local, "recorder", None)
+        _local.recorder = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _local.recorder = self._outer
+
+
+class _Address(int):
+    """A device address standing in for a tensor where a launcher asks for ``data_ptr()``."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+def _with_base(template: Any, base: int) -> Any:
+    """A copy of a tensor descriptor with another base address (no re-validation: shape,
+    strides and block are the recorded ones, the address has the recorded alignment)."""
+    desc = object.__new__(type(template))
+    desc.__dict__.update(template.__dict__)
+    desc.base = _Address(base)
+    return desc
+
+
+@dataclass
+class _Step:
+    compiled: Any
+    grid: tuple[int, int, int]
+    args: list
+    pointers: list[tuple[int, int]]  # (argument position, buffer index)
+    descriptors: list[tuple[int, int, Any]]  # (argument position, buffer index, template)
+
+
+def _is_descriptor(value: Any) -> bool:
+    return type(value).__name__ == "TensorDescriptor" and hasattr(value, "base")
+
+
+def _step(record: tuple, addresses: Sequence[int]) -> _Step | None:
+    kernel, grid, args, kwargs, compiled = record
+    if callable(grid) or compiled is None:
+        return None
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return None
+    signature = getattr(kernel, "signature", None)
+    if not isinstance(signature, inspect.Signature):
+        return None
+    params = signature.parameters
+    bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k in params})
+    bound.apply_defaults()
+    values = list(bound.arguments.values())
+    pointers, descriptors = [], []
+    for pos, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            ptr = value.data_ptr()
+            if ptr not in addresses:
+                return None
+            pointers.append((pos, addresses.index(ptr)))
+            values[pos] = ptr
+        elif _is_descriptor(value):
+            if not hasattr(value, "__dict__") or not isinstance(value.base, torch.Tensor):
+                return None
+            ptr = value.base.data_ptr()
+            if ptr not in addresses:
+                return None
+            descriptors.append((pos, addresses.index(ptr), value))
+    g = (*tuple(grid), 1, 1)
+    return _Step(compiled, (int(g[0]), int(g[1]), int(g[2])), values, pointers, descriptors)
+
+
+class Replay:
+    """The recorded launches of one call, replayed with new buffer addresses."""
+
+    def __init__(self, steps: list[_Step]) -> None:
+        self.steps = steps
+        from triton import knobs
+
+        self._runtime = knobs.runtime
+
+    @classmethod
+    def build(cls, records: list[tuple], addresses: Sequence[int]) -> Replay | None:
+        """A replay of ``records`` whose tensor arguments are all among ``addresses`` (the
+        call's buffers, in a fixed order), or None where that does not hold."""
+        if not records:
+            return None
+        try:
+            steps = [_step(r, list(addresses)) for r in records]
+            if any(s is None for s in steps):
+                return None
+            return cls(steps)  # type: ignore[arg-type]
+        except Exception:  # an unfamiliar Triton: the JIT path stays
+            return None
+
+    def run(self, addresses: Sequence[int], stream: int) -> None:
+        """Launch every recorded kernel with the buffers at ``addresses`` on ``stream``."""
+        runtime = self._runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        for step in self.steps:
+            args = step.args.copy()
+            for pos, index in step.pointers:
+                args[pos] = addresses[index]
+            for pos, index, template in step.descriptors:
+                args[pos] = _with_base(template, addresses[index])
+            ck, (g0, g1, g2) = step.compiled, step.grid
+            meta = ck.launch_metadata(step.grid, stream, *args)
+            ck.run(g0, g1, g2, stream, ck.function, ck.packed_metadata, meta, enter, leave, *args)
+
+
+_NO_REPLAY = object()  # a key whose launches cannot be replayed: always the JIT path
+
+
+class PlanCache:
+    """Replays by cache key; ``run`` falls back to ``slow`` (the JIT path) and records it."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._plans: dict[tuple, Any] = {}
+        self.max_entries = max_entries
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def replays(self) -> int:
+        """How many keys have a replay (benchmarks and tests)."""
+        return sum(isinstance(p, Replay) for p in self._plans.values())
+
+    def run(
+        self, key: tuple, addresses: Sequence[int], stream: int, slow: Callable[[], None]
+    ) -> None:
+        """Launch the call of ``key`` whose buffers sit at ``addresses``: replay it if it has
+        a replay, else run ``slow`` (recording it the first time)."""
+        plan = self._plans.get(key)
+        if isinstance(plan, Replay):
+            try:
+                plan.run(addresses, stream)
+                return
+            except Exception as e:  # a launcher that does not take our arguments
+                self._plans[key] = _NO_REPLAY
+                warnings.warn(
+                    f"flashattn_triton: launching the compiled kernels directly failed "
+                    f"({type(e).__name__}: {e}); using Triton's dispatch for this layout",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                slow()
+                return
+        if plan is _NO_REPLAY:
+            slow()
+            return
+        with Recorder() as recorder:
+            slow()
+        if len(self._plans) >= self.max_entries:
+            self._plans.clear()
+        self._plans[key] = Replay.build(recorder.records, addresses) or _NO_REPLAY

@@ -1,0 +1,184 @@
+"""Kernel options: the switches a user may need, as one typed, validated object.
+
+``Options`` holds the backward scheme, tile overrides, float32 matrix precision and the
+other launch choices. The active options are read once from ``FLASHATTN_TRITON_*``
+environment variables on first use (handy for experiments in a fresh process), and changed
+in code with :func:`set_options` or, for a block, the :func:`use_options` context manager::
+
+    import flashattn_triton as fa
+
+    fa.set_options(backward="split")          # from now on
+    with fa.use_options(tile_configs="fwd=128,64,4,3"):
+        o = fa.flash_attention(q, k, v, causal=True)
+
+Nothing is read from the environment per call: the launchers cache a launch plan per input
+layout and options, and every change here invalidates those plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+
+BWD_SCHEMES = ("auto", "split", "fused", "atomic")
+FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
+
+# option name -> environment variable read on first use
+ENV_VARS = {
+    "backward": "FLASHATTN_TRITON_BWD",
+    "fp32_precision": "FLASHATTN_TRITON_FP32_PRECISION",
+    "gluon": "FLASHATTN_TRITON_GLUON",
+    "head_group": "FLASHATTN_TRITON_HEAD_GROUP",
+    "tile_configs": "FLASHATTN_TRITON_CONFIGS",
+    "autotune": "FLASHATTN_TRITON_AUTOTUNE",
+    "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Launch choices of the Triton backend (all have measured defaults).
+
+    backward: ``auto`` (fused on small causal 16-bit grids, else split), ``split``, ``fused``
+        or ``atomic`` (see ``launch``).
+    fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
+        ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
+        ('highest' -> tf32x3, else tf32).
+    gluon: allow the Hopper Gluon kernels (d = 128 backward) where they apply.
+    head_group: launch order by head groups, ``auto``, ``off`` or a number of heads.
+    tile_configs: tile overrides, ``"fwd=128,64,4,3;dq=128,64,8,3,tma"`` (see
+        ``configs.TileConfig.parse``; ``kind.fp32=...`` for float32 inputs).
+    autotune: ``triton.autotune`` per (sequence bucket, head dim, dtype, causal) instead of
+        the default tables (the first call per key takes a while).
+    fast_launch: after the first call per input layout, launch the compiled kernels directly
+        from a cached plan (skips Triton's per-call argument binding); False always goes
+        through Triton's JIT dispatch.
+    """
+
+    backward: str = "auto"
+    fp32_precision: str | None = None
+    gluon: bool = True
+    head_group: str | int = "auto"
+    tile_configs: str = ""
+    autotune: bool = False
+    fast_launch: bool = True
+
+    def __post_init__(self) -> None:
+        if self.backward not in BWD_SCHEMES:
+            raise ValueError(f"backward must be one of {BWD_SCHEMES}, got {self.backward!r}")
+        if self.fp32_precision is not None and self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(
+                f"fp32_precision must be None or one of {FP32_PRECISIONS}, "
+                f"got {self.fp32_precision!r}"
+            )
+        for name in ("gluon", "autotune", "fast_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "head_group", _head_group(self.head_group))
+        if not isinstance(self.tile_configs, str):
+            raise TypeError(f"tile_configs must be a str, got {type(self.tile_configs).__name__}")
+        from .configs import parse_overrides
+
+        parse_overrides(self.tile_configs)  # raises ValueError naming the bad item
+
+    def resolved_fp32_precision(self) -> str:
+        """The float32 precision in effect (torch's setting where ``fp32_precision`` is None)."""
+        if self.fp32_precision is not None:
+            return self.fp32_precision
+        import torch
+
+        return "tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _head_group(value: str | int) -> str | int:
+    if isinstance(value, bool):
+        raise TypeError(f"head_group must be 'auto', 'off' or a positive int, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"head_group must be 'auto', 'off' or a positive int, got {value}")
+        return value
+    spec = str(value).strip().lower()
+    if spec in ("auto", "off"):
+        return spec
+    if spec.isdigit() and int(spec) >= 1:
+        return int(spec)
+    raise ValueError(f"head_group must be 'auto', 'off' or a positive int, got {value!r}")
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Options:
+    """Options from ``FLASHATTN_TRITON_*`` variables (unset ones keep their defaults); an
+    invalid value raises ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    kwargs: dict[str, object] = {}
+    for name, var in ENV_VARS.items():
+        raw = environ.get(var)
+        if raw is None:
+            continue
+        value: object = raw.strip()
+        if name in ("gluon", "autotune", "fast_launch"):
+            low = raw.strip().lower()
+            if low not in _TRUE + _FALSE:
+                raise ValueError(f"{var} must be 1 or 0, got {raw!r}")
+            value = low in _TRUE
+        elif name in ("backward", "fp32_precision"):
+            value = raw.strip().lower()
+        kwargs[name] = value
+    try:
+        return Options(**kwargs)
+    except (TypeError, ValueError) as e:
+        bad = next((ENV_VARS[f.name] for f in fields(Options) if f.name in str(e)), "")
+        raise ValueError(f"{bad}: {e}" if bad else str(e)) from None
+
+
+_current: Options | None = None
+_listeners: list[Callable[[], None]] = []
+
+
+def get_options() -> Options:
+    """The active options (read from the environment on the first call)."""
+    global _current
+    if _current is None:
+        _current = from_env()
+    return _current
+
+
+def set_options(new: Options | None = None, /, **changes: object) -> Options:
+    """Replace the active options (``new``, or the current ones with ``changes``); returns
+    the previous options. Cached launch plans are dropped."""
+    global _current
+    previous = get_options()
+    base = previous if new is None else new
+    if not isinstance(base, Options):
+        raise TypeError(f"set_options takes an Options, got {type(base).__name__}")
+    unknown = set(changes) - {f.name for f in fields(Options)}
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {sorted(asdict(base))}")
+    _current = replace(base, **changes) if changes else base
+    for listener in _listeners:
+        listener()
+    return previous
+
+
+@contextlib.contextmanager
+def use_options(**changes: object) -> Iterator[Options]:
+    """``with use_options(backward="split"): ...``: the changes apply inside the block only."""
+    previous = set_options(**changes)
+    try:
+        yield get_options()
+    finally:
+        set_options(previous)
+
+
+def reload_from_env() -> Options:
+    """Re-read the environment variables (for scripts that change them mid-process)."""
+    set_options(from_env())
+    return get_options()
+
+
+def on_change(listener: Callable[[], None]) -> None:
+    """Call ``listener`` whenever the options change (the launchers drop their plans)."""
+    _listeners.append(listener)

@@ -1,0 +1,145 @@
+"""CPU checks of the launch-plan replay (``fastlaunch``) with stand-in kernels: what it maps
+to buffers, what it refuses, and how it falls back. The real kernels are checked against
+Triton's dispatch bit for bit by the GPU tests (``test_fast_launch_replays_exactly``)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from flashattn_triton import fastlaunch
+
+
+@dataclass
+class TensorDescriptor:  # the shape of Triton's host descriptor, for the replay's purposes
+    base: object
+    shape: list
+    strides: list
+    block_shape: list
+
+
+class FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records what each launch received."""
+
+    def __init__(self) -> None:
+        self.function, self.packed_metadata, self.calls = "fn", "meta", []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, leave, *args):
+        self.calls.append(((g0, g1, g2), stream, args))
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` returns its compiled kernel."""
+
+    def __init__(self) -> None:
+        def kernel(X, Y, DESC, n, scale, BLOCK: int = 16):
+            pass
+
+        self.signature = inspect.signature(kernel)
+        self.compiled = FakeCompiled()
+        self.dispatched = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.dispatched += 1
+            return self.compiled
+
+        return run
+
+
+def _buffers(n=8):
+    x, y = torch.randn(n), torch.randn(n)
+    return x, y, [x.data_ptr(), y.data_ptr()]
+
+
+def test_replay_fills_new_addresses_in_recorded_positions():
+    kern = FakeKernel()
+    x, y, addresses = _buffers()
+    with fastlaunch.Recorder() as rec:
+        fastlaunch.launch(kern, (3, 2), x, y, TensorDescriptor(y, [8], [1], [4]), 8, 0.5)
+    replay = fastlaunch.Replay.build(rec.records, addresses)
+    assert replay is not None
+    x2, y2, new = _buffers()
+    replay.run(new, stream=7)
+    grid, stream, args = kern.compiled.calls[-1]
+    assert grid == (3, 2, 1)
+    assert stream == 7
+    assert args[0] == x2.data_ptr()
+    assert args[1] == y2.data_ptr()
+    assert args[2].base.data_ptr() == y2.data_ptr()
+    assert args[2].block_shape == [4]
+    assert args[3:] == (8, 0.5, 16)  # constants as recorded, defaults applied
+    assert kern.dispatched == 1  # the replay did not go through the dispatcher
+
+
+def test_unknown_tensor_or_callable_grid_is_not_replayed():
+    kern = FakeKernel()
+    x, y, addresses = _buffers()
+    stranger = torch.randn(4)
+    with fastlaunch.Recorder() as rec:
+        fastlaunch.launch(kern, (1,), x, stranger, None, 1, 1.0)
+    assert fastlaunch.Replay.build(rec.records, addresses) is None
+    with fastlaunch.Recorder() as rec:
+        fastlaunch.launch(kern, lambda meta: (1,), x, y, None, 1, 1.0)
+    assert fastlaunch.Replay.build(rec.records, addresses) is None
+    assert fastlaunch.Replay.build([], addresses) is None
+
+
+def test_plan_cache_records_once_then_replays():
+    kern = FakeKernel()
+    cache = fastlaunch.PlanCache()
+    x, y, addresses = _buffers()
+
+    def slow():
+        fastlaunch.launch(kern, (2,), x, y, None, 4, 1.0)
+
+    cache.run(("k",), addresses, 0, slow)
+    assert kern.dispatched == 1
+    assert cache.replays() == 1
+    cache.run(("k",), addresses, 0, slow)
+    cache.run(("k",), addresses, 0, slow)
+    assert kern.dispatched == 1
+    assert len(kern.compiled.calls) == 2
+    cache.clear()
+    assert cache.replays() == 0
+
+
+def test_plan_cache_falls_back_for_good_when_a_replay_raises():
+    kern = FakeKernel()
+    cache = fastlaunch.PlanCache()
+    x, y, addresses = _buffers()
+
+    def slow():
+        fastlaunch.launch(kern, (2,), x, y, None, 4, 1.0)
+
+    cache.run(("k",), addresses, 0, slow)
+
+    def broken(*args, **kwargs):
+        raise TypeError("launcher changed")
+
+    kern.compiled.run = broken
+    with pytest.warns(RuntimeWarning, match="launcher changed"):
+        cache.run(("k",), addresses, 0, slow)
+    assert kern.dispatched == 2
+    assert cache.replays() == 0
+    cache.run(("k",), addresses, 0, slow)  # no second warning, no replay attempt
+    assert kern.dispatched == 3
+
+
+def test_recorder_is_per_thread_and_nests():
+    kern = FakeKernel()
+    x, y, _ = _buffers()
+    with fastlaunch.Recorder() as outer:
+        with fastlaunch.Recorder() as inner:
+            fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)
+        fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)
+    assert len(inner.records) == 1
+    assert len(outer.records) == 1
+    fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)  # no recorder: nothing noted
+    assert len(outer.records) == 1
