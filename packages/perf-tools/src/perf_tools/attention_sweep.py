@@ -1,0 +1,345 @@
+"""Ours against SDPA where users feel it: `python -m perf_tools.attention_sweep`.
+
+For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
+compiled: the same function under `torch.compile`, default settings), every shape of the sweep
+is timed for every provider in one process: q, k, v of shape (1, heads, N, d), forward and
+backward (`torch.autograd.grad(o, (q, k, v), dO)`, so no gradient accumulation), median of
+`triton.testing.do_bench`. That is host and GPU time together, what a training step sees.
+Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
+
+    python -m perf_tools.attention_sweep --csv sweep.csv --plot sweep.png
+    python -m perf_tools.attention_sweep --d 64 --modes eager --shapes 128x512 32x2048
+    python -m perf_tools.attention_sweep --graphed   # + GPU-only time (one CUDA graph per call)
+
+Providers: `ours` (`flashattn_triton.flash_attention`), `sdpa-flash` and `sdpa-cudnn`
+(`F.scaled_dot_product_attention` pinned to one backend for the whole timing, so the pin
+costs nothing per call). Without a GPU it runs tiny shapes on the CPU (ours only: there
+``flash_attention`` takes its PyTorch implementation) so the command can be tried anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from perf_tools import _cli, report
+from perf_tools._compile import allow_recompiles
+
+# (heads, N) of the sweep; (32, 32768) is the 8B model's shape, swept at d = 128 only.
+SHAPES: tuple[tuple[int, int], ...] = (
+    (128, 512),
+    (64, 1024),
+    (32, 2048),
+    (16, 4096),
+    (8, 8192),
+    (16, 16384),
+    (32, 32768),
+)
+D128_ONLY = {(32, 32768)}
+CPU_SHAPES: tuple[tuple[int, int], ...] = ((2, 64), (1, 128))
+PROVIDERS = ("ours", "sdpa-flash", "sdpa-cudnn")
+MODES = ("eager", "compiled")
+_SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What one sweep runs (the CLI's flags, typed)."""
+
+    shapes: tuple[tuple[int, int], ...]
+    head_dims: tuple[int, ...] = (64, 128)
+    causal: tuple[bool, ...] = (True, False)
+    modes: tuple[str, ...] = MODES
+    providers: tuple[str, ...] = PROVIDERS
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device | None = None  # None: cuda when visible, else cpu
+    rep_ms: float = 200.0
+    warmup_ms: float = 50.0
+    graphed: bool = False
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            object.__setattr__(self, "device", torch.device(_cli.default_device()))
+        bad = set(self.providers) - set(PROVIDERS)
+        if bad:
+            raise ValueError(f"providers: expected some of {PROVIDERS}, got {sorted(bad)}")
+        if set(self.modes) - set(MODES):
+            raise ValueError(f"modes: expected some of {MODES}, got {self.modes}")
+
+
+def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., torch.Tensor]:
+    """The provider's attention (q, k, v) -> o. Compiled, SDPA's backend is pinned inside the
+    traced function (each provider its own code, so Dynamo keeps one graph per backend);
+    eager, ``_pinned`` pins it around the whole timing instead."""
+    if provider == "ours":
+        from flashattn_triton import flash_attention
+
+        def ours(q, k, v):
+            return flash_attention(q, k, v, causal=causal)
+
+        return torch.compile(ours) if compiled else ours
+    if not compiled:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, _SDPA[provider])
+
+    def sdpa_flash(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def sdpa_cudnn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return torch.compile(sdpa_flash if provider == "sdpa-flash" else sdpa_cudnn)
+
+
+@contextlib.contextmanager
+def _pinned(provider: str) -> Iterator[None]:
+    """SDPA restricted to the provider's backend while it is timed (no-op for ours)."""
+    if provider not in _SDPA:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, _SDPA[provider])):
+        yield
+
+
+def _runs_here(provider: str, device: torch.device) -> str | None:
+    """None if the provider can run on ``device``, else why not (``flash_attention`` runs
+    anywhere: off-GPU it takes its PyTorch implementation)."""
+    if device.type != "cuda" and provider in _SDPA:
+        return "SDPA's flash / cuDNN backends need a GPU"
+    return None
+
+
+def _bench(fn: Callable[[], Any], cfg: SweepConfig) -> float:
+    """Median ms of fn: do_bench on a GPU, a wall-clock median on the CPU."""
+    if cfg.device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(
+            fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
+        )
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
+    """GPU time of one call captured in a CUDA graph (no host cost)."""
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(
+        graph.replay, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
+    )
+
+
+def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+    shape = (1, heads, n, d)
+    q, k, v = (
+        torch.randn(shape, device=cfg.device, generator=g, dtype=cfg.dtype).requires_grad_()
+        for _ in range(3)
+    )
+    do = torch.randn(shape, device=cfg.device, generator=g, dtype=cfg.dtype)
+    return q, k, v, do
+
+
+def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
+    def fwd_bwd() -> None:
+        o = attn(q, k, v)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    out = {"ms": _bench(fwd_bwd, cfg)}
+    if cfg.graphed and cfg.device.type == "cuda":
+        out["graphed_ms"] = _graphed_ms(fwd_bwd, cfg)
+    return out
+
+
+def _shapes_for(d: int, cfg: SweepConfig) -> list[tuple[int, int]]:
+    return [s for s in cfg.shapes if d == 128 or s not in D128_ONLY]
+
+
+def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
+    """One row per (mode, causal, d, heads, N): each provider's ms and ours / best SDPA."""
+    allow_recompiles()
+    rows: list[dict[str, Any]] = []
+    groups = [(m, c, d) for m in cfg.modes for c in cfg.causal for d in cfg.head_dims]
+    total = sum(len(_shapes_for(d, cfg)) for _, _, d in groups) * len(cfg.providers)
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc="attention sweep", disable=cfg.quiet, leave=False)
+    for mode, causal, d in groups:
+        fns = {p: _attention(p, causal, mode == "compiled") for p in cfg.providers}
+        for heads, n in _shapes_for(d, cfg):
+            row: dict[str, Any] = {"mode": mode, "causal": causal, "d": d, "heads": heads, "N": n}
+            q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
+            for p in cfg.providers:
+                bar.set_postfix_str(f"{mode} causal={causal} d={d} {heads}x{n} {p}")
+                why = _runs_here(p, cfg.device)
+                if why is None:
+                    try:
+                        with _pinned(p) if mode == "eager" else contextlib.nullcontext():
+                            cell = _cell(fns[p], q, k, v, do, cfg)
+                    except torch.OutOfMemoryError:
+                        why = "OOM"
+                    except RuntimeError as e:  # e.g. no kernel of that SDPA backend here
+                        why = str(e).splitlines()[0][:80]
+                if why is None:
+                    row[f"{p}_ms"] = cell["ms"]
+                    if "graphed_ms" in cell:
+                        row[f"{p}_graphed_ms"] = cell["graphed_ms"]
+                else:
+                    row[f"{p}_ms"] = None
+                    row[f"{p}_note"] = why
+                if cfg.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                bar.update()
+            _ratios(row, cfg.providers)
+            rows.append(row)
+            del q, k, v, do
+    bar.close()
+    return rows
+
+
+def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
+    """ours / best SDPA (and per backend), where both ran."""
+    ours = row.get("ours_ms")
+    sdpa = [row.get(f"{p}_ms") for p in providers if p != "ours"]
+    sdpa = [t for t in sdpa if t is not None]
+    if ours is not None and sdpa:
+        best = min(sdpa)
+        row["best_sdpa_ms"] = best
+        row["ours_vs_best"] = ours / best
+        row["ours_wins"] = ours <= best
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One line: rows where ours is at or under the best SDPA, and the worst ratio."""
+    rated = [r for r in rows if "ours_vs_best" in r]
+    if not rated:
+        return "no row has both ours and an SDPA time"
+    wins = sum(r["ours_wins"] for r in rated)
+    worst = max(rated, key=lambda r: r["ours_vs_best"])
+    where = f"{worst['mode']} causal={worst['causal']} d={worst['d']} {worst['heads']}x{worst['N']}"
+    return (
+        f"ours <= best SDPA on {wins}/{len(rated)} rows; "
+        f"worst ratio {worst['ours_vs_best']:.3f} ({where})"
+    )
+
+
+def _plot(rows: Sequence[dict[str, Any]], path) -> None:
+    """ours / best SDPA per shape, one line per (mode, causal, d)."""
+    pts = [dict(r, tokens=r["heads"] * r["N"], shape=f"{r['heads']}x{r['N']}") for r in rows]
+    pts = [dict(p, x=i) for i, p in enumerate(pts)]
+    for p in pts:
+        p["x"] = SHAPES.index((p["heads"], p["N"])) if (p["heads"], p["N"]) in SHAPES else p["x"]
+    report.plot_lines(
+        pts,
+        x="x",
+        y="ours_vs_best",
+        group_by=("mode", "causal", "d"),
+        path=path,
+        title="flash_attention / best SDPA, fwd+bwd (below 1: ours faster); x = shape index",
+        ylabel="ours / best SDPA",
+    )
+
+
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        heads, n = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"shape: expected HEADSxN like 32x2048, got {text!r}"
+        ) from None
+    if heads < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"shape: heads and N must be positive, got {text!r}")
+    return heads, n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m perf_tools.attention_sweep",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--shapes", nargs="+", type=_shape, help="HEADSxN (default: the sweep)")
+    p.add_argument("--d", nargs="+", type=_cli.positive_int, default=[64, 128])
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(PROVIDERS))
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--device", type=_cli.device_arg, default=None)
+    p.add_argument("--rep-ms", type=_cli.positive_float, default=200.0)
+    p.add_argument("--warmup-ms", type=_cli.positive_float, default=50.0)
+    p.add_argument("--graphed", action="store_true", help="also the GPU-only (CUDA graph) time")
+    _cli.add_output_args(p)
+    return p
+
+
+def config_from_args(a: argparse.Namespace) -> SweepConfig:
+    device = a.device or torch.device(_cli.default_device())
+    shapes = tuple(a.shapes) if a.shapes else (SHAPES if device.type == "cuda" else CPU_SHAPES)
+    causal = {"both": (True, False), "yes": (True,), "no": (False,)}[a.causal]
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+    if device.type == "cpu":
+        dtype = torch.float32  # the CPU paths (interpreter, SDPA math) run float32
+    return SweepConfig(
+        shapes=shapes,
+        head_dims=tuple(a.d),
+        causal=causal,
+        modes=tuple(a.modes),
+        providers=tuple(a.providers),
+        dtype=dtype,
+        device=device,
+        rep_ms=a.rep_ms,
+        warmup_ms=a.warmup_ms,
+        graphed=a.graphed,
+        quiet=a.quiet,
+    )
+
+
+COLUMNS = (
+    "mode", "causal", "d", "heads", "N", "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms",
+    "ours_vs_best", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
+)  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    cfg = config_from_args(a)
+    rows = run_sweep(cfg)
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
+    report.print_table(rows, cols, title=f"attention fwd+bwd, ms (median), {dev}")
+    print(summary(rows))
+    report.save_rows(rows, csv_path=a.csv, json_path=a.json)
+    if a.plot is not None and rows:
+        _plot(rows, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
