@@ -92,3 +92,18 @@ def test_empty_rows_give_zero_output_and_finite_grads():
     assert torch.equal(out["dq"][:, :6], torch.zeros_like(out["dq"][:, :6]))
     for t in out.values():
         assert torch.isfinite(t).all()
+
+
+@pytest.mark.parametrize("lead", [(2,), (1, 2), ()])
+def test_empty_sequences_as_the_triton_backend(lead):
+    # Nq = 0: an empty output; Nk = 0: no key is visible, so zero output, lse -inf, zero grads
+    # (the Triton kernels' behaviour; a reshape(-1, 0, d) used to raise inside torch).
+    q, k, v, _ = _inputs(lead, 0, 5, 16)
+    assert FlashAttention2Torch.apply(q, k, v, True).shape == (*lead, 0, 16)
+    q, k, v, do = _inputs(lead, 4, 0, 16)
+    out = run_fwd_bwd(FlashAttention2Torch.apply, q, k, v, do, False)
+    for name in ("o", "dq", "dk", "dv"):
+        assert torch.equal(out[name], torch.zeros_like(out[name])), name
+    o, lse = flash_forward_torch(q, k, v, False, 0.25)
+    assert o.shape == q.shape
+    assert torch.isneginf(lse).all()

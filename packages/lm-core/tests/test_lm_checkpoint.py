@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,6 +101,7 @@ def test_prefixed_keys_from_other_code_are_stripped(tmp_path):
     save_checkpoint(tmp_path / "a.pt", model, None, step=0)
     payload = read_checkpoint(tmp_path / "a.pt")
     payload["model"] = {f"module._orig_mod.{k}": v for k, v in payload["model"].items()}
+    del payload["checksum"]  # other code writes none (nor did lm_core before it had one)
     torch.save(payload, tmp_path / "b.pt")
     fresh = TransformerLM(get_config("tiny"))
     load_checkpoint(tmp_path / "b.pt", fresh)
@@ -171,3 +176,123 @@ def test_optimizer_mismatch(tmp_path):
 def test_bad_step():
     with pytest.raises(ValueError, match="step"):
         save_checkpoint("unused.pt", nn.Linear(1, 1), None, step=-1)
+
+
+def _flip_bit_in_tensor_data(path) -> str:
+    """Flip one bit in the middle of the largest tensor record of a torch.save zip file."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        info = max((i for i in zf.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
+    start = info.header_offset + 30 + name_len + extra_len  # the record's (stored) bytes
+    raw[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    return info.filename
+
+
+def test_flipped_bit_in_tensor_data_is_refused_and_legacy_files_still_load(tmp_path):
+    model, opt = _trained(8, steps=1)
+    path = tmp_path / "ckpt.pt"
+    save_checkpoint(path, model, opt, step=1)
+    _flip_bit_in_tensor_data(path)
+    torch.load(path, weights_only=True)  # torch itself reads the damaged file without a word
+    fresh = TransformerLM(get_config("tiny"))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"ckpt\.pt is corrupt: .*checksum"):
+        load_checkpoint(path, fresh)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert read_checkpoint(path, verify=False)["step"] == 1  # salvage is still possible
+    assert set(read_checkpoint(path, verify=False)["checksum"]) == {"sha256"}
+    # a checkpoint written before checksums existed (no entry) loads as before, unverified
+    save_checkpoint(path, model, opt, step=1)
+    payload = read_checkpoint(path)
+    del payload["checksum"]
+    torch.save(payload, tmp_path / "legacy.pt")
+    assert load_checkpoint(tmp_path / "legacy.pt", fresh) == 1
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+
+
+def _snapshot(model, opt):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        copy.deepcopy(opt.state_dict()),
+    )
+
+
+def _assert_unchanged(model, opt, snap):
+    weights, opt_state = snap
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    now = opt.state_dict()
+    assert now["param_groups"] == opt_state["param_groups"]
+    assert now["state"].keys() == opt_state["state"].keys()
+    for i, entry in now["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, opt_state["state"][i][name]), (i, name)
+
+
+def test_failed_load_changes_neither_model_nor_optimizer(tmp_path):
+    model, opt = _trained(9, steps=1)
+    path = tmp_path / "c.pt"
+    save_checkpoint(path, model, opt, step=1)
+    target, target_opt = _trained(10, steps=1)  # a model with its own weights and state
+    snap = _snapshot(target, target_opt)
+    params = list(target.parameters())
+    two_groups = AdamW([{"params": params[:1]}, {"params": params[1:]}])
+    with pytest.raises(ValueError, match=r"parameter groups"):
+        load_checkpoint(path, target, two_groups)
+    _assert_unchanged(target, target_opt, snap)  # the model was loaded first, then refused
+    # same group sizes, state of the wrong shape (parameters in another order): refused too
+    payload = read_checkpoint(path)
+    state = payload["optimizer"]["state"]
+    state[0], state[1] = state[1], state[0]
+    del payload["checksum"]
+    torch.save(payload, tmp_path / "swapped.pt")
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 has shape"):
+        load_checkpoint(tmp_path / "swapped.pt", target, target_opt)
+    _assert_unchanged(target, target_opt, snap)
+    # a dtype the model does not have: named, nothing changed
+    payload = read_checkpoint(path)
+    payload["model"]["lm_head.weight"] = payload["model"]["lm_head.weight"].half()
+    del payload["checksum"]
+    torch.save(payload, tmp_path / "half.pt")
+    with pytest.raises(ValueError, match=r"lm_head\.weight has dtype torch\.float16"):
+        load_checkpoint(tmp_path / "half.pt", target, target_opt)
+    _assert_unchanged(target, target_opt, snap)
+    assert load_checkpoint(path, target, target_opt) == 1  # the good file still loads
+
+
+def test_stale_temp_files_of_dead_writers_are_removed_by_the_next_save(tmp_path):
+    model, _ = _trained(11, steps=0)
+    path = tmp_path / "ckpt.pt"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    orphan = tmp_path / f".ckpt.pt.{dead_pid}.0badc0de.tmp"
+    live = tmp_path / f".ckpt.pt.{os.getppid()}.0badc0de.tmp"  # a running writer's file
+    others = [tmp_path / ".ckpt.pt.notes.tmp", tmp_path / f".other.pt.{dead_pid}.0badc0de.tmp"]
+    for f in (orphan, live, *others):
+        f.write_bytes(b"x" * 1000)
+    save_checkpoint(path, model, None, step=0)
+    assert not orphan.exists()
+    assert live.exists()
+    assert all(f.exists() for f in others)
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt.pt", live.name, *(f.name for f in others)])
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+def test_file_mode_follows_the_umask(tmp_path):
+    model, _ = _trained(12, steps=0)
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        old = os.umask(umask)
+        try:
+            save_checkpoint(tmp_path / f"m{umask:o}.pt", model, None, step=0)
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE((tmp_path / f"m{umask:o}.pt").stat().st_mode) == mode, oct(umask)

@@ -68,6 +68,47 @@ def test_too_short_and_bad_inputs():
         get_batch(np.arange(100), 0, 2)
 
 
+@pytest.mark.parametrize(
+    ("batch_size", "context_length", "error", "match"),
+    [
+        (2.5, 4, TypeError, r"batch_size: expected a positive int, got 2\.5 \(float\)"),
+        (2.0, 4, TypeError, r"batch_size: expected a positive int, got 2\.0"),
+        ("2", 4, TypeError, "batch_size: expected a positive int"),
+        (True, 4, TypeError, "batch_size: expected a positive int"),
+        (2, 4.0, TypeError, "context_length: expected a positive int"),
+        (-1, 4, ValueError, "batch_size: expected a positive int, got -1"),
+    ],
+)
+def test_non_integer_sizes_are_refused_by_name(batch_size, context_length, error, match):
+    with pytest.raises(error, match=match):
+        get_batch(np.arange(100), batch_size, context_length)
+    x, _ = get_batch(np.arange(100), np.int64(2), np.int32(4))  # NumPy integers are ints
+    assert x.shape == (2, 4)
+
+
+def test_empty_and_non_token_files_are_refused_by_name(tmp_path):
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "garbage.npy").write_bytes(b"not a numpy file at all")
+    np.save(tmp_path / "objects.npy", np.array(["a", 1], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "floats.npy", np.zeros(8, dtype=np.float32))
+    np.save(tmp_path / "none.npy", np.zeros(0, dtype=np.uint16))
+    np.zeros(8, dtype=np.float32).tofile(tmp_path / "floats.bin")
+    cases = [
+        ("empty.bin", {}, ValueError, r"empty\.bin is empty"),
+        ("empty.npy", {}, ValueError, r"empty\.npy is empty"),
+        ("garbage.npy", {}, ValueError, r"garbage\.npy: not a \.npy array"),
+        ("objects.npy", {}, ValueError, r"objects\.npy: not a \.npy array"),
+        ("floats.npy", {}, TypeError, r"floats\.npy: expected integer token ids, got float32"),
+        ("none.npy", {}, ValueError, r"none\.npy: expected a non-empty 1-D array"),
+        ("floats.bin", {"dtype": "float32"}, TypeError, "dtype: expected a NumPy integer"),
+        ("floats.bin", {"dtype": "nonsense"}, TypeError, "dtype: expected a NumPy integer"),
+    ]
+    for name, kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            load_tokens(tmp_path / name, **kwargs)
+
+
 def test_load_tokens_npy_and_errors(tmp_path):
     np.save(tmp_path / "t.npy", np.arange(50, dtype=np.int32))
     tokens = load_tokens(tmp_path / "t.npy")

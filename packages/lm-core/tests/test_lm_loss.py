@@ -54,3 +54,16 @@ def test_validation():
         cross_entropy(torch.zeros(2, 5), torch.zeros(2))
     with pytest.raises(TypeError, match="floating"):
         cross_entropy(torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+
+
+def test_out_of_range_targets_are_refused_on_cpu():
+    logits = torch.randn(2, 3, 5)
+    for bad in (5, -1):
+        targets = torch.zeros(2, 3, dtype=torch.long)
+        targets[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"targets: values must lie in \[0, V=5\).*{bad}"):
+            cross_entropy(logits, targets)
+    # the check is skipped while dynamo traces (no graph break, no host sync in a graph)
+    compiled = torch.compile(cross_entropy, fullgraph=True, backend="eager")
+    good = torch.randint(0, 5, (2, 3))
+    torch.testing.assert_close(compiled(logits, good), cross_entropy(logits, good))

@@ -158,6 +158,23 @@ def test_input_validation(tiny):
         TransformerLM({"d_model": 3})
 
 
+@pytest.mark.parametrize(
+    ("ids", "error", "match"),
+    [
+        (torch.zeros(2, 0, dtype=torch.long), ValueError, r"at least one token.*\(2, 0\)"),
+        (torch.zeros(0, 3, dtype=torch.long), ValueError, r"at least one sequence.*\(0, 3\)"),
+        (torch.zeros(1, 3, dtype=torch.uint8), TypeError, "token_ids: .*int64 or int32.*uint8"),
+        (torch.zeros(1, 3, dtype=torch.bool), TypeError, "token_ids: .*int64 or int32.*bool"),
+        (torch.zeros(1, 3, dtype=torch.int16), TypeError, "token_ids: .*int64 or int32.*int16"),
+    ],
+)
+def test_empty_and_non_index_token_ids_are_refused_by_name(tiny, ids, error, match):
+    # These used to fail inside torch (a reshape of 0 elements, the embedding's index check).
+    model = TransformerLM(tiny)
+    with pytest.raises(error, match=match):
+        model(ids)
+
+
 def test_int32_ids_and_full_context(tiny):
     model = TransformerLM(tiny)
     ids = torch.randint(0, 256, (1, tiny.context_length), dtype=torch.int32)

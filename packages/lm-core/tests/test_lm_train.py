@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lm_core import synthetic_tokens
+from lm_core import read_checkpoint, synthetic_tokens
 from lm_core.train import main, parse_args
 
 FAST = ["--size", "tiny", "--context-length", "32", "--batch-size", "8", "--no-progress"]
@@ -49,6 +49,54 @@ def test_resume_reproduces_uninterrupted_run_bitwise(tmp_path):
     assert [h["loss"] for h in first.history + resumed.history] == full_losses
     for key, value in _weights(full).items():
         assert torch.equal(value, resumed.model.state_dict()[key]), key
+
+
+def _logged_steps(path):
+    return [json.loads(x)["step"] for x in path.read_text().splitlines() if "loss" in x]
+
+
+def test_an_existing_run_is_never_overwritten_unless_asked(tmp_path, capsys):
+    run = [*FAST, "--log-every", "1", "--out-dir", str(tmp_path)]
+    main([*run, "--steps", "6"])
+    ckpt, metrics = tmp_path / "checkpoint.pt", tmp_path / "metrics.jsonl"
+    before = ckpt.read_bytes(), metrics.read_bytes()
+    with pytest.raises(SystemExit) as exc:
+        main([*run, "--steps", "3"])  # a fresh run over it: would replace step 6 by step 3
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out-dir {tmp_path} already holds a training run" in err
+    assert f"--resume {ckpt}" in err
+    assert "--overwrite" in err
+    assert (ckpt.read_bytes(), metrics.read_bytes()) == before  # nothing touched
+    # another run's checkpoint in --out-dir is not replaced by a resumed run either
+    main([*FAST, "--steps", "2", "--out-dir", str(tmp_path / "other")])
+    with pytest.raises(SystemExit):
+        main([*run, "--steps", "8", "--resume", str(tmp_path / "other" / "checkpoint.pt")])
+    assert "another run's checkpoint.pt" in capsys.readouterr().err
+    assert (ckpt.read_bytes(), metrics.read_bytes()) == before
+    # --overwrite starts over: a new log, the checkpoint replaced by the new run's
+    main([*run, "--steps", "3", "--overwrite"])
+    assert _logged_steps(metrics) == [1, 2, 3]
+    assert read_checkpoint(ckpt)["step"] == 3
+
+
+def test_resume_continues_the_metrics_log_without_repeating_steps(tmp_path):
+    run = [*FAST, "--log-every", "1", "--cosine-steps", "6", "--out-dir", str(tmp_path)]
+    first = main([*run, "--steps", "4"])
+    metrics = tmp_path / "metrics.jsonl"
+    # killed after logging steps 5 and 6 (the last line half-written) but before saving them
+    with metrics.open("a") as f:
+        f.write(
+            json.dumps({"step": 5, "loss": 9.0})
+            + "\n"
+            + json.dumps({"step": 6, "loss": 9.0})
+            + "\n"
+        )
+        f.write('{"step": 7, "lo')
+    resumed = main([*run, "--steps", "6", "--resume", str(tmp_path / "checkpoint.pt")])
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5, 6]  # each step once: the redone ones
+    assert [x["loss"] for x in lines] == [h["loss"] for h in first.history + resumed.history]
 
 
 def test_grad_accumulation_matches_one_big_batch():

@@ -85,6 +85,29 @@ def test_flash_triton_skipped_without_gpu_or_interpreter(tmp_path, monkeypatch):
         attention_providers.make_provider("flash-triton", torch.device("cpu"), torch.float32, True)
 
 
+def test_flash_triton_asked_for_where_it_cannot_run_is_marked_not_replaced(
+    tmp_path, monkeypatch, capsys
+):
+    # It used to be swapped for `naive` silently: the table said nothing of flash-triton.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "f.json"
+    argv = ["flash", "--device", "cpu", "--seq", "16", "--d", "16", "--json", str(out), "--quiet"]
+    assert attention.main([*argv, "--providers", "flash-triton", "flash-torch"]) == 0
+    assert "flash-triton cannot run here" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["provider"], r["status"][:11]) for r in rows] == [
+        ("flash-triton", "unsupported"),
+        ("flash-torch", "ok"),
+    ]
+    assert rows[0]["fwd_bwd_ms"] is None
+    # nothing that was asked for can run: a non-zero exit, no row of another provider
+    assert attention.main([*argv, "--providers", "flash-triton"]) == 1
+    assert "no provider of flash can run on cpu" in capsys.readouterr().err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["provider"] == "flash-triton"
+    assert row["status"].startswith("unsupported")
+
+
 def test_oom_cells_are_recorded_and_larger_ones_skipped(tmp_path, monkeypatch):
     real = attention_providers.make_provider
 

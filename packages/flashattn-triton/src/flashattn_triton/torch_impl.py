@@ -12,6 +12,8 @@ half-precision inputs (float64 inputs stay float64).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._checks import check_qkv, resolve_scale
@@ -42,13 +44,16 @@ def flash_forward_torch(
     q_tile: int = Q_TILE,
     k_tile: int = K_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiled forward. q (..., Nq, d), k, v (..., Nk, d) -> o (..., Nq, d), lse (..., Nq)."""
+    """Tiled forward. q (..., Nq, d), k, v (..., Nk, d) -> o (..., Nq, d), lse (..., Nq).
+
+    Empty sequences are allowed: Nq = 0 gives empty outputs, Nk = 0 zero outputs and
+    lse = -inf (no key is visible), as the Triton kernels do."""
     lead, (n_q, d), n_k = q.shape[:-2], q.shape[-2:], k.shape[-2]
     cdt = _compute_dtype(q.dtype)
-    qf = q.reshape(-1, n_q, d).to(cdt)  # (Z, Nq, d)
-    kf = k.reshape(-1, n_k, d).to(cdt)  # (Z, Nk, d)
-    vf = v.reshape(-1, n_k, d).to(cdt)  # (Z, Nk, d)
-    z = qf.shape[0]
+    z = math.prod(lead)  # explicit: reshape(-1, 0, d) of an empty tensor is ambiguous
+    qf = q.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
+    kf = k.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
+    vf = v.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
     o = torch.zeros((z, n_q, d), dtype=cdt, device=q.device)
     lse = torch.full((z, n_q), float("-inf"), dtype=cdt, device=q.device)
     offset = n_k - n_q if causal else 0
@@ -94,12 +99,13 @@ def flash_backward_torch(
     """Tiled backward by recomputation. Shapes as in the forward; returns dq, dk, dv."""
     n_q, d, n_k = q.shape[-2], q.shape[-1], k.shape[-2]
     cdt = _compute_dtype(q.dtype)
-    qf = q.reshape(-1, n_q, d).to(cdt)  # (Z, Nq, d)
-    kf = k.reshape(-1, n_k, d).to(cdt)  # (Z, Nk, d)
-    vf = v.reshape(-1, n_k, d).to(cdt)  # (Z, Nk, d)
-    of = o.reshape(-1, n_q, d).to(cdt)  # (Z, Nq, d)
-    dof = do.reshape(-1, n_q, d).to(cdt)  # (Z, Nq, d)
-    lf = lse.reshape(-1, n_q).to(cdt)  # (Z, Nq)
+    z = math.prod(q.shape[:-2])
+    qf = q.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
+    kf = k.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
+    vf = v.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
+    of = o.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
+    dof = do.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
+    lf = lse.reshape(z, n_q).to(cdt)  # (Z, Nq)
     # Empty rows have L = -inf: use +inf so that exp(S - L) = 0 there.
     lf = torch.where(torch.isneginf(lf), torch.full_like(lf, float("inf")), lf)
     delta = (dof * of).sum(dim=-1)  # (Z, Nq) = rowsum(dO * O) = rowsum(P * dP)

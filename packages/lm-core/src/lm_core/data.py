@@ -9,6 +9,7 @@ rank and read only its own rows.
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 
@@ -32,6 +33,15 @@ def _num_tokens(tokens: np.ndarray | torch.Tensor) -> int:
     return int(tokens.shape[0])
 
 
+def _positive_int(value: object, name: str) -> int:
+    """`value` as an int if it is a positive integer (Python or NumPy), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {value!r} ({type(value).__name__})")
+    if value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+    return int(value)
+
+
 def sample_starts(
     num_tokens: int, batch_size: int, context_length: int, generator: Generator | None = None
 ) -> np.ndarray:
@@ -39,10 +49,8 @@ def sample_starts(
 
     Uses `generator` (torch.Generator or np.random.Generator) or, if None, torch's global RNG.
     """
-    if batch_size <= 0:
-        raise ValueError(f"batch_size: expected a positive int, got {batch_size}")
-    if context_length <= 0:
-        raise ValueError(f"context_length: expected a positive int, got {context_length}")
+    batch_size = _positive_int(batch_size, "batch_size")
+    context_length = _positive_int(context_length, "context_length")
     high = num_tokens - context_length  # exclusive bound: the target window needs one more token
     if high <= 0:
         raise ValueError(
@@ -102,20 +110,34 @@ def load_tokens(path: str | os.PathLike[str], dtype: np.dtype | str = np.uint16)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file not found: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"token file {path} is empty: expected a 1-D array of token ids")
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise ValueError(
+                f"token file {path}: not a .npy array of integer token ids that can be "
+                f"memory-mapped ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+            ) from exc
     else:
-        dtype = np.dtype(dtype)
+        try:
+            dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"dtype: expected a NumPy integer dtype, got {dtype!r}") from exc
+        if not np.issubdtype(dtype, np.integer):
+            raise TypeError(f"dtype: expected a NumPy integer dtype (e.g. uint16), got {dtype}")
         if path.stat().st_size % dtype.itemsize != 0:
             raise ValueError(
                 f"token file {path}: size {path.stat().st_size} bytes is not a multiple of "
                 f"{dtype} ({dtype.itemsize} bytes); wrong dtype?"
             )
         tokens = np.memmap(path, dtype=dtype, mode="r")
+    if not isinstance(tokens, np.ndarray) or not np.issubdtype(tokens.dtype, np.integer):
+        got = tokens.dtype if isinstance(tokens, np.ndarray) else type(tokens).__name__
+        raise TypeError(f"token file {path}: expected integer token ids, got {got}")
     if tokens.ndim != 1 or tokens.shape[0] == 0:
         raise ValueError(f"token file {path}: expected a non-empty 1-D array, got {tokens.shape}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise TypeError(f"token file {path}: expected integer tokens, got {tokens.dtype}")
     return tokens
 
 

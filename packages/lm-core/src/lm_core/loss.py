@@ -12,6 +12,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     Returns a 0-dim fp32 tensor. Computed in fp32 as logsumexp(logits) - logits[target];
     logsumexp subtracts the row max before exponentiating, so logits of any size (1e4 and
     beyond) give finite results. Equal to `F.cross_entropy(logits.view(-1, V), targets.view(-1))`.
+
+    Target values are range-checked (ValueError) for CPU tensors outside `torch.compile`; on
+    a GPU that check would stall the host every step, so an out-of-range target there fails
+    in the device-side index assert of the gather instead.
     """
     if logits.dim() < 1 or not logits.dtype.is_floating_point:
         raise TypeError(
@@ -25,6 +29,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             f"targets: expected shape {tuple(logits.shape[:-1])} (logits without the vocab dim), "
             f"got {tuple(targets.shape)}"
         )
+    if targets.device.type == "cpu" and targets.numel() > 0 and not torch.compiler.is_compiling():
+        lo, hi, v = int(targets.min()), int(targets.max()), logits.shape[-1]
+        if lo < 0 or hi >= v:
+            raise ValueError(
+                f"targets: values must lie in [0, V={v}) (V = logits.shape[-1]), "
+                f"got min {lo}, max {hi}"
+            )
     logits = logits.float()
     log_norm = torch.logsumexp(logits, dim=-1)  # (...)
     target_logit = logits.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)  # (...)

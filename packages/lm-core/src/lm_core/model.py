@@ -223,7 +223,7 @@ class TransformerLM(nn.Module):
         _trunc_normal_(self.lm_head.weight, _linear_std(d, v))
 
     def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for token ids (B, T) of an integer dtype, T <= context_length.
+        """Logits (B, T, V) for token ids (B, T) int64 or int32, 1 <= T <= context_length.
 
         With `targets` (B, T) (next-token ids in [0, V)): the mean cross-entropy instead, a
         0-dim fp32 tensor, computed by `fused_linear_cross_entropy` from the final hidden
@@ -252,11 +252,19 @@ class TransformerLM(nn.Module):
         # Shape and dtype checks read metadata only. The value-range check reads the data, which
         # on a GPU would stall the host until the device catches up, so it runs only for CPU
         # tensors in eager mode; on CUDA an out-of-range id still fails (embedding's assert).
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex:
-            raise TypeError(f"token_ids: expected an integer dtype, got {token_ids.dtype}")
+        if token_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"token_ids: expected an integer dtype, int64 or int32 (the embedding's index "
+                f"types), got {token_ids.dtype}; convert with .long()"
+            )
         if token_ids.dim() != 2:
             raise ValueError(
                 f"token_ids: expected shape (batch, seq), got {tuple(token_ids.shape)}"
+            )
+        if token_ids.shape[0] == 0 or token_ids.shape[1] == 0:
+            raise ValueError(
+                f"token_ids: expected at least one sequence of at least one token, got shape "
+                f"{tuple(token_ids.shape)}"
             )
         seq = token_ids.shape[1]
         if seq > self.config.context_length:

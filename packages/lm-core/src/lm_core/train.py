@@ -24,6 +24,7 @@ from pathlib import Path
 from lm_core.activation_ckpt import parse_every
 from lm_core.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, MODEL_SIZES, get_config
 from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES, FSDP_OURS_NO_COMPILE
+from lm_core.run_dir import CHECKPOINT_NAME, existing_run_files, same_file
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics", type=Path, help="metrics JSONL [out-dir/metrics.jsonl]")
     g.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: end)")
     g.add_argument("--resume", type=Path, help="checkpoint to resume from")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in an --out-dir that holds a run: its checkpoint is replaced at the "
+        "first save, its metrics log restarts (without it the trainer refuses)",
+    )
     g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: off)")
     g.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
@@ -210,7 +217,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.context_length = args.model_config.context_length
     if args.metrics is None and args.out_dir is not None:
         args.metrics = args.out_dir / "metrics.jsonl"
+    message = _existing_run_message(args)
+    if message:
+        parser.error(message)
     return args
+
+
+def _existing_run_message(args: argparse.Namespace) -> str | None:
+    """Why this run would destroy an earlier run's files, or None when it would not."""
+    if args.overwrite:
+        return None
+    ckpt = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
+    existing = existing_run_files(ckpt, args.metrics)
+    where = f"--out-dir {args.out_dir}" if args.out_dir is not None else "--metrics"
+    if args.resume is not None:  # the log is continued; the checkpoint must be this run's
+        if ckpt in existing and not same_file(ckpt, args.resume):
+            return (
+                f"{where} holds another run's {CHECKPOINT_NAME}, not the --resume checkpoint "
+                f"{args.resume}; the first save would replace it: choose another --out-dir, "
+                "or pass --overwrite to replace that run's files"
+            )
+        return None
+    if not existing:
+        return None
+    names = ", ".join(str(p) for p in existing)
+    resume = ckpt if ckpt in existing else "CHECKPOINT"
+    return (
+        f"{where} already holds a training run ({names}); refusing to start a new run over "
+        f"it. Pass --resume {resume} to continue that run, or --overwrite to start over "
+        "(its checkpoint is replaced at the first save and its metrics log restarts)"
+    )
 
 
 def main(argv: Sequence[str] | None = None):  # returns lm_core.trainer.TrainResult

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -25,6 +26,7 @@ from torch import nn
 
 from lm_core.activation_ckpt import apply_activation_checkpointing, block_activation_ratio
 from lm_core.checkpoint import (
+    check_optimizer_state,
     checked_model_state,
     read_checkpoint,
     restore_rng_state,
@@ -43,8 +45,7 @@ from lm_core.distributed import (
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
-
-CHECKPOINT_NAME = "checkpoint.pt"
+from lm_core.run_dir import CHECKPOINT_NAME, continue_metrics
 
 
 @dataclass
@@ -194,6 +195,9 @@ class _Log:
     """Progress bar (tqdm if installed) and metrics JSONL, on rank 0 only."""
 
     def __init__(self, args: argparse.Namespace, env: DistEnv, start: int) -> None:
+        """The metrics log starts anew only with --overwrite; a resumed run continues it
+        (lines of steps after `start` dropped: they are logged again), any other run appends
+        (`lm_core.train.parse_args` refused to start over an existing log)."""
         self.enabled = env.is_main
         self.bar = None
         self.file = None
@@ -208,7 +212,10 @@ class _Log:
                 pass
         if args.metrics is not None:
             args.metrics.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(args.metrics, "a" if args.resume else "w")  # noqa: SIM115
+            overwrite = getattr(args, "overwrite", False)
+            if args.resume is not None and not overwrite:
+                continue_metrics(args.metrics, start)
+            self.file = open(args.metrics, "w" if overwrite else "a")  # noqa: SIM115
 
     def record(self, entry: dict[str, Any]) -> None:
         if not self.enabled:
@@ -263,22 +270,42 @@ def _save(
         torch.distributed.barrier()
 
 
+def _group_shapes(
+    optimizer: torch.optim.Optimizer, param_shapes: list[tuple[int, ...]]
+) -> list[list[tuple[int, ...]]]:
+    """The full shapes of `param_shapes` (the model's parameters, in order) split as the
+    optimizer's groups are: the trainer builds every optimizer over the parameters in order."""
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if sum(sizes) != len(param_shapes):
+        raise RuntimeError(
+            f"the optimizer holds {sum(sizes)} parameters, the model {len(param_shapes)}"
+        )
+    bounds = itertools.accumulate(sizes, initial=0)
+    return [param_shapes[a:b] for a, b in itertools.pairwise(bounds)]
+
+
 def _resume(
     path: Path,
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer,
     data: Data,
     args: argparse.Namespace,
+    param_shapes: list[tuple[int, ...]],
 ) -> int:
     """Restore model, optimizer, RNG and data-generator state from a checkpoint of any world
-    size and wrapper (full states: see `_save`); returns its step. Every rank reads the file."""
+    size and wrapper (full states: see `_save`); returns its step. Every rank reads the file.
+    Model and optimizer state are checked against the model (full shapes `param_shapes`, in
+    parameter order) before either is loaded."""
     payload = read_checkpoint(path)
     state = checked_model_state(payload, path, args.model_config, pm.full_shapes())
-    start = int(payload["step"])
+    start = payload["step"]
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
     if start > args.steps:
         raise ValueError(f"--resume: checkpoint is at step {start}, beyond --steps {args.steps}")
     if payload["optimizer"] is None:
         raise ValueError(f"checkpoint {path} holds no optimizer state")
+    check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
     pm.load_full_state_dict(state)
     try:
         pm.load_full_optimizer_state_dict(optimizer, payload["optimizer"])
@@ -323,6 +350,7 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     data = load_data(args)
     with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
         model = TransformerLM(args.model_config)
+    param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
     # activation checkpointing, then compile, then data-parallel / FSDP wrappers (wrap_model)
     ratio = block_activation_ratio(args.model_config, autocast=args.bf16)
     apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
@@ -346,7 +374,7 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     )
     start = 0
     if args.resume is not None:
-        start = _resume(args.resume, pm, optimizer, data, args)
+        start = _resume(args.resume, pm, optimizer, data, args, param_shapes)
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
     log = _Log(args, env, start)
     tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length

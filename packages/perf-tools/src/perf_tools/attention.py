@@ -171,7 +171,15 @@ def _defaults(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
         if given:
             base[key] = given
     if not gpu and not triton_runs_here(args.device):
-        base["providers"] = [p for p in base["providers"] if p != "flash-triton"] or ["naive"]
+        if "flash-triton" in (_cli.flatten(getattr(args, "providers", None)) or ()):
+            # asked for by name: its rows are marked unsupported, never measured as another
+            print(
+                "warning: flash-triton cannot run here (needs a CUDA device, or "
+                "TRITON_INTERPRET=1 on CPU): its rows are marked unsupported",
+                file=sys.stderr,
+            )
+        else:
+            base["providers"] = [p for p in base["providers"] if p != "flash-triton"]
     return base
 
 
@@ -606,6 +614,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _emit(args, cmd, rows, FLASH_COLUMNS, title, several,
                   _plot_flash if cmd == "flash" else None)  # fmt: skip
         failed |= any(str(r.get("status", "")).startswith("error") for r in rows)
+        if rows and all(str(r.get("status", "")).startswith("unsupported") for r in rows):
+            print(f"error: no provider of {cmd} can run on {args.device}", file=sys.stderr)
+            failed = True
     return 1 if failed else 0
 
 
