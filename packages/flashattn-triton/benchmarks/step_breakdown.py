@@ -175,10 +175,16 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
 
         return wrapped
 
+    from flashattn_triton.options import get_options, set_options
+
+    saved_options = get_options()
     if instrument:
         launch.forward = wrap("forward", saved[0])  # kernel regions: fwd, dkdv, dq, ...
         launch.backward = wrap("backward", saved[1])
         launch._run = wrap("run", saved[2])
+        # kernel regions are marked where launch._run dispatches each kernel; replayed
+        # launch plans would skip it
+        set_options(fast_launch=False)
     try:
         flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
         for _ in range(5):
@@ -194,6 +200,7 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
         return region_medians(mark.times())
     finally:
         launch.forward, launch.backward, launch._run = saved
+        set_options(saved_options)
 
 
 def power_view(steps_by_name: dict, seconds: float, out_dir: Path | None) -> dict:

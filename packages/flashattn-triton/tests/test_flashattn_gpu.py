@@ -390,3 +390,26 @@ def test_fast_launch_replays_exactly(shape, n_k, causal, dtype, layout, set_opti
     got = _fwd_bwd_outputs(*first, causal)  # replayed on the first inputs
     for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, w), f"{name} differs between replay and dispatch"
+
+
+def test_runs_from_a_fresh_thread():
+    """A thread that never made a CUDA call (no current context) can run the TMA kernels:
+    their descriptors are filled through the driver API, which needs one."""
+    import threading
+
+    q, k, v, do = _inputs((2, 4, 512, 64), 512, torch.bfloat16, seed=3)
+    want = _fwd_bwd_outputs(q, k, v, do, True)
+    got, errors = [], []
+
+    def work():
+        try:
+            got.append(_fwd_bwd_outputs(q, k, v, do, True))
+        except Exception as e:  # reported below, on the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors
+    for a, w in zip(got[0], want):
+        assert torch.equal(a, w)

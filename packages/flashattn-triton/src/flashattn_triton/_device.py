@@ -7,6 +7,7 @@ Shared by ``launch`` and the Gluon launchers (which therefore do not import each
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -96,3 +97,17 @@ def tma_usable(t: torch.Tensor) -> bool:
         and t.data_ptr() % 16 == 0
         and all(s * elem % 16 == 0 for s in t.stride()[:-1])
     )
+
+
+_thread = threading.local()
+
+
+def ensure_context() -> None:
+    """Make the current GPU's context current on this thread, once per thread. Triton's TMA
+    descriptors are filled through the driver API, which (unlike the runtime API torch uses)
+    does not bind a context by itself: on a fresh thread that never made a CUDA runtime call
+    their launch failed with "invalid device context". Any runtime call binds it; a stream
+    query is one that neither blocks nor allocates."""
+    if not getattr(_thread, "context", False):
+        torch.cuda.current_stream().query()
+        _thread.context = True

@@ -186,16 +186,17 @@ class PlanCache:
             try:
                 plan.run(addresses, stream)
                 return
-            except Exception as e:  # a launcher that does not take our arguments
-                self._plans[key] = _NO_REPLAY
-                warnings.warn(
-                    f"flashattn_triton: launching the compiled kernels directly failed "
-                    f"({type(e).__name__}: {e}); using Triton's dispatch for this layout",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                slow()
-                return
+            except Exception as e:  # e.g. a launcher that does not take our arguments
+                error = e
+            slow()  # if the dispatch path fails too, the fault is not the replay's: raise
+            self._plans[key] = _NO_REPLAY
+            warnings.warn(
+                f"flashattn_triton: launching the compiled kernels directly failed "
+                f"({type(error).__name__}: {error}); using Triton's dispatch for this layout",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
         if plan is _NO_REPLAY:
             slow()
             return

@@ -123,6 +123,8 @@ def _launch_planned(
     launches recorded for ``key`` with these buffers (``fastlaunch.PlanCache``). Buffers
     that alias each other or outputs off 16-byte alignment take the dispatch path (a
     replay maps arguments to buffers by address)."""
+    if inputs[0].is_cuda:
+        _D.ensure_context()
     if key is not None:
         addresses = [t.data_ptr() for t in inputs + outputs]
         aligned = not any(a & 15 for a in addresses[len(inputs) :])
