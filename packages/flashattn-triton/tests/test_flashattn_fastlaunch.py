@@ -143,3 +143,41 @@ def test_recorder_is_per_thread_and_nests():
     assert len(outer.records) == 1
     fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)  # no recorder: nothing noted
     assert len(outer.records) == 1
+
+
+def test_direct_launch_expands_each_descriptor_once_per_address():
+    calls, expansions = [], []
+
+    def raw(*args):
+        calls.append(args)
+
+    def expand(desc, meta):
+        expansions.append(int(desc.base))
+        return [f"map@{int(desc.base)}", *desc.shape, *desc.strides]
+
+    template = TensorDescriptor(torch.zeros(4), [4], [1], [4])
+    direct = fastlaunch._Direct(
+        launch=raw,
+        head=("coop", "pdl"),
+        args=[0, "map", 4, 1, 7],
+        pointers=[(0, 0)],
+        descriptors=[(1, 4, 1, template, None, {})],
+        expand=expand,
+    )
+    direct.run("fn", (2, 1, 1), 5, [100, 200])
+    direct.run("fn", (2, 1, 1), 5, [101, 200])  # same descriptor base: no new expansion
+    direct.run("fn", (2, 1, 1), 5, [101, 300])
+    assert expansions == [200, 300]
+    assert calls[0] == (2, 1, 1, 5, "fn", "coop", "pdl", 100, "map@200", 4, 1, 7)
+    assert calls[1][7] == 101
+    assert calls[2][8] == "map@300"
+    assert direct.args == [0, "map", 4, 1, 7]  # the template itself is never changed
+
+
+def test_unknown_launchers_are_not_launched_directly():
+    kern = FakeKernel()
+    x, y, addresses = _buffers()
+    with fastlaunch.Recorder() as rec:
+        fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)
+    replay = fastlaunch.Replay.build(rec.records, addresses)
+    assert replay.steps[0].direct is None  # not Triton 3.6's CudaLauncher: compiled.run

@@ -102,7 +102,7 @@ def _layout_key(inputs: tuple[torch.Tensor, ...], *flags) -> tuple | None:
         return None
     q = inputs[0]
     index = q.get_device()
-    if index < 0 or index != torch.cuda.current_device():
+    if index < 0 or index != torch._C._cuda_getDevice():
         return None
     align = 0
     for i, t in enumerate(inputs):
@@ -459,19 +459,21 @@ def _stats_buffers(
     TMA copy; else two contiguous buffers (stride rows)."""
     lse = lse.contiguous()
     rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
-    if rows != n_q:
-        padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
-        padded[..., :n_q] = lse
-        lse = padded
+    if rows == n_q:  # the common case, kept to one allocation
+        if packed:
+            lse2, delta = lse.new_empty((*lse.shape[:-1], 2, rows)).unbind(-2)
+            return lse, lse2, delta, 2 * rows
+        lse2, delta = lse.new_empty((2, *lse.shape)).unbind(0)
+        return lse, lse2, delta, rows
+    padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
+    padded[..., :n_q] = lse
+    lse = padded
     if not packed:
-        if rows == n_q:
-            return lse, torch.empty_like(lse), torch.empty_like(lse), rows
         return lse, torch.full_like(lse, float("inf")), lse.new_zeros(lse.shape), rows
     both = lse.new_empty((*lse.shape[:-1], 2, rows))
-    lse2, delta = both[..., 0, :], both[..., 1, :]
-    if rows != n_q:
-        lse2[..., n_q:] = float("inf")
-        delta[..., n_q:] = 0.0
+    lse2, delta = both.unbind(-2)
+    lse2[..., n_q:] = float("inf")
+    delta[..., n_q:] = 0.0
     return lse, lse2, delta, 2 * rows
 
 
