@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 _local = threading.local()
+# Launch through the compiled kernel's C launcher where possible (``_Direct``); False keeps
+# each replayed launch on ``compiled.run`` (for A/B measurements).
+DIRECT = True
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +248,7 @@ class Replay:
     def run(self, addresses: Sequence[int], stream: int) -> None:
         """Launch every recorded kernel with the buffers at ``addresses`` on ``stream``."""
         runtime = self._runtime
-        direct = not _hooks_active(runtime)
+        direct = DIRECT and not _hooks_active(runtime)
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         for step in self.steps:
             if direct and step.direct is not None:
