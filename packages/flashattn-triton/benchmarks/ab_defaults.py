@@ -4,9 +4,9 @@ Each shape runs both sides interleaved for several rounds (CUDA-graph replay, so
 is not in it; medians). What is compared:
 
 - ``fwd-tile``: the d = 128 forward table entry against an older tile (default 64,64,4,3,
-  the table before NOTES.md run 22), swapped in ``configs.DEFAULTS`` in place;
+  the entry before the 128-row TMA tile), swapped in ``configs.DEFAULTS`` in place;
 - ``gluon-dkdv`` / ``gluon-dq``: the whole backward with that Gluon kernel against the
-  Triton kernel (the kernel's ``DEFAULTS`` emptied), runs 23-24;
+  Triton kernel (the kernel's ``DEFAULTS`` emptied);
 - ``tile``: any kind's config ``--new`` against ``--old`` (``configs.OVERRIDES``), at head dim
   ``--d``; the forward for ``--kind fwd``, else the whole backward;
 - ``head-group``: the launch order by head groups, ``Options.head_group`` ``--new``
@@ -22,7 +22,7 @@ Shapes are ``B,H,N[,nc][,view]``: ``nc`` non-causal, ``view`` q, k, v seen from 
     python benchmarks/ab_defaults.py fwd-tile 8,16,512 16,1,16384 --old 64,64,4,3
     python benchmarks/ab_defaults.py tile 16,1,16384 --d 64 --kind dkdv \
         --new 32,64,4,3,tma,reg,r128 --old 32,64,4,3,tma
-    git archive c3b3fc8 packages/flashattn-triton/src | tar -x -C /tmp/old --strip-components=3
+    git archive <commit> packages/flashattn-triton/src | tar -x -C /tmp/old --strip-components=3
     python benchmarks/ab_defaults.py source 16,1,16384 8,16,1024 --d 64 --old /tmp/old
 """
 

@@ -2,23 +2,23 @@
 compile, check, timing (``--kernel dkdv``, the default, or ``dq``).
 
 Why: Triton 3.6's ``tl.dot`` waits for every product before the next instruction that reads
-it (NOTES.md, "What Triton 3.6 emits"); the Gluon kernel issues its products asynchronously
+it (the package's DESIGN.md); the Gluon kernel issues its products asynchronously
 and waits only for the one it needs next. Its pipeline, layout requirements and switches are
 described in the module ``flashattn_triton.gluon_dkdv``; this script times and checks
 variants of it (``ws``: a warp-specialized loader warp).
 
-Results (NOTES.md, runs 16-17): at d = 64 it only ties our Triton dK/dV kernel, and leaving
-out the exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is bound by its
+Results on an H100: at d = 64 it only ties our Triton dK/dV kernel, and leaving out the
+exponentials and dS entirely (``--ablate``) saves ~10%: that kernel is bound by its
 products, not by their overlap with the exponentials. At d = 128, causal, it is 1.15-1.21x
 faster than the Triton kernel, so the package uses it there (``gluon_dkdv.DEFAULTS``). The dQ
-kernel (run 24) alone is 1.17x faster than the Triton one at (8, 1, 16384, 128), causal, and
-slower at d = 64; in the whole backward it wins on small grids and, since the head-grouped
-launch order, wherever there are 2048 keys or more (runs 36-38), where the package uses it
+kernel alone is 1.17x faster than the Triton one at (8, 1, 16384, 128), causal, and slower
+at d = 64; in the whole backward it wins on small grids and, with the head-grouped launch
+order, wherever there are 2048 keys or more, where the package uses it
 (``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``, ``gluon_dq.MIN_KEYS``).
 
 Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]`` (MAXNREG 0: Triton's default;
 ``ws`` and ``rt``, lse / delta rows by TMA with Q / dO, for dK/dV only; ``rt`` is in the
-d = 128 default since run 52).
+d = 128 default).
 
     python benchmarks/gluon_dkdv.py offline 32,64,4,128 64,128,3,168,ws  # any machine
     python benchmarks/gluon_dkdv.py check 32,64,4,128 --out $OUT         # Hopper GPU

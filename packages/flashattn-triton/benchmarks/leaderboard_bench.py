@@ -1,6 +1,6 @@
 """The CS336 leaderboard timing: ours vs SDPA flash vs SDPA cuDNN, side by side, one process.
 
-Procedure (as ../shared/bench/leaderboard.py): q, k, v = randn(3, H, N, d) bf16 (heads as the
+Procedure (as the course's leaderboard script): q, k, v = randn(3, H, N, d) bf16 (heads as the
 batch dim, 3-D tensors), causal, ``torch.compile``d apply, ``o.sum().backward()``, timed with
 ``triton.testing.do_bench(..., return_mode="median")``. Also forward-only and backward-only
 times, TFLOP/s and the gap to the matmul floor.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 # Candidate variants for --sweep, by set name: kind -> list of "m,n,warps,stages[,n2]".
 SWEEPS = {
-    "d64": {  # first sweep (2026-05, H100): see NOTES.md
+    "d64": {  # the first sweep of the d = 64 tiles
         "fwd": [
             "128,64,4,3", "128,64,4,4", "128,64,8,3", "128,128,8,3", "128,128,8,2",
             "128,32,4,4", "64,64,4,3", "128,128,4,3",
@@ -121,7 +121,7 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,3", "128,64,8,3,tma", "128,64,8,4,tma", "64,64,4,3,tma", "128,32,4,3,tma"],
     },
-    "d64reg": {  # the fixed tiles as register A operands (reg), register caps (rN); run 27
+    "d64reg": {  # the fixed tiles as register A operands (reg), register caps (rN)
         "fwd": ["128,128,4,3,tma"],
         "dkdv": [
             "32,64,4,3,tma", "32,64,4,3,tma,reg", "32,64,4,3,tma,reg,r128",
@@ -134,7 +134,7 @@ SWEEPS = {
             "64,64,4,3,tma,reg,r128", "128,64,8,4,tma",
         ],
     },
-    "d64cap": {  # register caps that fit one more dK/dV program per SM (run 28)
+    "d64cap": {  # register caps that fit one more dK/dV program per SM
         "fwd": ["128,128,4,3,tma"],
         "dkdv": [
             "32,64,4,3,tma", "32,64,4,3,tma,r128", "32,64,4,4,tma,r128", "32,64,4,2,tma,r128",
@@ -143,7 +143,7 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma"],
     },
-    "d64cap2": {  # 64-query dK/dV tiles and 64-key forward tiles at 3 programs per SM (run 29)
+    "d64cap2": {  # 64-query dK/dV tiles and 64-key forward tiles at 3 programs per SM
         "fwd": [
             "128,128,4,3,tma", "128,64,4,3,tma,r168", "128,64,4,2,tma,r168", "128,64,4,3,tma",
             "128,128,4,3,tma",
@@ -154,7 +154,7 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma", "64,64,4,2,tma", "128,64,8,3,tma", "128,64,8,4,tma"],
     },
-    "d64fwdcap": {  # forward tiles at 8 warps or 64 rows with a register cap (run 30)
+    "d64fwdcap": {  # forward tiles at 8 warps or 64 rows with a register cap
         "fwd": [
             "128,128,4,3,tma", "128,128,8,2,tma,r128", "128,128,8,3,tma,r128",
             "64,128,4,2,tma,r128", "128,128,8,2,tma", "128,128,4,3,tma",
@@ -162,7 +162,7 @@ SWEEPS = {
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma"],
     },
-    "d64cap3": {  # four dK/dV programs per SM at 64-query tiles, spilling (run 34)
+    "d64cap3": {  # four dK/dV programs per SM at 64-query tiles, spilling
         "fwd": ["128,128,4,3,tma"],
         "dkdv": [
             "64,64,4,3,tma,r168", "64,64,4,2,tma,r128", "64,64,4,3,tma,r128",
@@ -170,7 +170,7 @@ SWEEPS = {
         ],
         "dq": ["128,64,8,4,tma"],
     },
-    "d64atomic2": {  # run 5's one-pass backward again, now with TMA loads too (run 40)
+    "d64atomic2": {  # the one-pass backward again, now with TMA loads too
         "fwd": ["128,128,4,3,tma"],
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma"],
@@ -179,13 +179,13 @@ SWEEPS = {
             "64,128,8,3,tma", "32,128,8,3,tma", "128,128,8,2,tma",
         ],
     },
-    "d64atomic3": {  # d64atomic2's best; run 44 also ran it with element atomics (commit 5d342d1)
+    "d64atomic3": {  # d64atomic2's best (also measured with element atomics)
         "fwd": ["128,128,4,3,tma"],
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma"],
         "atomic": ["64,64,4,3,tma", "64,64,4,2,tma", "64,64,4,4,tma", "64,128,8,2,tma"],
     },
-    "d64wide": {  # forward / dQ with two or four warpgroups per program sharing K, V (run 49)
+    "d64wide": {  # forward / dQ with two or four warpgroups per program sharing K, V
         "fwd": [
             "128,128,4,3,tma", "128,64,8,3,tma", "128,64,8,4,tma", "256,64,16,3,tma",
             "256,64,16,4,tma", "128,128,8,2,tma", "128,128,4,3,tma",
@@ -193,7 +193,7 @@ SWEEPS = {
         "dkdv": ["64,64,4,3,tma,r168"],
         "dq": ["128,64,8,4,tma", "256,64,16,4,tma", "256,64,16,3,tma", "128,64,8,4,tma"],
     },
-    "d128f": {  # d = 128 forward and dQ with TMA / warp specialization (run 22)
+    "d128f": {  # d = 128 forward and dQ with TMA / warp specialization
         "fwd": [
             "64,64,4,3", "64,64,4,3,tma", "128,64,8,3,tma", "128,64,8,2,tma", "128,128,8,2,tma",
             "64,128,4,2,tma", "128,64,4,2,tma", "128,64,8,3,tma,ws", "64,64,4,4,tma",

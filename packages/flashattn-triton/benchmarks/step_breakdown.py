@@ -16,7 +16,7 @@ table and saved to ``--out`` as JSON:
 
 Why the second view: on the H100 here the profiler's kernel times were 4-6% shorter than
 the sustained ones, because back-to-back steps hold the board at its power limit and the
-clock drops (NOTES.md runs 40-43); a profile alone misplaces the gap.
+clock drops; a profile alone misplaces the gap.
 
     PYTHONPATH=packages/flashattn-triton/src python3 \\
         packages/flashattn-triton/benchmarks/step_breakdown.py --seconds 3 --out $OUT

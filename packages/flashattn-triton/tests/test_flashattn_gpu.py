@@ -1,6 +1,6 @@
 """GPU tests of the Triton kernels at real sizes (run with `nox -s gpu_tests`).
 
-Tolerances (STYLE item 6): for float16/bfloat16 the kernel's error against a float64
+Tolerances: for float16/bfloat16 the kernel's error against a float64
 reference must be at most 2x PyTorch SDPA's error on the same inputs (+1e-4 for cases where
 both are tiny). float32 runs the matrix units in tf32x3 (torch's default 'highest' matmul
 precision): error < 1e-4, about 2^-21 per product summed over d and the keys. L is checked

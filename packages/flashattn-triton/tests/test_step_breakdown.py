@@ -86,7 +86,7 @@ def test_needs_gpu_and_checks_args(sb, capsys, tmp_path):
         assert sb.main(["--out", str(out)]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
         # --out exists before any view runs: the power view writes its CSV there mid-run
-        # (run 73 lost that view to a folder created only at the end).
+        # (a folder created only at the end once lost that view).
         assert out.is_dir()
 
 

@@ -41,7 +41,7 @@
 #              sweep and torch DDP side by side                                     ~2 min
 #   zero       xl AdamW memory and step time: DDP, our ShardedOptimizer, torch ZeRO  ~2 min
 # Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
-# (~4-7 min). Each call stays under the device tool's 10-minute command limit.
+# (~4-7 min). Each call stays under ten minutes.
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the directory that should receive the results}

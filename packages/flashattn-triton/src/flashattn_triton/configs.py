@@ -1,9 +1,9 @@
 """Tile configurations as data: measured defaults, autotune candidates and their pruning.
 
 Each kernel kind has a default table keyed by padded head dim (the defaults were measured on an
-H100, see benchmarks/NOTES.md) and a candidate list for ``triton.autotune``. Both pass through
-``fit_config`` / ``prune_configs``, which clamp tiles to the sequence lengths and drop configs
-whose shared-memory estimate exceeds the chip's limit.
+H100; the reasons are in the package's DESIGN.md) and a candidate list for ``triton.autotune``.
+Both pass through ``fit_config`` / ``prune_configs``, which clamp tiles to the sequence lengths
+and drop configs whose shared-memory estimate exceeds the chip's limit.
 
 The user-facing switches (backward scheme, tile overrides, head groups, ...) live in
 ``options.Options``; the functions here take their values as arguments and read nothing from
@@ -80,7 +80,8 @@ class TileConfig:
         return ",".join([*map(str, nums), *flags])
 
 
-# Defaults for 16-bit inputs (kind -> padded head dim -> config). See benchmarks/NOTES.md.
+# Defaults for 16-bit inputs (kind -> padded head dim -> config), measured on an H100.
+# Why each one won is in the package's DESIGN.md.
 DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "fwd": {
         16: TileConfig(128, 64, 4, 3),
@@ -90,7 +91,7 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
     },
     # d = 32, 64: capped at 168 registers (no cap: 231 / 185), three programs per SM instead
     # of two; 1.02-1.05x (d = 32) and 1.01-1.05x (d = 64, against 32,64,4,3 at r128) over
-    # the whole backward (NOTES.md runs 28-29, H100).
+    # the whole backward (H100).
     "dkdv": {
         16: TileConfig(32, 128, 4, 3),
         32: TileConfig(64, 128, 4, 3, maxnreg=168),
@@ -100,11 +101,12 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "dq": {
         16: TileConfig(128, 64, 4, 3),
         32: TileConfig(64, 64, 4, 3),
-        # 3 stages since D is computed here: 1.00-1.03x over 4 on the whole backward (run 75)
+        # 3 stages since D is computed here (one more tile per stage): 1.00-1.03x over 4 on
+        # the whole backward
         64: TileConfig(128, 64, 8, 3, tma=True),
         128: TileConfig(128, 32, 8, 3),
     },
-    # Used by "auto" on small grids only (NOTES.md run 11), so measured there.
+    # Used by "auto" on small grids only, so measured there.
     "fused": {
         16: TileConfig(32, 64, 4, 4, block_n2=64),
         32: TileConfig(32, 64, 4, 4, block_n2=64),
@@ -115,24 +117,24 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
 # The split backward's Triton dQ kernel computes D = rowsum(dO * O) itself (instead of a
 # preprocessing launch) up to this padded head dim: whole backward 1.00-1.07x at d = 64 on
 # CUDA graphs, but 0.89x at (8, 16, 1024, 128), where the extra O tile costs the d = 128
-# dQ kernel more than the launch it saves (NOTES.md run 60).
+# dQ kernel more than the launch it saves.
 FUSED_DELTA_MAX_D = 64
 
 # Rows of the backward's L and D buffers are padded to a multiple of this (L = +inf, D = 0
 # in the padding, ``launch._stats_buffers``) so that the dK/dV loop reads them without masks,
-# whose per-tile cost made the backward at ragged lengths up to 1.22x slower (NOTES.md runs
-# 65-66). Query tiles longer than this (no table or candidate has one) keep the masks.
+# whose per-tile cost made the backward at ragged lengths up to 1.22x slower. Query tiles
+# longer than this (no table or candidate has one) keep the masks.
 STATS_ROWS = 256
 # The TMA dK/dV kernel also brings each query tile's L (in log2 units) and D by TMA, one bulk
 # copy from their packed buffer instead of a per-thread asynchronous copy of every value a
-# thread uses (1.05x, then 1.03x packed, on the leaderboard backward: NOTES.md runs 70, 72).
+# thread uses (1.05x, then 1.03x packed, on the leaderboard-shape backward).
 STATS_TMA = True
 
-# The one-pass backward was only swept at d = 64 (NOTES.md run 5): its own table.
+# The one-pass backward was only swept at d = 64: its own table.
 DEFAULTS["atomic"] = {bd: TileConfig(32, 128, 8, 3) for bd in (16, 32, 64)}
 DEFAULTS["atomic"][128] = TileConfig(64, 128, 8, 2)
 
-# Small grids (NOTES.md runs 10-11). A causal grid with at most SMALL_GRID_PER_SM programs of
+# Small grids. A causal grid with at most SMALL_GRID_PER_SM programs of
 # 128 rows per SM runs in about one wave, so its longest program (the last query tile, or the
 # first key tile, twice the average work) sets the time. There the forward and the split
 # backward halve their grid-axis tile, and "auto" picks the fused backward, whose program t
@@ -148,7 +150,7 @@ GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: no
 # Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the
 # d = 128 forward's 128-row TMA tile is 1.09-1.33x faster from 512 programs up (H100, 132
 # SMs, kernel time) but was 0.59x at 128 programs and 0.75x on a one-wave causal grid in an
-# eager A/B (NOTES.md run 22).
+# eager A/B.
 FEW_PROGRAMS: dict[str, dict[int, TileConfig]] = {"fwd": {128: TileConfig(64, 64, 4, 3)}}
 FEW_WAVES = 2
 
@@ -232,7 +234,7 @@ def _clamp(cfg: TileConfig, kind: str, n_q: int, n_k: int, elem_bytes: int = 2) 
 
     float32 tiles stay at least 32 wide: on an H100 with triton 3.6, float32 (tf32x3) kernels
     with a 16-wide dK/dV query step or dQ key step and 8 warps hit illegal memory accesses
-    (benchmarks/NOTES.md); a tile longer than the sequence is only masked work.
+    (the package's DESIGN.md); a tile longer than the sequence is only masked work.
     """
     floor = MIN_TILE if elem_bytes >= 4 else 16
     bq, bk = max(seq_bucket(n_q), floor), max(seq_bucket(n_k), floor)
@@ -327,8 +329,8 @@ def few_programs(kind: str, bh: int, n: int, block_d: int, n_sms: int) -> bool:
 def for_small_grid(kind: str, cfg: TileConfig) -> TileConfig:
     """Half the grid-axis tile (at 4 warps, pointer loads) where it is 128 or more: twice the
     programs, so a one-wave causal grid spreads its work over the SMs (measured faster for
-    every head dim where the tile was 128, NOTES.md runs 10-11; 64-wide tiles stay, halving
-    them lost; the halved d = 64 forward ran slower with TMA loads, run 14)."""
+    every head dim where the tile was 128; 64-wide tiles stay, halving them lost; the halved
+    d = 64 forward ran slower with TMA loads)."""
     field = GRID_TILE.get(kind)
     if field is None or getattr(cfg, field) < 128:
         return cfg
@@ -390,10 +392,10 @@ def resolve_backward_scheme(
 # Launch order by head groups (kernels._grouped_program): where the rows each kernel streams
 # through its loop (K, V for the forward and dQ; Q, dO for dK/dV), summed over all heads,
 # exceed HEAD_GROUP_MIN_L2_MULTIPLE times the L2 cache, programs run a few heads at a time,
-# as many as fit in HEAD_GROUP_L2_SHARE of it. Measured on an H100 (50 MB L2, NOTES.md runs
-# 31-32): at 512 MB streamed 1.07-1.30x backward and 1.06-1.37x forward; at 128 MB mixed
-# (d = 64: 1.03-1.06x backward; d = 128 with 3-head groups: 0.95-0.96x); at 64 MB (the
-# leaderboard shape) 0.96-0.98x backward. Hence grouping from four times L2 up only.
+# as many as fit in HEAD_GROUP_L2_SHARE of it. Measured on an H100 (50 MB L2): at 512 MB
+# streamed 1.07-1.30x backward and 1.06-1.37x forward; at 128 MB mixed (d = 64: 1.03-1.06x
+# backward; d = 128 with 3-head groups: 0.95-0.96x); at 64 MB (the leaderboard shape)
+# 0.96-0.98x backward. Hence grouping from four times L2 up only.
 HEAD_GROUP_L2_SHARE = 0.5
 HEAD_GROUP_MIN_L2_MULTIPLE = 4
 

@@ -1,8 +1,8 @@
 """dK/dV on Hopper written in Gluon, with explicit asynchronous wgmma and waits.
 
 Used by the split backward for head dim 128 on Hopper GPUs, where it beats the Triton dK/dV
-kernel (benchmarks/NOTES.md, run 17; at d = 64 it only ties, run 16); elsewhere the Triton
-kernel runs. Gluon
+kernel by 1.15-1.21x causal on an H100 (the Triton kernel spills registers there; at d = 64
+it only ties); elsewhere the Triton kernel runs. Gluon
 (``triton.experimental.gluon``, Triton >= 3.5) is Triton's lower-level layer: layouts,
 shared memory, TMA, mbarriers and wgmma are explicit. Each query tile goes:
 
@@ -61,11 +61,11 @@ except ImportError:  # older Triton, or none
     HAVE_GLUON = False
 
 GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Measured defaults by head dim (H100, NOTES.md run 17): block_m, block_n, stages, maxnreg
+# Measured defaults by head dim (H100): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
-# where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes,
-# NOTES.md run 56). d = 64 is absent: there, with row_tma and 168 registers, the whole
-# backward is 0.98-1.03x the Triton kernel's on full grids (run 56), not a clear win.
+# where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes).
+# d = 64 is absent: there, with row_tma and 168 registers, the whole backward is
+# 0.98-1.03x the Triton kernel's on full grids, not a clear win.
 DEFAULTS: dict[int, dict] = {
     128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False, "row_tma": True},
 }
@@ -437,7 +437,7 @@ def launch_dkdv(
 def rows_by_tma(lse: torch.Tensor, delta: torch.Tensor) -> bool:
     """Whether the (B, H, rows) float32 row statistics can be read by 1-D TMA tiles starting
     at b*h*rows + row: contiguous, 16-byte aligned, and rows a multiple of 4 (a TMA box must
-    start on a 16-byte boundary; unaligned starts fault, NOTES.md run 48). The launcher's
+    start on a 16-byte boundary; unaligned starts fault with an illegal instruction). The launcher's
     statistics have rows = n_q where n_q is a multiple of configs.STATS_ROWS, else are padded
     to one, so only direct callers with other lengths miss it."""
     return (

@@ -22,9 +22,9 @@ from . import fastlaunch
 from ._device import head_group_args, sm_count
 from .gluon_dkdv import HAVE_GLUON, LOG2E, _desc, applies, launch_order, run_guarded
 
-# Measured defaults by head dim (H100, benchmarks/NOTES.md run 24); at d = 64 it is slower.
+# Measured defaults by head dim (H100); at d = 64 it is slower.
 DEFAULTS: dict[int, dict] = {128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None}}
-# The whole backward with this kernel (H100, benchmarks/NOTES.md runs 24, 36-38) was
+# The whole backward with this kernel (H100) was
 # 1.24-1.25x faster on grids under MAX_WAVES waves of 128-row programs; with at least
 # MIN_KEYS keys 1.01-1.06x in the plain launch order and 1.05-1.08x head-grouped (lm-core's
 # 8B shape, 2 x 32 heads x 32K tokens: 1.07x; in the plain order the largest grids had lost

@@ -593,7 +593,7 @@ def _dkdv_tile(
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
     # of a product do not mix. Only the one-pass dQ (ATOMIC_DQ) sums over keys, so padding
-    # keys must be masked there. (It saves the mask work; no measurable time, NOTES.md run 64.)
+    # keys must be masked there. (It saves the mask work; no measurable time.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
         dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,

@@ -14,7 +14,7 @@ a_lo @ b_lo term is ~2^-22 of the result. Two kernels:
 - `mm_kernel` C (M, N) = A (M, K) @ B (N, K)^T over the split buffers, three TF32 `tl.dot`s
   per K tile, each tile's sum added to the running total in registers, grouped tile order
   for L2 reuse, unmasked pointer loads. (TMA loads, measured on an H100: up to 5% faster on
-  the largest products, slower on the rest and over a whole step; BENCHMARKS.md 1.2c.)
+  the largest products, slower on the rest and over a whole step; lm-core's DESIGN.md.)
 
 Internal: `split_pair` and `mm` do not check their inputs; call `lm_core.matmul.tf32x3_mm`,
 which does. This module imports triton at the top; `lm_core.matmul` imports it lazily at
