@@ -6,17 +6,18 @@ the text (e.g. "<|endoftext|>"), or, with `blank_lines=True`, at each run of bla
 end of the file ends its last document. A file of any size is read `piece_chars` characters at
 a time.
 
-A document longer than `piece_chars` is cut where a byte-level BPE tokenizer (GPT-2's pattern,
-ours) starts a new pre-token anyway, so encoding the pieces one by one gives the same tokens as
-encoding the whole document: after a line break that is followed by a non-space character,
-else before a single space between two non-space characters; only a run of `piece_chars`
-characters with neither is cut where it is (`DocumentReader.hard_cuts` counts those).
+A document longer than `piece_chars` is cut where a byte-level BPE tokenizer with GPT-2's
+pre-tokenization (ours) ends a pre-token anyway, so encoding the pieces one by one gives the
+same tokens as encoding the whole document: before a whitespace character that follows a
+non-space one, a line break if there is one (`find_cut`). Only a run of `piece_chars`
+characters without such a point is cut where it is (`DocumentReader.hard_cuts` counts those).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -24,22 +25,26 @@ from pathlib import Path
 DOC_END = None  # yielded where a document ends
 
 
+# Where a whitespace run starts after a non-space character: a line break first, else any.
+_CUT_PATTERNS = (re.compile(r"(?<=\S)[\r\n]"), re.compile(r"(?<=\S)\s"))
+
+
 def find_cut(text: str, lo: int, hi: int) -> int | None:
-    """A cut position in (lo, hi] of `text` that starts a new pre-token (see module doc), or
-    None. Prefers the last line start (after "\\n" or "\\r") whose first character is not
-    whitespace, then the last single space between two non-space characters."""
-    n = len(text)
-    p = max(text.rfind("\n", lo, hi), text.rfind("\r", lo, hi))
-    while p >= lo:
-        q = p + 1
-        if q < n and not text[q].isspace():
-            return q
-        p = max(text.rfind("\n", lo, p), text.rfind("\r", lo, p))
-    p = text.rfind(" ", lo + 1, hi)
-    while p > lo:
-        if p + 1 < n and not text[p - 1].isspace() and not text[p + 1].isspace():
-            return p
-        p = text.rfind(" ", lo + 1, p)
+    """The last cut position q in (lo, hi] of `text` where a whitespace run starts after a
+    non-space character, preferring a line break; None if there is none.
+
+    GPT-2's pre-tokenizer pattern always ends a pre-token there (no pre-token holds a
+    non-space character followed by whitespace), and the text after q is split the same way
+    whether it starts a string or not: encoding text[:q] and text[q:] apart gives the tokens
+    of the whole. (A cut after a whitespace run would not: "a  \nb" splits as "a", "  ",
+    "\n", "b", but "a  \n" alone ends in the one pre-token "  \n".)
+    """
+    for pattern in _CUT_PATTERNS:
+        last = None
+        for match in pattern.finditer(text, lo + 1, hi + 1):
+            last = match.start()
+        if last is not None:
+            return last
     return None
 
 
