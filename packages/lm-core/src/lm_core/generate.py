@@ -156,7 +156,12 @@ def run(args: argparse.Namespace) -> int:
             f"--max-new-tokens: the prompt ({len(prompt)} tokens) leaves room for {room} "
             f"in the model's context_length {config.context_length}"
         )
-    decoder = Decoder(model, compile=args.compile, cuda_graph=args.cuda_graph)
+    decoder = Decoder(
+        model,
+        max_len=len(prompt) + args.max_new_tokens,
+        compile=args.compile,
+        cuda_graph=args.cuda_graph,
+    )
     tokens = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=args.device)
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     sampling = (args.temperature, args.top_k, args.top_p, eot, generator)

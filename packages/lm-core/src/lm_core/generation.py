@@ -13,12 +13,13 @@ Life of a `generate` call:
    in a CUDA graph and replayed for every token.
 3. sample: `sample_next` on the last logits (greedy at temperature 0, else top-k / top-p).
 
-The cache (`KVCache`) holds, per block, keys and values of shape (B, H, context_length, Dh),
-allocated at the first write with the keys' shape, dtype and device (an autocast model caches
-bf16; a model with fewer key/value heads caches those) and never moved afterwards. Positions
-beyond the current one keep stale values that the mask hides.
+The cache (`KVCache`) holds, per block, keys and values of shape (B, H, S, Dh), S = `max_len`
+positions (default context_length; `generate` sizes it to prompt + new tokens), allocated at
+the first write with the keys' shape, dtype and device (an autocast model caches bf16; a model
+with fewer key/value heads caches those) and never moved afterwards. Positions beyond the
+current one keep stale values that the mask hides.
 
-Shapes: B batch, T new tokens, S = context_length (cache length), H heads, Dh head dim, V vocab.
+Shapes: B batch, T new tokens, S cache positions, H heads, Dh head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def check_sampling(
 class Decoder:
     """Generation with a KV cache for one `TransformerLM`, reused across calls.
 
+    max_len: cache positions (prompt + new tokens must fit), default the model's
+        context_length. Every decode step attends over all of them (masked), so a cache sized
+        to the work at hand (as gpt-fast does) decodes faster.
     compile: `torch.compile` the decode step (fullgraph, static shapes; `compile_options` are
         passed on, e.g. {"backend": "aot_eager"} or {"mode": "max-autotune-no-cudagraphs"}).
         The prefill runs eagerly (prompt lengths vary).
@@ -179,12 +183,19 @@ class Decoder:
         self,
         model: nn.Module,
         *,
+        max_len: int | None = None,
         compile: bool = False,
         cuda_graph: bool = False,
         compile_options: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
+        context = self.config.context_length
+        self.max_len = context if max_len is None else max_len
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int):
+            raise TypeError(f"max_len: expected an int or None, got {max_len!r}")
+        if not 1 <= self.max_len <= context:
+            raise ValueError(f"max_len: expected 1..context_length={context}, got {max_len}")
         self.device = model.lm_head.weight.device
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph: needs a model on a CUDA device, got {self.device}")
@@ -193,7 +204,7 @@ class Decoder:
         if compile:
             options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
             self.step_fn = torch.compile(_decode_logits, **options)
-        self.cache = KVCache(self.config.num_layers, self.config.context_length)
+        self.cache = KVCache(self.config.num_layers, self.max_len)
         self.position = 0  # next position to write
         self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
@@ -205,7 +216,7 @@ class Decoder:
         """Run the prompt tokens (B, T) from position 0; logits (B, V) of its last token."""
         b, t = tokens.shape
         if self.cache.batch_size != b:
-            self.cache = KVCache(self.config.num_layers, self.config.context_length)
+            self.cache = KVCache(self.config.num_layers, self.max_len)
             self._token = torch.zeros(b, 1, dtype=torch.long, device=self.device)
             self._graph = None
         positions = torch.arange(t, device=self.device)
@@ -219,7 +230,7 @@ class Decoder:
         """Feed tokens (B,) at the next position; logits (B, V) for the one after."""
         if self.position >= self.cache.max_len:
             raise ValueError(
-                f"the cache is full: context_length={self.cache.max_len} positions used"
+                f"the cache is full: all max_len={self.cache.max_len} positions are used"
             )
         self._token.copy_(tokens.view(-1, 1))
         self._pos.fill_(self.position)
@@ -307,11 +318,15 @@ class Decoder:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
         total = tokens.shape[1] + max_new_tokens
-        if total > self.config.context_length:
+        if total > self.max_len:
+            limit = (
+                f"context_length {self.max_len}"
+                if self.max_len == self.config.context_length
+                else f"the Decoder's max_len {self.max_len}"
+            )
             raise ValueError(
                 f"max_new_tokens: prompt ({tokens.shape[1]}) + max_new_tokens "
-                f"({max_new_tokens}) = {total} exceeds context_length "
-                f"{self.config.context_length}"
+                f"({max_new_tokens}) = {total} exceeds {limit}"
             )
         if generator is not None and torch.device(generator.device).type != self.device.type:
             raise ValueError(
@@ -329,8 +344,14 @@ def generate(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """`Decoder(model).generate(...)`: eager decoding with a KV cache (see `Decoder`)."""
-    return Decoder(model).generate(
+    """Eager decoding with a KV cache sized to the prompt and `max_new_tokens` (see `Decoder`;
+    a length beyond context_length is refused there, naming max_new_tokens)."""
+    max_len = None  # the full context, where the arguments are invalid: Decoder names them
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and isinstance(max_new_tokens, int):
+        needed = tokens.shape[1] + max_new_tokens
+        if 1 <= needed <= model.config.context_length:
+            max_len = needed
+    return Decoder(model, max_len=max_len).generate(
         tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator
     )
 

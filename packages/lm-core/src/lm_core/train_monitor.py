@@ -228,10 +228,11 @@ class Monitor:
             if args.bf16
             else torch.autocast(self.device.type, enabled=False)
         )
+        n = min(args.sample_tokens, context - len(prompt))
         with autocast:
-            out = Decoder(self.model).generate(
+            out = Decoder(self.model, max_len=len(prompt) + n).generate(
                 tokens,
-                min(args.sample_tokens, context - len(prompt)),
+                n,
                 temperature=args.sample_temperature,
                 eos_id=tok.eot_id,
                 generator=generator,
