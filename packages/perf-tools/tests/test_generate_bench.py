@@ -55,3 +55,27 @@ def test_new_tokens_must_leave_a_decode_step(capsys):
     with pytest.raises(SystemExit):
         generate_bench.main(["--new-tokens", "1"])
     assert "--new-tokens" in capsys.readouterr().err
+
+
+def test_a_failing_cell_is_an_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(generate_bench, "time_ours", broken)
+    argv = [
+        "--sizes",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "--new-tokens",
+        "3",
+        "--providers",
+        "eager",
+        "--csv",
+        str(tmp_path / "d.csv"),
+        "--quiet",
+    ]
+    assert generate_bench.main(argv) == 1
+    (row,) = csv.DictReader((tmp_path / "d.csv").open())
+    assert row["note"] == "error: RuntimeError: kernel exploded"
+    assert "kernel exploded" in capsys.readouterr().err

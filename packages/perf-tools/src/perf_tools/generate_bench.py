@@ -17,7 +17,8 @@ Providers:
                      the decode step itself on CUDA, mode="reduce-overhead")
 Ours and HF's caches both hold prompt + new tokens positions; weights in `--dtype` (bf16 on
 CUDA by default; lm_core keeps its RoPE tables in fp32). A cell that cannot run here (no CUDA,
-no transformers, out of memory) is a row with a note, not a crash.
+no transformers) or runs out of memory is a row with a note; any other failure is a row saying
+`error: ...` (traceback on stderr) and the command exits 1 at the end.
 
 Example (GPU):
   python -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 --csv decode.csv
@@ -30,6 +31,7 @@ import gc
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -149,10 +151,12 @@ def _measure(row: dict[str, Any], fn: Callable[[], tuple[float, float, float]], 
         row["note"] = f"skipped: {exc}"
         return
     except Exception as exc:
-        if not is_oom(exc):
-            row["note"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            return
-        row["note"] = "OOM"
+        if is_oom(exc):
+            row["note"] = "OOM"
+        else:
+            traceback.print_exc()
+            first = (str(exc).splitlines() or [""])[0][:120]
+            row["note"] = f"error: {type(exc).__name__}: {first}"
         return
     steps = row["new_tokens"] - 1
     peak = peak_memory_bytes(device)
@@ -293,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for what, path in (("csv", args.csv), ("json", args.json)):
         if path is not None:
             print(f"{what}: {path}")
-    return 0
+    return 1 if any(str(r["note"]).startswith("error") for r in rows) else 0
 
 
 if __name__ == "__main__":
