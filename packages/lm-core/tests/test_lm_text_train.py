@@ -223,3 +223,13 @@ def test_sidecar_vocab_applies_and_explicit_larger_vocab_wins(tmp_path):
     args = parse_args(["--data", str(train), "--vocab-size", "512"])
     assert args.model_config.vocab_size == 512
     assert parse_args([]).model_config.vocab_size == 256  # no data: the preset's
+
+
+def test_a_tokenizer_that_does_not_match_the_data_is_refused(corpus, tmp_path):
+    tok = str(corpus / "tokenizer.json")  # 512 ids, end-of-text id 0
+    other_eot = _bin(tmp_path / "a.bin", 600, 7)
+    with pytest.raises(ValueError, match="end-of-text id is 0, the data's sidecar says 7"):
+        train_main(["--data", str(other_eot), "--tokenizer", tok, "--steps", "1", "--no-progress"])
+    small = _bin(tmp_path / "b.bin", 300, 0)
+    with pytest.raises(ValueError, match=r"vocabulary \(512\) is larger than the model's \(300\)"):
+        train_main(["--data", str(small), "--tokenizer", tok, "--steps", "1", "--no-progress"])

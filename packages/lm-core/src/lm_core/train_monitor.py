@@ -166,15 +166,28 @@ class Monitor:
             _write(f"data: {note}")
         if args.log_dir is not None:
             self.writer = self._tensorboard(args.log_dir)
-        if args.sample_every:
-            from lm_core.tokenizer import TextTokenizer
+        if args.tokenizer is not None:
+            self.tokenizer = self._check_tokenizer(args)
 
-            self.tokenizer = TextTokenizer.from_file(args.tokenizer)
-            if self.tokenizer.vocab_size > config.vocab_size:
-                raise ValueError(
-                    f"--tokenizer: its vocabulary ({self.tokenizer.vocab_size}) is larger "
-                    f"than the model's ({config.vocab_size})"
-                )
+    @staticmethod
+    def _check_tokenizer(args: argparse.Namespace) -> Any:
+        """--tokenizer, refused when it cannot be the data's: more ids than the model, or
+        another end-of-text id than the sidecar's."""
+        from lm_core.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer.from_file(args.tokenizer)
+        vocab = args.model_config.vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise ValueError(
+                f"--tokenizer: its vocabulary ({tokenizer.vocab_size}) is larger than the "
+                f"model's ({vocab})"
+            )
+        if args.eot_id is not None and tokenizer.eot_id != args.eot_id:
+            raise ValueError(
+                f"--tokenizer: its end-of-text id is {tokenizer.eot_id}, the data's sidecar "
+                f"says {args.eot_id}: not the tokenizer the data was encoded with"
+            )
+        return tokenizer
 
     @staticmethod
     def _tensorboard(log_dir: Path) -> Any:
