@@ -15,8 +15,8 @@ Life of a `generate` call:
 
 The cache (`KVCache`) holds, per block, keys and values of shape (B, H, S, Dh), S = `max_len`
 positions (default context_length; `generate` sizes it to prompt + new tokens), allocated at
-the first write with the keys' shape, dtype and device (an autocast model caches bf16; a model
-with fewer key/value heads caches those) and never moved afterwards. Positions beyond the
+the first write with the keys' shape, dtype and device (an autocast model caches bf16) and
+never moved afterwards. Positions beyond the
 current one keep stale values that the mask hides.
 
 Shapes: B batch, T new tokens, S cache positions, H heads, Dh head dim, V vocab.
@@ -58,8 +58,6 @@ class LayerCache:
     """What one block's attention sees of a cached forward: where its new keys go, and how to
     attend. Made by `CacheStep.layer(i)`."""
 
-    __slots__ = ("index", "step")
-
     def __init__(self, step: CacheStep, index: int) -> None:
         self.step = step
         self.index = index
@@ -91,8 +89,6 @@ class LayerCache:
 class CacheStep:
     """One cached forward: the cache, the positions (T,) of the new tokens, and the mask
     (T, S) bool of the keys each may see (None for a prefill from position 0)."""
-
-    __slots__ = ("cache", "mask", "positions")
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
         self.cache = cache
