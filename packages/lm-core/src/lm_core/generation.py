@@ -16,8 +16,8 @@ Life of a `generate` call:
 The cache (`KVCache`) holds, per block, keys and values of shape (B, H, S, Dh), S = `max_len`
 positions (default context_length; `generate` sizes it to prompt + new tokens), allocated at
 the first write with the keys' shape, dtype and device (an autocast model caches bf16) and
-never moved afterwards. Positions beyond the
-current one keep stale values that the mask hides.
+never moved afterwards. Positions beyond the current one keep stale values that the mask
+hides.
 
 Shapes: B batch, T new tokens, S cache positions, H heads, Dh head dim, V vocab.
 """
