@@ -350,8 +350,8 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     if args.resume is not None:
         start = _resume(args.resume, pm, optimizer, data, args)
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
+    monitor = Monitor(args, env, model)  # first: it checks --tokenizer before files open
     log = _Log(args, env, start)
-    monitor = Monitor(args, env, model)
     tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length
     ckpt_path = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
     loss_acc = torch.zeros((), device=env.device)
