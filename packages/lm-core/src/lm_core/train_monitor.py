@@ -159,15 +159,14 @@ class Monitor:
         )
         self.peak = peak_tflops(args, env.device)
         self.writer = None
-        self.tokenizer = None
+        # every rank checks (and fails alike): one rank failing alone would hang the others
+        self.tokenizer = self._check_tokenizer(args) if args.tokenizer is not None else None
         if not self.enabled:
             return
         for note in args.data_notes:
             _write(f"data: {note}")
         if args.log_dir is not None:
             self.writer = self._tensorboard(args.log_dir)
-        if args.tokenizer is not None:
-            self.tokenizer = self._check_tokenizer(args)
 
     @staticmethod
     def _check_tokenizer(args: argparse.Namespace) -> Any:
