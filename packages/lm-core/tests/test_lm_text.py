@@ -206,6 +206,26 @@ def test_encode_streams_a_file_larger_than_the_chunk(tmp_path, tokenizer):
     assert _tokens(res.train_path).tolist() == tokenizer.encode(text + EOT)
 
 
+@pytest.mark.parametrize("val_fraction", [0.01, 0.3])
+def test_validation_split_of_a_single_long_document(tmp_path, tokenizer, val_fraction):
+    """No document boundary near the split point: the piece there is cut, tokens unchanged."""
+    text = _corpus(100, seed=5).replace(EOT, "\n")
+    path = tmp_path / "one.txt"
+    path.write_text(text, newline="")
+    res = encode_files(
+        tokenizer,
+        [path],
+        tmp_path / "out",
+        val_fraction=val_fraction,
+        chunk_chars=2000,
+        progress=False,
+    )
+    train, val = _tokens(res.train_path), _tokens(res.val_path)
+    assert abs(len(val) / (len(train) + len(val)) - val_fraction) < 0.01
+    assert np.concatenate([train, val]).tolist() == tokenizer.encode(text + EOT)
+    assert res.hard_cuts == 0
+
+
 def test_encode_uint32_for_a_large_foreign_vocabulary(tmp_path):
     tk = require_tokenizers()
     vocab = {f"w{i}": i for i in range(70_000)}

@@ -7,8 +7,9 @@ with its JSON sidecar (`lm_core.data.TokenFileMeta`) so that `load_tokens` and t
 the dtype, vocabulary size and end-of-text id. The end-of-text id follows every document.
 Memory stays about `chunk_chars` characters and their tokens, whatever the input size.
 
-Validation split: the tail of the stream, starting at the first piece (a document, or a part
-of a long one) that begins after `1 - val_fraction` of the input bytes.
+Validation split: the tail of the stream from where `1 - val_fraction` of the input bytes have
+been read; the piece that straddles that point is cut near it, where its tokens do not change
+(the validation stream may start inside a document).
 
 Output files are written under temporary names and renamed when complete: an interrupted run
 leaves no partial `train.bin`; existing outputs are replaced only with `overwrite=True`.
@@ -27,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from lm_core.data import TokenFileMeta, token_meta_path, write_token_meta
-from lm_core.text_io import DOC_END, DocumentReader
+from lm_core.text_io import DOC_END, DocumentReader, find_cut
 from lm_core.tokenizer import TextTokenizer
 
 TRAIN_NAME = "train.bin"
@@ -112,6 +113,18 @@ class _TokenSink:
         self.file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
+
+
+def _split_text(text: str, fraction: float) -> tuple[str, str]:
+    """(head, tail) of `text` cut near `fraction` of its length where its tokens do not change
+    (`lm_core.text_io.find_cut`); the whole text is the head when it has no such point."""
+    if fraction <= 0:
+        return "", text
+    k = min(max(1, round(len(text) * fraction)), len(text))
+    cut = find_cut(text, 0, k) or find_cut(text, k, len(text))
+    if cut is None:
+        return text, ""
+    return text[:cut], text[cut:]
 
 
 def _check_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -201,11 +214,14 @@ def encode_files(
             )
             start = position
             for item in reader:
-                # `position` is still where this item begins: the split falls between pieces
-                if item is not DOC_END and sink is sinks[0] and position >= val_mark:
-                    flush()
-                    sink = sinks[1]
-                position = start + reader.bytes_consumed
+                begin, position = position, start + reader.bytes_consumed  # the item's bytes
+                if item is not DOC_END and sink is sinks[0] and position > val_mark:
+                    head, tail = _split_text(item, (val_mark - begin) / (position - begin))
+                    if tail:  # else the whole piece stays in train, the next one switches
+                        if head:
+                            batch.append(head)
+                        flush()
+                        sink, item = sinks[1], tail
                 batch.append(item)
                 batch_chars += len(item) if item is not DOC_END else 0
                 if batch_chars >= chunk_chars:
