@@ -28,6 +28,8 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero-shard": ("zero_shard", ("ddp-kit",)),
     "perf-tools": ("perf_tools", ("lm-core", "flashattn-triton", "ddp-kit", "zero-shard")),
 }
+# Optional extras a package's CPU tests exercise (installed with it in its `tests` session).
+EXTRAS: dict[str, str] = {"lm-core": "[text,tensorboard]"}
 # The CPU build of torch that lies on local disk; a bare `torch` may pull a multi-GB CUDA build.
 CPU_TORCH = "torch==2.13.0"
 # Suites that spawn process groups stay serial; the rest use pytest-xdist.
@@ -65,7 +67,9 @@ def tests(session: nox.Session, package: str) -> None:
     _, needs = PACKAGES[package]
     session.install(CPU_TORCH)
     session.install("pytest", "pytest-xdist", "pytest-timeout")
-    session.install(*(f"./packages/{p}" for p in (*needs, package)))
+    session.install(
+        *(f"./packages/{p}" for p in needs), f"./packages/{package}{EXTRAS.get(package, '')}"
+    )
     args = ["-m", "not gpu and not nccl", "--timeout=900"]
     if package in XDIST_SAFE:
         args += ["-n", "2"]

@@ -33,6 +33,9 @@
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
+#   generate   decode tokens/s (generate_bench): small, then xl, batch 1 and 16, bf16, prompt
+#              128 + 256 new tokens; eager / compiled / CUDA graph / both / HF generate with
+#              its dynamic and static caches (compilation dominates)            ~5-8 min
 # Multi-GPU sections (2 GPUs; NCCL_NVLS_ENABLE=0 is exported):
 #   nccl_tests every package's `nccl` tests (what `nox -s nccl_tests` runs)        ~2-4 min
 #   allreduce  NCCL all-reduce, 1 MiB .. 1 GiB float32, 2 processes (and 4/6 where there are
@@ -142,6 +145,12 @@ fi
 if want mixed; then
   run mixed_accumulate $PY -m perf_tools.mixed_precision accumulate --json "$WORK/accumulate.json"
   run mixed_toy $PY -m perf_tools.mixed_precision toy-dtypes --json "$WORK/toy_dtypes.json"
+fi
+if want generate; then
+  for size in small xl; do
+    run "generate_$size" $PY -m perf_tools.generate_bench --quiet --sizes "$size" \
+      --batch-sizes 1 16 --csv "$WORK/generate_$size.csv" --json "$WORK/generate_$size.json"
+  done
 fi
 if want memory; then
   run memory $B --size 2.7B --precision fp32 bf16 --mode forward train --context 128 256 512 \

@@ -5,13 +5,20 @@ array (numpy array, `np.memmap` or tensor) and returns inputs x and next-token t
 Drawing start positions (`sample_starts`) is separate from reading the windows
 (`gather_windows`) so data-parallel training can draw one global batch identically on every
 rank and read only its own rows.
+
+A raw `.bin` token file may have a JSON sidecar next to it, `<file>.json` (written by
+`python -m lm_core.tokenize encode`), naming its dtype, vocabulary size, end-of-text id and
+token count (`TokenFileMeta`); `load_tokens` reads the dtype from it and checks the count.
 """
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,9 +109,76 @@ def get_batch(
     return gather_windows(tokens, starts, context_length, device)
 
 
-def load_tokens(path: str | os.PathLike[str], dtype: np.dtype | str = np.uint16) -> np.ndarray:
-    """Memory-map a token file: `.npy` (dtype from the header) or raw `.bin` of `dtype`.
+TOKEN_META_FORMAT = "lm_core.tokens/1"
+# Token-file dtypes a sidecar may name: uint16 while the vocabulary fits, else uint32.
+TOKEN_DTYPES = ("uint16", "uint32")
 
+
+@dataclass(frozen=True)
+class TokenFileMeta:
+    """What the JSON sidecar `<file>.json` of a raw token file records.
+
+    dtype: "uint16" or "uint32"; vocab_size: ids lie in [0, vocab_size); eot_id: the
+    end-of-text id separating documents (None if the tokenizer has none); num_tokens: length
+    of the file in tokens; tokenizer: the tokenizer file it was encoded with (informative).
+    """
+
+    dtype: str
+    vocab_size: int
+    eot_id: int | None
+    num_tokens: int
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TOKEN_DTYPES:
+            raise ValueError(f"dtype: expected one of {list(TOKEN_DTYPES)}, got {self.dtype!r}")
+        for name in ("vocab_size", "num_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+        if self.vocab_size > np.iinfo(self.dtype).max + 1:
+            raise ValueError(f"vocab_size {self.vocab_size} does not fit in {self.dtype}")
+        if self.eot_id is not None and not 0 <= self.eot_id < self.vocab_size:
+            raise ValueError(f"eot_id: expected None or an id in [0, {self.vocab_size})")
+
+
+def token_meta_path(path: str | os.PathLike[str]) -> Path:
+    """The sidecar of token file `path`: the same name with `.json` appended."""
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def write_token_meta(path: str | os.PathLike[str], meta: TokenFileMeta) -> Path:
+    """Write `meta` as the sidecar of token file `path`; returns the sidecar's path."""
+    target = token_meta_path(path)
+    target.write_text(json.dumps({"format": TOKEN_META_FORMAT, **asdict(meta)}, indent=2) + "\n")
+    return target
+
+
+def read_token_meta(path: str | os.PathLike[str]) -> TokenFileMeta | None:
+    """The sidecar of token file `path`, or None when there is none.
+
+    Raises ValueError naming the sidecar when it is not valid JSON of this format.
+    """
+    target = token_meta_path(path)
+    if not target.is_file():
+        return None
+    try:
+        data: Any = json.loads(target.read_text())
+        if not isinstance(data, dict) or data.get("format") != TOKEN_META_FORMAT:
+            raise ValueError(f"expected a JSON object with format {TOKEN_META_FORMAT!r}")
+        data = {k: v for k, v in data.items() if k != "format"}
+        return TokenFileMeta(**data)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"token file sidecar {target} is invalid: {exc}") from exc
+
+
+def load_tokens(path: str | os.PathLike[str], dtype: np.dtype | str | None = None) -> np.ndarray:
+    """Memory-map a token file: `.npy` (dtype from the header) or raw `.bin`.
+
+    A raw file's dtype is `dtype` if given, else its sidecar's (`<file>.json`, see
+    `TokenFileMeta`), else uint16. With a sidecar, a different `dtype` or a file length other
+    than its token count is an error (a wrong dtype or a truncated file).
     Returns a read-only 1-D integer array; nothing is read into memory until indexed.
     """
     path = Path(path)
@@ -121,16 +195,30 @@ def load_tokens(path: str | os.PathLike[str], dtype: np.dtype | str = np.uint16)
                 f"memory-mapped ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
             ) from exc
     else:
-        try:
-            dtype = np.dtype(dtype)
-        except TypeError as exc:
-            raise TypeError(f"dtype: expected a NumPy integer dtype, got {dtype!r}") from exc
-        if not np.issubdtype(dtype, np.integer):
-            raise TypeError(f"dtype: expected a NumPy integer dtype (e.g. uint16), got {dtype}")
-        if path.stat().st_size % dtype.itemsize != 0:
+        meta = read_token_meta(path)
+        if dtype is not None:
+            try:
+                dtype = np.dtype(dtype)
+            except TypeError as exc:
+                raise TypeError(f"dtype: expected a NumPy integer dtype, got {dtype!r}") from exc
+            if not np.issubdtype(dtype, np.integer):
+                raise TypeError(f"dtype: expected a NumPy integer dtype (e.g. uint16), got {dtype}")
+        if meta is not None and dtype is not None and dtype != np.dtype(meta.dtype):
             raise ValueError(
-                f"token file {path}: size {path.stat().st_size} bytes is not a multiple of "
+                f"token file {path}: dtype {np.dtype(dtype)} was asked for, but its sidecar "
+                f"{token_meta_path(path)} says {meta.dtype}"
+            )
+        dtype = np.dtype(dtype if dtype is not None else meta.dtype if meta else np.uint16)
+        size = path.stat().st_size
+        if size % dtype.itemsize != 0:
+            raise ValueError(
+                f"token file {path}: size {size} bytes is not a multiple of "
                 f"{dtype} ({dtype.itemsize} bytes); wrong dtype?"
+            )
+        if meta is not None and size // dtype.itemsize != meta.num_tokens:
+            raise ValueError(
+                f"token file {path}: holds {size // dtype.itemsize} tokens, its sidecar "
+                f"{token_meta_path(path)} says {meta.num_tokens} (truncated or replaced?)"
             )
         tokens = np.memmap(path, dtype=dtype, mode="r")
     if not isinstance(tokens, np.ndarray) or not np.issubdtype(tokens.dtype, np.integer):

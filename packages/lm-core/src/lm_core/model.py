@@ -13,7 +13,9 @@ checkpointing (`lm_core.activation_ckpt`), compilation and mixed precision are a
 outside (see `lm_core.train`). `model(token_ids, targets)` returns the loss through the fused
 LM-head + cross-entropy (`lm_core.fused_loss`), without the (B, T, V) logits; it runs inside a
 call of the `lm_head` module (`LMHead`), so wrappers that gather sharded weights in module hooks
-(zero_shard.FSDP, torch's fully_shard) see the head's weight used.
+(zero_shard.FSDP, torch's fully_shard) see the head's weight used. `model.generate(...)` decodes
+with a KV cache (`lm_core.generation`): forward passes given a `kv_cache` read RoPE positions
+from it and let it store keys and values and pick the attention.
 
 Shapes: B batch, T sequence, D d_model, H heads, Dh head dim, F d_ff, V vocab.
 """
@@ -30,6 +32,7 @@ from lm_core.annotate import annotate
 from lm_core.attention import get_attention
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.fused_loss import fused_linear_cross_entropy
+from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
 
 __all__ = ["MODEL_SIZES", "LMHead", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
@@ -83,15 +86,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate x of shape (B, T, ..., Dh) by position along dim 1; same shape and dtype.
 
+        Positions are 0..T-1, or `positions` (T,) int64 (decoding with a KV cache).
         Computed in fp32 (the tables' dtype) and rounded once to x's dtype.
         """
         seq = x.shape[1]
         extra = x.dim() - 3  # dims between T and Dh, e.g. (2, H) for stacked q/k
-        cos = self.cos[:seq].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
-        sin = self.sin[:seq].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
+        rows = slice(seq) if positions is None else positions
+        cos = self.cos[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
+        sin = self.sin[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
         pairs = x.unflatten(-1, (-1, 2))  # (B, T, ..., Dh/2, 2)
         x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, ..., Dh/2) each
         rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -117,14 +122,18 @@ class CausalSelfAttention(nn.Module):
             _trunc_normal_(part, _linear_std(d, d))
         _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, Dh)
-        qk = self.rope(qkv[:, :, :2])  # (B, T, 2, H, Dh): q and k rotated in one pass
+        positions = None if kv_cache is None else kv_cache.positions
+        qk = self.rope(qkv[:, :, :2], positions)  # (B, T, 2, H, Dh): q and k rotated in one pass
         q = qk[:, :, 0].transpose(1, 2)  # (B, H, T, Dh)
         k = qk[:, :, 1].transpose(1, 2)  # (B, H, T, Dh)
         v = qkv[:, :, 2].transpose(1, 2)  # (B, H, T, Dh)
-        out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
+        if kv_cache is None:
+            out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
+        else:  # stores k and v, attends over the cached keys
+            out = kv_cache.attend(q, k, v, self.attn_fn)  # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
         return self.output_proj(out)
 
@@ -159,9 +168,9 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff, config.matmul)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
         with annotate("attention"):
-            x = x + self.attn(self.ln1(x))
+            x = x + self.attn(self.ln1(x), kv_cache)
         with annotate("ffn"):
             x = x + self.ffn(self.ln2(x))
         return x
@@ -233,12 +242,43 @@ class TransformerLM(nn.Module):
         h = self.hidden_states(token_ids)  # (B, T, D)
         return self.lm_head(h, targets)  # logits (B, T, V), or the loss (0-dim fp32)
 
-    def hidden_states(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The LM head's input, (B, T, D): embeddings, every block, final RMSNorm."""
+    def hidden_states(
+        self, token_ids: torch.Tensor, kv_cache: CacheStep | None = None
+    ) -> torch.Tensor:
+        """The LM head's input, (B, T, D): embeddings, every block, final RMSNorm.
+
+        With `kv_cache` (decoding, `lm_core.generation`), the tokens sit at the cache step's
+        positions and attend to the cached keys; the blocks run one by one, without
+        activation checkpointing (nothing is saved for a backward)."""
         self._check_input(token_ids)
         x = self.token_embeddings(token_ids)  # (B, T, D)
-        x = self.run_blocks(x)  # (B, T, D)
+        if kv_cache is None:
+            x = self.run_blocks(x)  # (B, T, D)
+        else:
+            for i, block in enumerate(self.layers):
+                x = block(x, kv_cache.layer(i))  # (B, T, D)
         return self.ln_final(x)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue prompts `tokens` (B, T) by up to `max_new_tokens`: (B, T + n) int64.
+
+        Prefills the prompt once, then decodes one token per step from a KV cache sized to
+        `context_length` (T + max_new_tokens must fit). temperature 0 is greedy; top_k /
+        top_p restrict sampling; generation stops once every row has produced `eos_id`;
+        `generator` makes sampling reproducible. For a compiled or CUDA-graph decode step,
+        or token-by-token streaming, use `lm_core.generation.Decoder`.
+        """
+        return generate(self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream through every block in order: (B, T, D) -> (B, T, D).

@@ -25,6 +25,7 @@ from lm_core.activation_ckpt import parse_every
 from lm_core.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, MODEL_SIZES, get_config
 from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES, FSDP_OURS_NO_COMPILE
 from lm_core.run_dir import CHECKPOINT_NAME, existing_run_files, same_file
+from lm_core.train_monitor import add_monitor_args, check_monitor_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--data", type=Path, help="training tokens (.npy, or raw .bin of --data-dtype)")
     g.add_argument("--val-data", type=Path, help="validation tokens (same formats)")
-    g.add_argument("--data-dtype", default="uint16", help="dtype of raw .bin token files")
+    g.add_argument(
+        "--data-dtype", help="dtype of raw .bin token files [their JSON sidecar's, else uint16]"
+    )
     g.add_argument(
         "--synthetic",
         default="pattern",
@@ -126,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    add_monitor_args(p)
     return p
 
 
@@ -204,6 +208,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         path = getattr(args, name)
         if path is not None and not path.is_file():
             parser.error(f"{_flag(name)}: file not found: {path}")
+    check_monitor_args(parser, args)  # the --data sidecar may set --vocab-size
     overrides = {
         field: getattr(args, flag)
         for flag, field in _MODEL_FLAGS.items()

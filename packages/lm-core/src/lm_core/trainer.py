@@ -46,6 +46,7 @@ from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
 from lm_core.run_dir import CHECKPOINT_NAME, continue_metrics
+from lm_core.train_monitor import Monitor
 
 
 @dataclass
@@ -228,8 +229,9 @@ class _Log:
         )
         if self.bar is not None:
             if "loss" in entry:
+                mfu = {"mfu": f"{entry['mfu']:.1%}"} if "mfu" in entry else {}
                 self.bar.set_postfix(
-                    loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}"
+                    loss=f"{entry['loss']:.4f}", tok_s=f"{entry['tokens_per_s']:.0f}", **mfu
                 )
             else:
                 self.bar.write(text)
@@ -376,6 +378,7 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     if args.resume is not None:
         start = _resume(args.resume, pm, optimizer, data, args, param_shapes)
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
+    monitor = Monitor(args, env, model)  # first: it checks --tokenizer before files open
     log = _Log(args, env, start)
     tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length
     ckpt_path = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
@@ -406,6 +409,7 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
                     entry["grad_norm"] = grad_norm.item()
                 if not math.isfinite(mean_loss):
                     raise FloatingPointError(f"loss is {mean_loss} at step {done}")
+                monitor.log(entry)  # + mfu, TensorBoard
                 result.history.append(entry)
                 log.record(entry)
                 loss_acc.zero_()
@@ -413,8 +417,12 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
                 t_last = time.perf_counter()
             if args.eval_every and data.val is not None and done % args.eval_every == 0:
                 val = evaluate(pm.module, data, args, env)
-                result.evals.append({"step": done, "val_loss": val})
-                log.record({"step": done, "val_loss": val})
+                record = monitor.log({"step": done, "val_loss": val})  # + val_ppl
+                result.evals.append(record)
+                log.record(record)
+                t_last = time.perf_counter()
+            if monitor.sample_due(done):
+                monitor.sample(done)
                 t_last = time.perf_counter()
             if ckpt_path is not None and args.ckpt_every and done % args.ckpt_every == 0:
                 _save(ckpt_path, pm, optimizer, done, data, args, env)
@@ -423,4 +431,5 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
             _save(ckpt_path, pm, optimizer, result.step, data, args, env)
     finally:
         log.close()
+        monitor.close()
     return result

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "ddp": "data-parallel wrappers: step time and communication overhead",
     "zero": "optimizer-state sharding: memory and step time",
     "accounting": "memory and FLOP accounting of the models",
+    "generate_bench": "decode tokens/s: KV-cache generation eager / compiled / CUDA graph vs HF",
 }
 
 __all__ = ["COMMANDS", "__version__"]

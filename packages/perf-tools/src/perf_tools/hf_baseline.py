@@ -37,12 +37,13 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def build_hf_llama(config: Any, device: torch.device | str) -> nn.Module:
-    """LlamaForCausalLM at `config`'s dims (vocab, d_model, layers, heads, d_ff, context)."""
+def llama_config(config: Any, *, use_cache: bool = False) -> Any:
+    """A transformers LlamaConfig at `config`'s dims (vocab, d_model, layers, heads, d_ff,
+    context), untied, no biases, SDPA attention."""
     ok, note = available()
     if not ok:
         raise MissingBaselineError(note)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
@@ -55,13 +56,31 @@ def build_hf_llama(config: Any, device: torch.device | str) -> nn.Module:
         tie_word_embeddings=False,
         attention_bias=False,
         mlp_bias=False,
-        use_cache=False,
+        use_cache=use_cache,
     )
     hf_config._attn_implementation = "sdpa"
+    return hf_config
+
+
+def build_hf_llama(config: Any, device: torch.device | str) -> nn.Module:
+    """LlamaForCausalLM at `config`'s dims in fp32, wrapped to return logits (training)."""
+    hf_config = llama_config(config)
+    from transformers import LlamaForCausalLM
+
     with torch.device(device):
         model = LlamaForCausalLM(hf_config)
     model = model.to(device=device, dtype=torch.float32)
     return LlamaLogits(model)
+
+
+def build_hf_llama_lm(config: Any, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    """The bare LlamaForCausalLM at `config`'s dims with its KV cache on, for `generate`."""
+    hf_config = llama_config(config, use_cache=True)
+    from transformers import LlamaForCausalLM
+
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config)
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def fused_adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:

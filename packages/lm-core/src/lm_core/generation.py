@@ -1,0 +1,359 @@
+"""Autoregressive generation for `TransformerLM`: a static KV cache, sampling, and `Decoder`,
+which prefills the prompt once and then feeds one token per step.
+
+Life of a `generate` call:
+1. prefill: the prompt (B, T) runs through the model once at positions 0..T-1; every block
+   attends among the prompt's tokens with the model's own attention backend (naive, sdpa,
+   flash-torch, flash-triton: all causal on equal lengths) and writes its keys and values at
+   those positions of the cache.
+2. decode: each step feeds the B tokens just sampled, (B, 1), at position p. A block writes its
+   key and value at p and attends over the whole cache with a mask that hides positions > p:
+   one `F.scaled_dot_product_attention` with static shapes, whatever the model's backend, so
+   the step compiles once (`torch.compile(fullgraph=True, dynamic=False)`) and can be captured
+   in a CUDA graph and replayed for every token.
+3. sample: `sample_next` on the last logits (greedy at temperature 0, else top-k / top-p).
+
+The cache (`KVCache`) holds, per block, keys and values of shape (B, H, S, Dh), S = `max_len`
+positions (default context_length; `generate` sizes it to prompt + new tokens), allocated at
+the first write with the keys' shape, dtype and device (an autocast model caches bf16) and
+never moved afterwards. Positions beyond the current one keep stale values that the mask
+hides.
+
+Shapes: B batch, T new tokens, S cache positions, H heads, Dh head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class KVCache:
+    """Keys and values of every block, each (B, H, max_len, Dh), allocated at first write."""
+
+    def __init__(self, num_layers: int, max_len: int) -> None:
+        self.max_len = max_len
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def batch_size(self) -> int | None:
+        """The batch the buffers were allocated for (None before the first write)."""
+        return None if self.k[0] is None else self.k[0].shape[0]
+
+    def allocate(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Buffers of block `index` shaped like k / v (B, H, T, Dh) with max_len positions."""
+        b, h, _, dk = k.shape
+        self.k[index] = k.new_zeros(b, h, self.max_len, dk)  # (B, H, S, Dh)
+        self.v[index] = v.new_zeros(b, h, self.max_len, v.shape[-1])  # (B, H, S, Dh)
+
+
+class LayerCache:
+    """What one block's attention sees of a cached forward: where its new keys go, and how to
+    attend. Made by `CacheStep.layer(i)`."""
+
+    def __init__(self, step: CacheStep, index: int) -> None:
+        self.step = step
+        self.index = index
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Positions (T,) int64 of the tokens being fed, for RoPE."""
+        return self.step.positions
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn
+    ) -> torch.Tensor:
+        """Store k, v (B, H, T, Dh) at the step's positions, then attend: (B, H, T, Dh).
+
+        Prefill: `attn_fn` (the model's backend, causal) over the new keys only. Decode:
+        SDPA over the whole cache under the step's mask (key position <= query position).
+        """
+        cache, i, step = self.step.cache, self.index, self.step
+        if cache.k[i] is None:
+            cache.allocate(i, k, v)
+        k_all, v_all = cache.k[i], cache.v[i]  # (B, H, S, Dh) each
+        k_all.index_copy_(2, step.positions, k.to(k_all.dtype))
+        v_all.index_copy_(2, step.positions, v.to(v_all.dtype))
+        if step.mask is None:
+            return attn_fn(q, k, v)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=step.mask)
+
+
+class CacheStep:
+    """One cached forward: the cache, the positions (T,) of the new tokens, and the mask
+    (T, S) bool of the keys each may see (None for a prefill from position 0)."""
+
+    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
+        self.cache = cache
+        self.positions = positions
+        self.mask = mask
+
+    def layer(self, index: int) -> LayerCache:
+        return LayerCache(self, index)
+
+
+def _decode_logits(
+    model: nn.Module, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Logits (B, V) of the last of `tokens` (B, T) fed at `positions` (T,) against the cache.
+    Static shapes for a fixed B and T: what `Decoder` compiles and captures."""
+    keys = torch.arange(cache.max_len, device=positions.device)  # (S,)
+    mask = keys[None, :] <= positions[:, None]  # (T, S): key position <= query position
+    h = model.hidden_states(tokens, kv_cache=CacheStep(cache, positions, mask))  # (B, T, D)
+    return model.lm_head(h[:, -1])  # (B, V)
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token ids (B,) int64 from logits (B, V).
+
+    temperature 0: argmax. Else softmax(logits / temperature) restricted to the `top_k` most
+    likely ids and/or the nucleus of `top_p` (the smallest set of most likely ids whose
+    probability reaches top_p; after top-k when both are given), renormalized, sampled with
+    `generator`. Ids outside the kept set are never drawn.
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    scaled = logits.float() / temperature  # (B, V)
+    ids = None  # the vocabulary ids of the columns of `scaled`, when not 0..V-1
+    if top_k is not None and top_k < scaled.shape[-1]:
+        scaled, ids = torch.topk(scaled, top_k, dim=-1)  # (B, k), descending
+    elif top_p is not None and top_p < 1:
+        scaled, ids = torch.sort(scaled, dim=-1, descending=True)  # (B, V)
+    if top_p is not None and top_p < 1:
+        probs = torch.softmax(scaled, dim=-1)
+        # drop an id when the more likely ones already reach top_p (the first is always kept)
+        beyond = probs.cumsum(dim=-1) - probs >= top_p
+        scaled = scaled.masked_fill(beyond, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    choice = torch.multinomial(probs, 1, generator=generator)  # (B, 1) column index
+    if ids is not None:
+        choice = ids.gather(-1, choice)
+    return choice.squeeze(-1)
+
+
+def check_sampling(
+    temperature: float, top_k: int | None, top_p: float | None, eos_id: int | None, vocab: int
+) -> None:
+    """ValueError naming the argument when a sampling option is out of range."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature: expected a number, got {temperature!r}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k: expected None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise ValueError(f"top_p: expected None or a number in (0, 1], got {top_p!r}")
+    if eos_id is not None and not (isinstance(eos_id, int) and 0 <= eos_id < vocab):
+        raise ValueError(f"eos_id: expected None or an id in [0, {vocab}), got {eos_id!r}")
+
+
+class Decoder:
+    """Generation with a KV cache for one `TransformerLM`, reused across calls.
+
+    max_len: cache positions (prompt + new tokens must fit), default the model's
+        context_length. Every decode step attends over all of them (masked), so a cache sized
+        to the work at hand (as gpt-fast does) decodes faster.
+    compile: `torch.compile` the decode step (fullgraph, static shapes; `compile_options` are
+        passed on, e.g. {"backend": "aot_eager"} or {"mode": "max-autotune-no-cudagraphs"}).
+        The prefill runs eagerly (prompt lengths vary).
+    cuda_graph: capture the decode step (eager or compiled) in a CUDA graph per batch size and
+        replay it for every token (CUDA only): no per-op launch cost.
+    The cache is allocated at the first prefill for the batch size and kept while the batch
+    size stays the same.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_len: int | None = None,
+        compile: bool = False,
+        cuda_graph: bool = False,
+        compile_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        context = self.config.context_length
+        self.max_len = context if max_len is None else max_len
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int):
+            raise TypeError(f"max_len: expected an int or None, got {max_len!r}")
+        if not 1 <= self.max_len <= context:
+            raise ValueError(f"max_len: expected 1..context_length={context}, got {max_len}")
+        self.device = model.lm_head.weight.device
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph: needs a model on a CUDA device, got {self.device}")
+        self.cuda_graph = cuda_graph
+        self.step_fn: Callable[..., torch.Tensor] = _decode_logits
+        if compile:
+            options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
+            self.step_fn = torch.compile(_decode_logits, **options)
+        self.cache = KVCache(self.config.num_layers, self.max_len)
+        self.position = 0  # next position to write
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
+        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
+        self._graph: Any = None
+        self._graph_logits: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the prompt tokens (B, T) from position 0; logits (B, V) of its last token."""
+        b, t = tokens.shape
+        if self.cache.batch_size != b:
+            self.cache = KVCache(self.config.num_layers, self.max_len)
+            self._token = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            self._graph = None
+        positions = torch.arange(t, device=self.device)
+        step = CacheStep(self.cache, positions, mask=None)
+        h = self.model.hidden_states(tokens, kv_cache=step)  # (B, T, D)
+        self.position = t
+        return self.model.lm_head(h[:, -1])  # (B, V)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens (B,) at the next position; logits (B, V) for the one after."""
+        if self.position >= self.cache.max_len:
+            raise ValueError(
+                f"the cache is full: all max_len={self.cache.max_len} positions are used"
+            )
+        self._token.copy_(tokens.view(-1, 1))
+        self._pos.fill_(self.position)
+        self.position += 1
+        if not self.cuda_graph:
+            return self.step_fn(self.model, self.cache, self._token, self._pos)
+        if self._graph is None:
+            self._capture()
+        self._graph.replay()
+        return self._graph_logits.clone()
+
+    def _capture(self) -> None:
+        """Warm up on a side stream (compilation, cuBLAS workspaces), then capture one step.
+        The warm-up writes the same key and value at the same position as the replay will."""
+        args = (self.model, self.cache, self._token, self._pos)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.step_fn(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._graph_logits = self.step_fn(*args)
+        self._graph = graph
+
+    def stream(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yield each step's new tokens (B,) as they are sampled (see `generate`)."""
+        self._check(tokens, max_new_tokens, generator)
+        check_sampling(temperature, top_k, top_p, eos_id, self.config.vocab_size)
+        with torch.no_grad():
+            logits = self.prefill(tokens)
+            finished = None  # (B,) bool: rows that produced eos_id (they repeat it)
+            for i in range(max_new_tokens):
+                nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
+                if eos_id is not None:
+                    if finished is not None:
+                        nxt = torch.where(finished, eos_id, nxt)
+                    finished = nxt == eos_id
+                yield nxt
+                if finished is not None and bool(finished.all()):  # syncs with the device
+                    return
+                if i + 1 < max_new_tokens:
+                    logits = self.step(nxt)
+
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """The prompt tokens (B, T) continued by up to `max_new_tokens`: (B, T + n) int64.
+
+        Stops early once every row has produced `eos_id` (rows that finished earlier are
+        padded with it). Greedy at temperature 0.
+        """
+        steps = list(
+            self.stream(tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
+        )
+        return torch.cat([tokens.long(), *(s[:, None] for s in steps)], dim=1)
+
+    def _check(
+        self, tokens: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
+    ) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 1:
+            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
+            raise ValueError(f"tokens: expected a (batch, seq >= 1) tensor, got {shape}")
+        if tokens.device != self.device:
+            raise ValueError(f"tokens: on {tokens.device}, the model on {self.device}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens: expected an int, got {max_new_tokens!r}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
+        total = tokens.shape[1] + max_new_tokens
+        if total > self.max_len:
+            limit = (
+                f"context_length {self.max_len}"
+                if self.max_len == self.config.context_length
+                else f"the Decoder's max_len {self.max_len}"
+            )
+            raise ValueError(
+                f"max_new_tokens: prompt ({tokens.shape[1]}) + max_new_tokens "
+                f"({max_new_tokens}) = {total} exceeds {limit}"
+            )
+        if generator is not None and torch.device(generator.device).type != self.device.type:
+            raise ValueError(
+                f"generator: on {generator.device}, but sampling runs on {self.device}"
+            )
+
+
+def generate(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Eager decoding with a KV cache sized to the prompt and `max_new_tokens` (see `Decoder`;
+    a length beyond context_length is refused there, naming max_new_tokens)."""
+    max_len = None  # the full context, where the arguments are invalid: Decoder names them
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and isinstance(max_new_tokens, int):
+        needed = tokens.shape[1] + max_new_tokens
+        if 1 <= needed <= model.config.context_length:
+            max_len = needed
+    return Decoder(model, max_len=max_len).generate(
+        tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator
+    )
+
+
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast the parameters (not the buffers: RoPE tables stay fp32) to `dtype`, in place."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model

@@ -1,0 +1,304 @@
+"""Decode throughput of lm_core's KV-cache generation: `python -m perf_tools.generate_bench`.
+
+For every size x batch size x provider: a prompt of `--prompt-len` random tokens, then
+`--new-tokens` greedy tokens. Prefill and decode are timed apart (the device synchronized
+before each clock read), the median of `--repeats` runs; a first untimed run (compilation,
+CUDA-graph capture, autotuning) is reported apart as `warmup_s`. Decode tokens/s =
+batch x (new_tokens - 1) / decode time (the first new token comes from the prefill).
+
+Providers:
+  eager              lm_core.generation.Decoder, op by op
+  compile            the decode step compiled by inductor (fullgraph, static cache shapes)
+  cudagraph          the eager decode step captured once in a CUDA graph, replayed per token
+  compile+cudagraph  the compiled step captured in a CUDA graph
+  hf                 transformers LlamaForCausalLM.generate at the same dims (SDPA, its
+                     default dynamic KV cache), greedy; skipped when transformers is missing
+  hf-static          the same with cache_implementation="static" (transformers then compiles
+                     the decode step itself on CUDA, mode="reduce-overhead")
+Ours and HF's caches both hold prompt + new tokens positions; weights in `--dtype` (bf16 on
+CUDA by default; lm_core keeps its RoPE tables in fp32). A cell that cannot run here (no CUDA,
+no transformers) or runs out of memory is a row with a note; any other failure is a row saying
+`error: ...` (traceback on stderr) and the command exits 1 at the end.
+
+Example (GPU):
+  python -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 --csv decode.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf_tools import _cli, report
+from perf_tools._compile import allow_recompiles
+from perf_tools.models import build_model, resolve_config, size_names
+from perf_tools.timing import free_after_oom, is_oom, peak_memory_bytes, reset_peak_memory
+from perf_tools.timing import synchronize as sync
+
+PROVIDERS = ("eager", "compile", "cudagraph", "compile+cudagraph", "hf", "hf-static")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLUMNS = [
+    "size",
+    "batch",
+    "provider",
+    "dtype",
+    "prompt",
+    "new_tokens",
+    "prefill_ms",
+    "ms_per_step",
+    "tokens_per_s",
+    "warmup_s",
+    "peak_mem_gib",
+    "note",
+]
+
+
+class CellSkippedError(Exception):
+    """This cell cannot run here; the message says why."""
+
+
+def _median_runs(run: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
+    """Median prefill and decode seconds over `repeats` calls of `run`."""
+    times = [run() for _ in range(repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def time_ours(model: Any, provider: str, prompt: torch.Tensor, new_tokens: int, repeats: int):
+    """(warm-up s, prefill s, decode s) of lm_core's Decoder for `provider`."""
+    from lm_core.generation import Decoder
+
+    device = prompt.device
+    graph = "cudagraph" in provider
+    if graph and device.type != "cuda":
+        raise CellSkippedError("CUDA graphs need a CUDA device")
+    decoder = Decoder(
+        model,
+        max_len=prompt.shape[1] + new_tokens,
+        compile=provider.startswith("compile"),
+        cuda_graph=graph,
+    )
+
+    def run() -> tuple[float, float]:
+        sync(device)
+        t0 = time.perf_counter()
+        token = decoder.prefill(prompt).argmax(-1)  # (B,)
+        sync(device)
+        t1 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            token = decoder.step(token).argmax(-1)  # stays on the device: no host sync
+        sync(device)
+        return t1 - t0, time.perf_counter() - t1
+
+    t0 = time.perf_counter()
+    run()
+    warmup = time.perf_counter() - t0
+    return (warmup, *_median_runs(run, repeats))
+
+
+def time_hf(hf_model: Any, provider: str, prompt: torch.Tensor, new_tokens: int, repeats: int):
+    """(warm-up s, prefill s, decode s) of LlamaForCausalLM.generate: decode = time of
+    `new_tokens` minus time of 1 new token (the prefill and its first token)."""
+    device = prompt.device
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
+    if provider == "hf-static":
+        kwargs["cache_implementation"] = "static"
+
+    def gen(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf_model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
+        if out.shape[1] != prompt.shape[1] + n:
+            raise RuntimeError(f"generate returned {out.shape[1] - prompt.shape[1]} tokens")
+        return time.perf_counter() - t0
+
+    def run() -> tuple[float, float]:
+        one = gen(1)
+        return one, gen(new_tokens) - one
+
+    t0 = time.perf_counter()
+    gen(new_tokens)
+    warmup = time.perf_counter() - t0
+    return (warmup, *_median_runs(run, repeats))
+
+
+def _row(size: str, batch: int, provider: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A row with every column, the measured ones empty."""
+    row: dict[str, Any] = dict.fromkeys(COLUMNS)
+    row.update(size=size, batch=batch, provider=provider, dtype=args.dtype)
+    row.update(prompt=args.prompt_len, new_tokens=args.new_tokens)
+    return row
+
+
+def _measure(row: dict[str, Any], fn: Callable[[], tuple[float, float, float]], device) -> None:
+    """Fill `row` from fn() -> (warm-up, prefill, decode) seconds; a skipped cell, an OOM or
+    another failure becomes the row's note."""
+    reset_peak_memory(device)
+    try:
+        with free_after_oom(device):
+            warmup, prefill, decode = fn()
+    except CellSkippedError as exc:
+        row["note"] = f"skipped: {exc}"
+        return
+    except Exception as exc:
+        if is_oom(exc):
+            row["note"] = "OOM"
+        else:
+            traceback.print_exc()
+            first = (str(exc).splitlines() or [""])[0][:120]
+            row["note"] = f"error: {type(exc).__name__}: {first}"
+        return
+    steps = row["new_tokens"] - 1
+    peak = peak_memory_bytes(device)
+    row.update(
+        prefill_ms=prefill * 1e3,
+        ms_per_step=decode / steps * 1e3,
+        tokens_per_s=row["batch"] * steps / decode,
+        warmup_s=warmup,
+        peak_mem_gib=peak / 2**30 if peak is not None else None,
+    )
+
+
+def run_size(size: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every batch size x provider for one model size."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    config = resolve_config(size, context_length=args.prompt_len + args.new_tokens)
+    rows = []
+    ours = [p for p in args.providers if not p.startswith("hf")]
+    theirs = [p for p in args.providers if p.startswith("hf")]
+    if ours:
+        from lm_core.generation import cast_weights
+
+        torch.manual_seed(0)
+        model = cast_weights(build_model(config, device), dtype).eval()
+        for batch in args.batch_sizes:
+            prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), device=device)
+            for provider in ours:
+                row = _row(size, batch, provider, args)
+                fn = partial(time_ours, model, provider, prompt, args.new_tokens, args.repeats)
+                _measure(row, fn, device)
+                rows.append(row)
+                _progress(row, args)
+        del model
+    if theirs:
+        from perf_tools.hf_baseline import MissingBaselineError, available, build_hf_llama_lm
+
+        ok, note = available()
+        hf_model = None
+        if ok:
+            torch.manual_seed(0)
+            try:
+                hf_model = build_hf_llama_lm(config, device, dtype)
+            except MissingBaselineError as exc:
+                ok, note = False, str(exc)
+        for batch in args.batch_sizes:
+            prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), device=device)
+            for provider in theirs:
+                row = _row(size, batch, provider, args)
+                if not ok:
+                    row["note"] = f"skipped: {note}"
+                else:
+                    fn = partial(time_hf, hf_model, provider, prompt, args.new_tokens, args.repeats)
+                    _measure(row, fn, device)
+                rows.append(row)
+                _progress(row, args)
+        del hf_model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _progress(row: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.quiet:
+        return
+    what = row.get("note") or f"{row['tokens_per_s']:,.0f} tokens/s"
+    print(f"  {row['size']} batch {row['batch']} {row['provider']}: {what}", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m perf_tools.generate_bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_cli.listed(_cli.choice(size_names())),
+        default=None,
+        help="model presets (default: small xl)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=_cli.listed(_cli.positive_int),
+        default=None,
+        help="batch sizes (default: 1 16)",
+    )
+    p.add_argument(
+        "--providers",
+        nargs="+",
+        type=_cli.listed(_cli.choice(PROVIDERS)),
+        default=None,
+        help=f"default: all ({', '.join(PROVIDERS)})",
+    )
+    p.add_argument("--prompt-len", type=_cli.positive_int, default=128, help="prompt tokens")
+    p.add_argument(
+        "--new-tokens",
+        type=_cli.positive_int,
+        default=256,
+        help="generated tokens per run (at least 2)",
+    )
+    p.add_argument("--repeats", type=_cli.positive_int, default=3, help="timed runs per cell")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), help="weights (default: bf16 on CUDA, else fp32)"
+    )
+    p.add_argument("--device", type=_cli.device_arg, default=None, help="default: cuda if any")
+    _cli.add_output_args(p, plot=False)
+    p.set_defaults(csv=Path("generate_bench.csv"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.sizes = _cli.flatten(args.sizes) or ["small", "xl"]
+    args.batch_sizes = _cli.flatten(args.batch_sizes) or [1, 16]
+    args.providers = _cli.flatten(args.providers) or list(PROVIDERS)
+    args.device = args.device or torch.device(_cli.default_device())
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.type == "cuda" else "fp32"
+    if args.new_tokens < 2:
+        parser.error(
+            f"--new-tokens: expected at least 2 (one from the prefill), got {args.new_tokens}"
+        )
+    allow_recompiles()  # one compiled decode step per model and batch size
+    rows = []
+    for size in args.sizes:
+        rows.extend(run_size(size, args))
+    title = (
+        f"greedy decode, prompt {args.prompt_len} + {args.new_tokens} new tokens, "
+        f"{args.dtype}, {args.device.type}"
+    )
+    report.print_table(rows, COLUMNS, title=title)
+    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
+    for what, path in (("csv", args.csv), ("json", args.json)):
+        if path is not None:
+            print(f"{what}: {path}")
+    return 1 if any(str(r["note"]).startswith("error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

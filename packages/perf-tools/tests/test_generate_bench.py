@@ -1,0 +1,81 @@
+"""The decode benchmark at a tiny size on CPU: every provider gives a row, the CSV is written."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from perf_tools import generate_bench
+
+
+def test_cpu_smoke_rows_and_csv(tmp_path, capsys):
+    out = tmp_path / "decode.csv"
+    argv = [
+        "--sizes",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "2",
+        "--prompt-len",
+        "4",
+        "--new-tokens",
+        "6",
+        "--repeats",
+        "1",
+        "--providers",
+        "eager",
+        "cudagraph",
+        "hf",
+        "--csv",
+        str(out),
+        "--quiet",
+    ]
+    assert generate_bench.main(argv) == 0
+    assert "greedy decode" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    assert list(rows[0]) == generate_bench.COLUMNS
+    cells = {(r["provider"], r["batch"]): r for r in rows}
+    assert set(cells) == {(p, b) for p in ("eager", "cudagraph", "hf") for b in ("1", "2")}
+    for batch in ("1", "2"):
+        eager = cells["eager", batch]
+        assert float(eager["tokens_per_s"]) > 0
+        steps = int(eager["new_tokens"]) - 1
+        expected = int(batch) * steps / (float(eager["ms_per_step"]) * steps / 1e3)
+        assert float(eager["tokens_per_s"]) == pytest.approx(expected, rel=1e-6)
+        assert cells["cudagraph", batch]["note"].startswith("skipped: CUDA graphs")
+        hf = cells["hf", batch]
+        if hf["note"]:  # transformers missing: a row that says so
+            assert hf["note"].startswith("skipped: transformers is not installed")
+        else:
+            assert float(hf["tokens_per_s"]) > 0
+
+
+def test_new_tokens_must_leave_a_decode_step(capsys):
+    with pytest.raises(SystemExit):
+        generate_bench.main(["--new-tokens", "1"])
+    assert "--new-tokens" in capsys.readouterr().err
+
+
+def test_a_failing_cell_is_an_error_row_and_exit_1(tmp_path, monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(generate_bench, "time_ours", broken)
+    argv = [
+        "--sizes",
+        "tiny",
+        "--batch-sizes",
+        "1",
+        "--new-tokens",
+        "3",
+        "--providers",
+        "eager",
+        "--csv",
+        str(tmp_path / "d.csv"),
+        "--quiet",
+    ]
+    assert generate_bench.main(argv) == 1
+    (row,) = csv.DictReader((tmp_path / "d.csv").open())
+    assert row["note"] == "error: RuntimeError: kernel exploded"
+    assert "kernel exploded" in capsys.readouterr().err
