@@ -118,14 +118,15 @@ class CausalSelfAttention(nn.Module):
         _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, Dh)
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism (lm_core.parallel) a rank computes H / tp heads
+        qkv = self.qkv_proj(x).view(b, t, 3, -1, self.head_dim)  # (B, T, 3, H, Dh)
         qk = self.rope(qkv[:, :, :2])  # (B, T, 2, H, Dh): q and k rotated in one pass
         q = qk[:, :, 0].transpose(1, 2)  # (B, H, T, Dh)
         k = qk[:, :, 1].transpose(1, 2)  # (B, H, T, Dh)
         v = qkv[:, :, 2].transpose(1, 2)  # (B, H, T, Dh)
         out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
-        out = out.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
+        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * Dh)
         return self.output_proj(out)
 
 
