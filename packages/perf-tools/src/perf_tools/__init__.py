@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "ddp": "data-parallel wrappers: step time and communication overhead",
     "zero": "optimizer-state sharding: memory and step time",
     "accounting": "memory and FLOP accounting of the models",
+    "plan": "predicted step time, communication and memory of DP, FSDP, TP and FSDP x TP",
 }
 
 __all__ = ["COMMANDS", "__version__"]
