@@ -38,6 +38,11 @@ def _tp_gradients(world: int, sequence_parallel: bool, fused: bool) -> dict[str,
     model = tp_model()
     mesh = make_mesh(world, "cpu")
     apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    try:
+        apply_tensor_parallel(model, mesh["tp"])
+        twice = None
+    except ValueError as exc:
+        twice = str(exc)
     x, y = tp_batch()
     loss = model(x, y) if fused else cross_entropy(model(x), y)
     loss.backward()
@@ -47,4 +52,4 @@ def _tp_gradients(world: int, sequence_parallel: bool, fused: bool) -> dict[str,
         if isinstance(g, DTensor):
             g = g.full_tensor()  # sums partial (sequence-parallel) gradients too
         grads[name] = g.detach().clone()
-    return {"loss": loss.item(), "grads": from_tp_layout(grads, world)}
+    return {"loss": loss.item(), "grads": from_tp_layout(grads, world), "twice": twice}

@@ -57,6 +57,15 @@ def test_check_tensor_parallel_names_the_problem():
         check_tensor_parallel(get_config("tiny", matmul="tf32x3"), 2)
 
 
+def test_apply_tensor_parallel_checks_its_arguments():
+    from lm_core.parallel import apply_tensor_parallel
+
+    with pytest.raises(TypeError, match="TransformerLM"):
+        apply_tensor_parallel(torch.nn.Linear(4, 4), None)
+    with pytest.raises(ValueError, match="1-D DeviceMesh"):
+        apply_tensor_parallel(TransformerLM(get_config("tiny")), None)
+
+
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
@@ -92,6 +101,7 @@ def test_tp_gradients_equal_one_process():
         expected_loss = fused_loss if fused else loss
         assert r0[i]["loss"] == pytest.approx(expected_loss.item(), rel=1e-6)
         assert r1[i]["loss"] == r0[i]["loss"]
+        assert "already applied" in r0[i]["twice"]
         for name, g in ref.items():
             # fp32; only the order of the sums across the two halves differs
             label = f"sp={sp} fused={fused} {name}"
