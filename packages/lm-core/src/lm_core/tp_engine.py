@@ -34,7 +34,11 @@ from lm_core.parallel import apply_tensor_parallel, from_tp_layout, make_mesh, t
 
 
 class TensorParallel(TorchFSDP):
-    """`--tp N` (`fsdp=False`: the world is one TP group) or `--tp N --fsdp torch` (2-D)."""
+    """`--tp N` (`fsdp=False`: the world is one TP group) or `--tp N --fsdp torch` (2-D).
+
+    A `TorchFSDP` for its full-state checkpoint methods (torch's `get/set_*_state_dict`
+    gather and scatter TP and 2-D DTensors alike) and `no_sync`; it builds the model itself
+    rather than through `TorchFSDP.__init__` (which would shard over the whole world)."""
 
     def __init__(
         self,
