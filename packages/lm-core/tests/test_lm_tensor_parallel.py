@@ -84,6 +84,16 @@ def test_tp_flag_errors(flag, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_tp_on_one_process_says_how_to_launch():
+    import torch.distributed as dist
+
+    from lm_core.train import main
+
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
+        main(["--size", "tiny", "--tp", "2", "--steps", "1", "--no-progress"])
+    assert not dist.is_initialized()  # the one-process group it made is gone
+
+
 def test_tp_gradients_equal_one_process():
     import lm_tp_workers
 

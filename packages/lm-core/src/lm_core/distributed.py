@@ -133,7 +133,10 @@ def setup_distributed(
     if world % tp:
         if owns:
             dist.destroy_process_group()
-        raise ValueError(f"--tp {tp} must divide the number of ranks ({world})")
+        raise ValueError(
+            f"--tp {tp} must divide the number of ranks ({world}): run under "
+            f"torchrun --nproc_per_node {tp} (or a multiple of {tp})"
+        )
     return DistEnv(
         rank=dist.get_rank(),
         world_size=world,
