@@ -44,15 +44,26 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")  # noqa: RUF009 - immutable default
     owns_group: bool = False  # True when setup_distributed created the group (and must end it)
+    tp: int = 1  # tensor-parallel group size: groups of tp consecutive ranks share their data
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: ranks / tp."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index (the same on every rank of a TP group)."""
+        return self.rank // self.tp
+
     def rows(self, global_batch: int) -> slice:
-        """This rank's rows of a global batch split evenly over ranks."""
-        per_rank = global_batch // self.world_size
-        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        """This rank's rows of a global batch split evenly over data-parallel replicas."""
+        per_rank = global_batch // self.dp_size
+        return slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
 
 
 def _free_port() -> int:
@@ -77,17 +88,17 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 
 
 def setup_distributed(
-    ddp: str, device: str = "auto", backend: str = "auto", *, fsdp: str = "none"
+    ddp: str, device: str = "auto", backend: str = "auto", *, fsdp: str = "none", tp: int = 1
 ) -> DistEnv:
-    """Join the process group for a data-parallel `ddp` != "none" or a sharded `fsdp` !=
-    "none", or run on one device.
+    """Join the process group for a data-parallel `ddp` != "none", a sharded `fsdp` !=
+    "none" or tensor parallelism `tp` > 1, or run on one device.
 
     An existing group (initialized by the caller) is used as is. Under torchrun (WORLD_SIZE in
     the environment) a group is created from the environment; with a wrapper chosen but no
     torchrun, a one-process group on localhost (useful to try a wrapper on one device).
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if ddp == "none" and fsdp == "none":
+    if ddp == "none" and fsdp == "none" and tp == 1:
         if env_world > 1 or (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 f"--ddp none: this process is one of {max(env_world, 2)} ranks; choose a "
@@ -95,7 +106,7 @@ def setup_distributed(
                 f"--fsdp {{{','.join(FSDP_CHOICES[1:])}}}"
             )
         return DistEnv(device=resolve_device(device, 0))
-    flag = f"--fsdp {fsdp}" if fsdp != "none" else f"--ddp {ddp}"
+    flag = f"--tp {tp}" if tp > 1 else f"--fsdp {fsdp}" if fsdp != "none" else f"--ddp {ddp}"
     if not dist.is_available():
         raise RuntimeError(f"{flag}: this torch build has no torch.distributed")
     if "LOCAL_RANK" in os.environ:
@@ -118,12 +129,21 @@ def setup_distributed(
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
             )
         owns = True
+    world = dist.get_world_size()
+    if world % tp:
+        if owns:
+            dist.destroy_process_group()
+        raise ValueError(
+            f"--tp {tp} must divide the number of ranks ({world}): run under "
+            f"torchrun --nproc_per_node {tp} (or a multiple of {tp})"
+        )
     return DistEnv(
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
+        world_size=world,
         local_rank=local_rank,
         device=dev,
         owns_group=owns,
+        tp=tp,
     )
 
 

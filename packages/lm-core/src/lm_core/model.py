@@ -123,8 +123,9 @@ class CausalSelfAttention(nn.Module):
         _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
 
     def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
-        b, t, d = x.shape
-        qkv = self.qkv_proj(x).view(b, t, 3, self.num_heads, self.head_dim)  # (B, T, 3, H, Dh)
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallelism (lm_core.parallel) a rank computes H / tp heads
+        qkv = self.qkv_proj(x).view(b, t, 3, -1, self.head_dim)  # (B, T, 3, H, Dh)
         positions = None if kv_cache is None else kv_cache.positions
         qk = self.rope(qkv[:, :, :2], positions)  # (B, T, 2, H, Dh): q and k rotated in one pass
         q = qk[:, :, 0].transpose(1, 2)  # (B, H, T, Dh)
@@ -134,7 +135,7 @@ class CausalSelfAttention(nn.Module):
             out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
         else:  # stores k and v, attends over the cached keys
             out = kv_cache.attend(q, k, v, self.attn_fn)  # (B, H, T, Dh)
-        out = out.transpose(1, 2).reshape(b, t, d)  # (B, T, D)
+        out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * Dh)
         return self.output_proj(out)
 
 
@@ -170,7 +171,10 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
         with annotate("attention"):
-            x = x + self.attn(self.ln1(x), kv_cache)
+            # the cache only when decoding: module hooks (tensor parallelism's input layouts)
+            # see one input in training
+            h = self.ln1(x)
+            x = x + (self.attn(h) if kv_cache is None else self.attn(h, kv_cache))
         with annotate("ffn"):
             x = x + self.ffn(self.ln2(x))
         return x

@@ -82,8 +82,10 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        # (device, dtype) -> lists of params, grads, exp_avgs, exp_avg_sqs, steps
-        buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = defaultdict(
+        # (device, dtype, DTensor mesh or None) -> lists of params, grads, exp_avgs,
+        # exp_avg_sqs, steps: a foreach op takes no mix of tensors and DTensors (tensor
+        # parallelism leaves the replicated parameters plain) nor DTensors of two meshes.
+        buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(
             lambda: [[], [], [], [], []]
         )
         for p in group["params"]:
@@ -100,11 +102,11 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            lists = buckets[(p.device, p.dtype)]
+            lists = buckets[(p.device, p.dtype, getattr(p, "device_mesh", None))]
             for i, t in enumerate((p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                 lists[i].append(t)
             lists[4].append(state["step"])
-        for (device, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
+        for (device, _, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
             if self._use_fused(group, device):
                 self._fused_update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
             else:

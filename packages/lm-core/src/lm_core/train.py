@@ -8,6 +8,8 @@ Examples:
         --bucket-size-mb 100 --zero --batch-size 8 --context-length 512
     torchrun --nproc_per_node 2 -m lm_core.train --size 2.7B --bf16 --fsdp ours \
         --activation-checkpointing optimal --fused-loss --batch-size 8 --context-length 2048
+    torchrun --nproc_per_node 4 -m lm_core.train --size 2.7B --bf16 --tp 2 --fsdp torch \
+        --sequence-parallel --fused-loss --batch-size 8 --context-length 1024
 
 `--batch-size` is the global number of sequences per micro-step, split evenly over ranks;
 each optimizer step sees batch-size x grad-accum-steps sequences. The logic lives in
@@ -110,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard weights, gradients and optimizer state: ours = zero_shard.FSDP, "
         "torch = torch's fully_shard (per block, then the root); excludes --ddp and --zero",
     )
+    g.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel degree: shard attention heads and the SwiGLU over groups of N "
+        "consecutive ranks (lm_core.parallel); with --fsdp torch, 2-D on a (ranks/N, N) mesh",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: norms and the residual stream split along the sequence",
+    )
     g.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
 
     g = p.add_argument_group("evaluation, checkpoints, logging")
@@ -200,6 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error(f"--zero: --fsdp {args.fsdp} already shards the optimizer state")
         if args.compile and args.fsdp == "ours":
             parser.error(f"--compile is not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}")
+    _check_tp(parser, args)
     if args.zero and args.ddp == "none":
         parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
     if args.eval_every and args.val_data is None and args.data is not None:
@@ -220,12 +235,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"model flags: {exc}")
     if args.context_length is None:
         args.context_length = args.model_config.context_length
+    if args.tp > 1:
+        from lm_core.parallel import check_tensor_parallel
+
+        try:
+            check_tensor_parallel(
+                args.model_config,
+                args.tp,
+                sequence_parallel=args.sequence_parallel,
+                seq_len=args.context_length,
+            )
+        except ValueError as exc:
+            parser.error(f"--tp: {exc}")
     if args.metrics is None and args.out_dir is not None:
         args.metrics = args.out_dir / "metrics.jsonl"
     message = _existing_run_message(args)
     if message:
         parser.error(message)
     return args
+
+
+def _check_tp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--tp combines with --fsdp torch only (torch's engine on the other mesh axis)."""
+    if args.tp < 1:
+        parser.error(f"--tp must be positive, got {args.tp}")
+    if args.sequence_parallel and args.tp == 1:
+        parser.error("--sequence-parallel needs --tp N with N > 1")
+    if args.tp == 1:
+        return
+    if args.ddp != "none" or args.zero:
+        parser.error(
+            f"--tp {args.tp}: combine tensor parallelism with --fsdp torch (DTensor "
+            "parameters), not --ddp/--zero"
+        )
+    if args.fsdp == "ours":
+        parser.error(
+            f"--tp {args.tp}: zero_shard.FSDP does not take DTensor parameters; use --fsdp torch"
+        )
 
 
 def _existing_run_message(args: argparse.Namespace) -> str | None:

@@ -332,7 +332,7 @@ def _args_record(args: argparse.Namespace) -> dict[str, Any]:
 
 def train(args: argparse.Namespace) -> TrainResult:
     """Run training as configured by `lm_core.train.parse_args`; returns a TrainResult."""
-    env = setup_distributed(args.ddp, args.device, args.dist_backend, fsdp=args.fsdp)
+    env = setup_distributed(args.ddp, args.device, args.dist_backend, fsdp=args.fsdp, tp=args.tp)
     try:
         return _train(args, env)
     finally:
@@ -340,10 +340,10 @@ def train(args: argparse.Namespace) -> TrainResult:
 
 
 def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
-    if args.batch_size % env.world_size != 0:
+    if args.batch_size % env.dp_size != 0:
         raise ValueError(
-            f"--batch-size {args.batch_size} must be divisible by the number of ranks "
-            f"({env.world_size})"
+            f"--batch-size {args.batch_size} must be divisible by the number of data-parallel "
+            f"replicas ({env.dp_size} = ranks / --tp)"
         )
     if args.tf32 and env.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -355,16 +355,31 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
     param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
     # activation checkpointing, then compile, then data-parallel / FSDP wrappers (wrap_model)
     ratio = block_activation_ratio(args.model_config, autocast=args.bf16)
-    apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
-    pm = wrap_model(
-        model,
-        args.ddp,
-        env,
-        compile=args.compile,
-        bucket_size_mb=args.bucket_size_mb,
-        fsdp=args.fsdp,
-        bf16=args.bf16,
-    )
+    if args.tp > 1:  # tensor parallel, checkpointing, compile, FSDP (lm_core.tp_engine)
+        from lm_core.tp_engine import TensorParallel
+
+        pm: ParallelModel = TensorParallel(
+            model,
+            env,
+            tp=args.tp,
+            sequence_parallel=args.sequence_parallel,
+            fsdp=args.fsdp == "torch",
+            bf16=args.bf16,
+            compile=args.compile,
+            activation_checkpointing=args.activation_checkpointing,
+            activation_ratio=ratio,
+        )
+    else:
+        apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
+        pm = wrap_model(
+            model,
+            args.ddp,
+            env,
+            compile=args.compile,
+            bucket_size_mb=args.bucket_size_mb,
+            fsdp=args.fsdp,
+            bf16=args.bf16,
+        )
     optimizer = build_optimizer(
         pm.parameters(),  # under --fsdp: this rank's shards (and the replicated norms)
         AdamW,

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "zero": "optimizer-state sharding: memory and step time",
     "accounting": "memory and FLOP accounting of the models",
     "generate_bench": "decode tokens/s: KV-cache generation eager / compiled / CUDA graph vs HF",
+    "plan": "predicted step time, communication and memory of DP, FSDP, TP and FSDP x TP",
 }
 
 __all__ = ["COMMANDS", "__version__"]
