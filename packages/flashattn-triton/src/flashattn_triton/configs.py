@@ -414,3 +414,40 @@ def head_group(
         return n_bh
     fit = int(l2_bytes * HEAD_GROUP_L2_SHARE) // max(streamed_bytes_per_head, 1)
     return max(1, min(n_bh, fit))
+
+
+# Decode: a forward with at most DECODE_MAX_Q queries (times the q heads per k/v head: at
+# most DECODE_MAX_ROWS rows, one tile) against DECODE_MIN_KEYS keys or more runs the split-KV
+# kernels (``kernels.attn_fwd_decode_kernel``): one program per (batch, k/v head, key split),
+# enough splits for DECODE_PROGRAMS_PER_SM programs per SM, then a combine kernel. Not yet
+# measured: the thresholds are first guesses (flash-attn splits up to 128 ways likewise).
+DECODE_MAX_Q = 16
+DECODE_MIN_KEYS = 1024
+DECODE_MAX_ROWS = 128
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 128
+# Key tile, warps, stages by padded head dim (block_m: the rows, set per call); float32 keys
+# tiles of 32.
+DECODE_TILES: dict[int, TileConfig] = {
+    16: TileConfig(16, 128, 4, 3),
+    32: TileConfig(16, 128, 4, 3),
+    64: TileConfig(16, 64, 4, 3),
+    128: TileConfig(16, 64, 4, 3),
+}
+
+
+def decode_config(rows: int, block_d: int, elem_bytes: int) -> TileConfig:
+    """The decode kernel's tile: ``rows`` (queries x q heads per k/v head) padded to a power
+    of two >= 16, keys from DECODE_TILES (32 for float32)."""
+    cfg = DECODE_TILES[_table_key(block_d)]
+    block_n = 32 if elem_bytes >= 4 else cfg.block_n
+    return replace(cfg, block_m=max(16, next_pow2(rows)), block_n=block_n)
+
+
+def decode_splits(bh_kv: int, key_tiles: int, n_sms: int) -> int:
+    """Key splits of the decode kernel for bh_kv (batch x k/v heads) programs per split and
+    key_tiles tiles to share: enough for DECODE_PROGRAMS_PER_SM programs per SM (3 per
+    (batch, head) where the SM count is unknown, e.g. Triton's interpreter), at most one
+    tile per split and DECODE_MAX_SPLITS."""
+    target = DECODE_PROGRAMS_PER_SM * n_sms if n_sms > 0 else 3 * bh_kv
+    return max(1, min(-(-target // max(bh_kv, 1)), key_tiles, DECODE_MAX_SPLITS))
