@@ -149,10 +149,10 @@ def flash_attention_varlen(
     offs_k = _checked_offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
     if resolve_backend(backend, q) == "triton":
         check_triton_dtype_and_dim(q)
+        cu_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
         o, lse = VarlenFlashAttention.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-            left, right,
-        )  # fmt: skip
+            q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right
+        )
     else:
         if offs_q is None:
             offs_q, offs_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()

@@ -144,10 +144,12 @@ def _varlen_views(q, k, v):
 class VarlenFlashAttention(torch.autograd.Function):
     """``flash_attention_varlen`` on checked inputs: ``apply(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right)``
-    -> (o (total_q, Hq, d), lse (Hq, total_q) float32, not differentiable)."""
+    -> (o (total_q, Hq, d), lse (Hq, total_q) float32, not differentiable). cu_seqlens_k
+    None: the same as cu_seqlens_q (dynamo traces no Function given one tensor twice)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right):
+        cu_k = cu_q if cu_k is None else cu_k
         args = (cu_q, cu_k, max_q, max_k, causal, scale, left, right)
         q4, k4, v4 = _varlen_views(q, k, v)
         if _compiling():
