@@ -194,6 +194,21 @@ def test_decode_path_splits_keys(shape, causal, window, small_tiles, monkeypatch
 
 
 @needs_interpreter
+def test_decode_tiles_follow_the_tile_configs_option(monkeypatch, set_options):
+    """``tile_configs="decode.fp32=..."`` sets the decode kernel's key tile (and so the number
+    of splits): 16-key tiles over 70 keys make 5 tiles."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    set_options(tile_configs="decode.fp32=16,16,4,2")
+    tiles = []
+    real = configs.decode_splits
+    monkeypatch.setattr(configs, "decode_splits", lambda *a: tiles.append(a[1]) or real(*a))
+    _check_dense("triton", (1, 4, 2, 2, 70), True, (-1, -1))
+    assert tiles == [5]
+    with pytest.raises(ValueError, match="unknown kind 'decodes'"):
+        set_options(tile_configs="decodes=16,16,4,2")
+
+
+@needs_interpreter
 def test_torch_compile_fullgraph_with_features():
     """GQA, a window, return_lse and varlen trace into one graph (the custom ops)."""
 

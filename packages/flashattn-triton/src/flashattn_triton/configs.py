@@ -290,7 +290,7 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         kind, _, vals = item.partition("=")
         kind = kind.strip()
-        if kind.removesuffix(".fp32") not in DEFAULTS:
+        if kind.removesuffix(".fp32") not in (*DEFAULTS, "decode"):
             raise ValueError(f"tile_configs: unknown kind {kind!r} in {item!r}")
         try:
             out[kind] = TileConfig.parse(vals)
@@ -436,12 +436,18 @@ DECODE_TILES: dict[int, TileConfig] = {
 }
 
 
-def decode_config(rows: int, block_d: int, elem_bytes: int) -> TileConfig:
+def decode_config(rows: int, block_d: int, elem_bytes: int, tile_configs: str = "") -> TileConfig:
     """The decode kernel's tile: ``rows`` (queries x q heads per k/v head) padded to a power
-    of two >= 16, keys from DECODE_TILES (32 for float32)."""
-    cfg = DECODE_TILES[_table_key(block_d)]
-    block_n = 32 if elem_bytes >= 4 else cfg.block_n
-    return replace(cfg, block_m=max(16, next_pow2(rows)), block_n=block_n)
+    of two >= 16; keys, warps and stages from an override (``OVERRIDES`` or the
+    ``tile_configs`` option, kind "decode" / "decode.fp32"; its block_m is ignored), else
+    DECODE_TILES (key tiles of 32 for float32)."""
+    key = "decode.fp32" if elem_bytes >= 4 else "decode"
+    cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
+    if cfg is None:
+        cfg = DECODE_TILES[_table_key(block_d)]
+        if elem_bytes >= 4:
+            cfg = replace(cfg, block_n=32)
+    return replace(cfg, block_m=max(16, next_pow2(rows)))
 
 
 def decode_splits(bh_kv: int, key_tiles: int, n_sms: int) -> int:

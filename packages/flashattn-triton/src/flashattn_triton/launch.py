@@ -64,6 +64,7 @@ def clear_plans() -> None:
     _GENERATION[0] += 1
     _PLANS.clear()
     _BWD_SCHEMES.clear()
+    _DECODE_PLANS.clear()
 
 
 on_change(clear_plans)
@@ -443,26 +444,44 @@ def forward(
     return o, lse
 
 
+# Decode launches by launch-plan key: (tile config, splits, keys per split, first key).
+_DECODE_PLANS: dict[tuple, tuple[C.TileConfig, int, int, int]] = {}
+
+
+def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, int]:
+    """The decode kernels' tile, key splits, keys per split (a multiple of the key tile)
+    and first key: the keys any query sees run from row 0's left bound to the last key
+    (bottom-right aligned, the last query sees the last key whatever the right bound)."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    cfg = C.decode_config(
+        h // h_kv * n_q, C.block_d_for(d), q.element_size(), get_options().tile_configs
+    )
+    key_lo = 0
+    if feat is not None and feat.window:
+        key_lo = max(0, n_k - n_q - feat.left) // cfg.block_n * cfg.block_n
+    tiles = triton_cdiv(n_k - key_lo, cfg.block_n)
+    splits = C.decode_splits(b * h_kv, tiles, sm_count(q))
+    keys_per_split = triton_cdiv(tiles, splits) * cfg.block_n
+    return cfg, triton_cdiv(n_k - key_lo, keys_per_split), keys_per_split, key_lo
+
+
 def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None):
     """The forward by the split-KV decode kernels (few queries, many keys; ``forward``
     checked the shapes): the keys any query sees are split over programs, each (batch, k/v
     head) program takes the queries of all q heads that read that k/v head, and a combine
-    kernel merges the splits."""
+    kernel merges the splits (one split: the decode kernel writes o and lse itself)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    group = h // h_kv
-    block_d = C.block_d_for(d)
-    cfg = C.decode_config(group * n_q, block_d, q.element_size())
-    kern_causal, window = (causal, False) if feat is None else (feat.causal, feat.window)
-    # Keys some query sees: from row 0's left bound to the last key.
-    # (Bottom-right aligned, the last query sees the last key whatever the right bound.)
-    key_lo, key_hi = 0, n_k
-    if window:
-        key_lo = max(0, n_k - n_q - feat.left) // cfg.block_n * cfg.block_n
-    tiles = triton_cdiv(key_hi - key_lo, cfg.block_n)
-    splits = C.decode_splits(b * h_kv, tiles, sm_count(q))
-    keys_per_split = triton_cdiv(tiles, splits) * cfg.block_n
-    splits = triton_cdiv(key_hi - key_lo, keys_per_split)
+    key = _layout_key((q, k, v), "decode", causal, softmax_scale, feat) if q.is_cuda else None
+    plan = _DECODE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _decode_plan(q, k, feat)
+        if key is not None:
+            if len(_DECODE_PLANS) >= 4096:
+                _DECODE_PLANS.clear()
+            _DECODE_PLANS[key] = plan
+    cfg, splits, keys_per_split, key_lo = plan
     if splits > 1:
         o_part = torch.empty((b, h, splits, n_q, d), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((b, h, splits, n_q), dtype=torch.float32, device=q.device)
@@ -473,13 +492,15 @@ def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features 
 
     def launch_jit() -> None:
         kern = _kernels()
+        block_d = C.block_d_for(d)
+        kern_causal, window = (causal, False) if feat is None else (feat.causal, feat.window)
         fastlaunch.launch(
             kern.attn_fwd_decode_kernel, (b * h_kv, splits),
             q, k, v, o, lse, o_part, lse_part,
             *_bhn_strides(q), *_bhn_strides(k), *_bhn_strides(v), *_bhn_strides(o),
-            h_kv, n_q, n_k, softmax_scale * kern.LOG2E, group,
+            h_kv, n_q, n_k, softmax_scale * kern.LOG2E, h // h_kv,
             feat.left if window else None, feat.right if window else None,
-            key_lo, key_hi, keys_per_split,
+            key_lo, n_k, keys_per_split,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=kern_causal, WINDOW=window,
             DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             EVEN_N=n_k % cfg.block_n == 0, SPLIT=splits > 1,
@@ -492,9 +513,6 @@ def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features 
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, C.next_pow2(splits)),
             )  # fmt: skip
 
-    key = None
-    if q.is_cuda:
-        key = _layout_key((q, k, v), "decode", causal, softmax_scale, feat)
     _launch_planned(key, (q, k, v), outputs, launch_jit)
     return o, lse
 
