@@ -7,6 +7,10 @@ sm_90, H100). Catches compile errors before spending GPU time and shows register
     python benchmarks/compile_offline.py --shape 16,1,16384,64 --dtype bf16 --causal
     python benchmarks/compile_offline.py --bwd fused --sweep   # every default/override variant
     python benchmarks/compile_offline.py --causal --schedule   # + each kernel's wgmma schedule
+    python benchmarks/compile_offline.py --shape 2,32,4096,128 --kv-heads 8 --window 512,-1 \
+        --causal                                               # grouped-query heads, a window
+    python benchmarks/compile_offline.py --shape 1,16,16384,128 --varlen 8 --causal
+    python benchmarks/compile_offline.py --shape 8,32,1,128 --nk 65536 --causal   # decode
 
 ``--schedule`` prints the order, in the PTX, of the tensor-core work and what waits for it:
 ``M4`` four wgmma instructions (one tl.dot), ``C`` a commit of the group, ``[W0]`` a wait
@@ -30,7 +34,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TRITON_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TRITON_TY = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+}  # fmt: skip
 
 
 class _MetaDescriptor:
@@ -136,12 +142,17 @@ class _Capture:
         return launch
 
 
-def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
+def capture_launches(
+    shape, n_k, dtype, causal, scheme, tma=True, kv_heads=None, window=(-1, -1), varlen=0
+):
     """Run the launchers on meta tensors; return the kernel launches they would make.
 
     With ``tma`` the launchers see a Hopper GPU's TMA support, so configs marked ``tma``
-    compile with descriptors as they run there; without it, every load uses pointers."""
-    from flashattn_triton import kernels, launch
+    compile with descriptors as they run there; without it, every load uses pointers.
+    ``kv_heads``, ``window``: grouped-query heads and a sliding window; ``varlen``: that
+    many packed sequences of at most N tokens (B*N tokens in all), through
+    ``launch_varlen``."""
+    from flashattn_triton import kernels, launch, launch_varlen
 
     log: list = []
 
@@ -169,10 +180,20 @@ def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
 
     set_options(backward=scheme)
     b, h, n, d = shape
+    h_kv = kv_heads or h
+    if varlen:
+        q = torch.empty((1, h, b * n, d), dtype=dtype, device="meta")
+        k = torch.empty((1, h_kv, b * n_k, d), dtype=dtype, device="meta")
+        cu = torch.empty((varlen + 1,), dtype=torch.int32, device="meta")
+        args = (cu, cu, n, n_k, causal, d**-0.5, *window)
+        o, lse = launch_varlen.forward_varlen(q, k, k, *args)
+        launch_varlen.backward_varlen(o, q, k, k, o, lse, *args)
+        return log
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
-    k = torch.empty((b, h, n_k, d), dtype=dtype, device="meta")
-    o, lse = launch.forward(q, k, k, causal, d**-0.5)
-    launch.backward(o, q, k, k, o, lse, causal, d**-0.5)
+    k = torch.empty((b, h_kv, n_k, d), dtype=dtype, device="meta")
+    o, lse = launch.forward(q, k, k, causal, d**-0.5, *window)
+    if o.shape[2] > 16:  # a decode-sized forward runs no backward here
+        launch.backward(o, q, k, k, o, lse, causal, d**-0.5, *window)
     return log
 
 
@@ -218,6 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--set", action="append", default=[], help="e.g. dkdv=32,64,4,3,tma,reg (TileConfig.parse)"
     )
+    ap.add_argument("--kv-heads", type=int, help="k/v heads (grouped-query attention)")
+    ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
+    ap.add_argument("--varlen", type=int, default=0, help="B packed sequences of up to N tokens")
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
@@ -225,12 +249,15 @@ def main(argv=None) -> int:
         kind, vals = item.split("=")
         configs.OVERRIDES[kind] = configs.TileConfig.parse(vals)
     shape = tuple(int(x) for x in a.shape.split(","))
+    window = tuple(int(x) for x in a.window.split(","))
     log = capture_launches(
-        shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers
-    )
+        shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers,
+        kv_heads=a.kv_heads, window=window, varlen=a.varlen,
+    )  # fmt: skip
+    features = ("USE_TMA", "REG_A", "GQA", "WINDOW", "VARLEN", "SPLIT")
     for fn, _grid, bound, w, s, maxnreg in log:
         meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
-        meta |= {k: v for k, v in bound.items() if k in ("USE_TMA", "REG_A") and v}
+        meta |= {k: v for k, v in bound.items() if k in features and v}
         try:
             r = compile_launch(fn, bound, w, s, a.cc, maxnreg)
             cap = f" r{maxnreg}" if maxnreg else ""

@@ -11,6 +11,8 @@ dense tests); lse within 1e-5 absolute, -inf exactly for rows that see no key.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from flashattn_testutil import (
@@ -147,6 +149,31 @@ def test_varlen_torch_backend(lens_q, lens_k, h_q, h_kv, causal, window):
 @pytest.mark.parametrize(("lens_q", "lens_k", "h_q", "h_kv", "causal", "window"), VARLEN)
 def test_varlen_triton_kernels(lens_q, lens_k, h_q, h_kv, causal, window, small_tiles):
     _check_varlen("triton", lens_q, lens_k, h_q, h_kv, causal, window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("packed", [False, True])
+def test_features_through_tma_descriptors(packed, monkeypatch):
+    """With TMA tiles, k/v (and q/dO) tiles come through descriptors addressed by k/v head
+    and, for packed sequences, by the sequence's first row: rows past a sequence's end are
+    the next sequence's (masked), past the buffer zeros."""
+    tiles = {kind: replace(cfg, tma=True) for kind, cfg in SMALL_TILES.items()}
+    monkeypatch.setattr(configs, "OVERRIDES", tiles)
+    used = []
+    real = launch._stream_args
+    monkeypatch.setattr(
+        launch, "_stream_args", lambda kind, *a: used.append(kind) or _tma(real(kind, *a))
+    )
+    if packed:
+        _check_varlen("triton", [19, 1, 40], [19, 1, 40], 4, 2, True, (7, -1))
+    else:
+        _check_dense("triton", (1, 4, 2, 40, 40), True, (9, -1))
+    assert used == ["fwd", "dq", "dkdv"]  # each through descriptors (_tma)
+
+
+def _tma(stream_args: dict) -> dict:
+    assert stream_args["USE_TMA"], stream_args
+    return stream_args
 
 
 @needs_interpreter

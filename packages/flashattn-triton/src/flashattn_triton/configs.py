@@ -165,6 +165,22 @@ DEFAULTS_FP32: dict[str, dict[int, TileConfig]] = {
 DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
 
 
+# 16-bit calls with features (grouped-query heads, windows, packed sequences; see
+# ``features``) take these entries where present: the plain tables' tiles spill registers
+# there (the windowed forward's extra masked key range, the dK/dV kernel's loop over the
+# query heads of a group, the register caps of d = 32 and 64), e.g. up to 760 bytes of
+# stack for the d = 128 dK/dV kernel. Chosen to compile for sm_90 without spills in every
+# feature combination (benchmarks/compile_offline.py); not yet timed on a GPU.
+FEATURE_DEFAULTS: dict[str, dict[int, TileConfig]] = {
+    "fwd": {64: TileConfig(128, 64, 8, 3, tma=True), 128: TileConfig(128, 64, 8, 2, tma=True)},
+    "dkdv": {
+        32: TileConfig(32, 64, 4, 3, tma=True),
+        64: TileConfig(32, 64, 4, 3, tma=True),
+        128: TileConfig(32, 128, 8, 3, tma=True),
+    },
+}
+
+
 # Per-kind overrides, e.g. set by a benchmark sweeping configs: {"fwd": TileConfig(...)};
 # keys "fwd", "dkdv", ... apply to 16-bit inputs, "fwd.fp32", ... to float32 inputs.
 OVERRIDES: dict[str, TileConfig] = {}
@@ -344,13 +360,17 @@ def default_config(
     small_grid: bool = False,
     few_programs: bool = False,
     tile_configs: str = "",
+    features: bool = False,
 ) -> TileConfig:
     """The config used without autotuning: an override (``OVERRIDES``, then the
-    ``tile_configs`` spec of ``Options``), else the measured table (its FEW_PROGRAMS entry
-    for a grid of few programs, see ``few_programs``; adapted to a small grid, see
-    ``for_small_grid``), fitted."""
+    ``tile_configs`` spec of ``Options``), else for a call with ``features`` its
+    FEATURE_DEFAULTS entry, else the measured table (its FEW_PROGRAMS entry for a grid of
+    few programs, see ``few_programs``; adapted to a small grid, see ``for_small_grid``),
+    fitted."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
     cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
+    if cfg is None and features and elem_bytes < 4:
+        cfg = FEATURE_DEFAULTS.get(kind, {}).get(_table_key(block_d))
     if cfg is None:
         cfg = table[kind][_table_key(block_d)]
         if few_programs and elem_bytes < 4:

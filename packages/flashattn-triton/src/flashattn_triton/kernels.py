@@ -105,6 +105,7 @@ def _load_streamed(
     b32,
     h32,
     start,
+    row0,
     n_rows,
     stride_row,
     offs_r,
@@ -116,9 +117,10 @@ def _load_streamed(
     USE_TMA: tl.constexpr,
 ):
     """A tile of the main loop's streamed operand: through the (B, H, N, d) TMA descriptor
-    (out-of-bounds rows and columns read as zeros) or by pointers as ``_load_rows``."""
+    (out-of-bounds rows and columns read as zeros) or by pointers as ``_load_rows``. row0:
+    where row 0 of base is in the descriptor (a packed sequence's first row; else 0)."""
     if USE_TMA:
-        x = desc.load([b32, h32, start, 0]).reshape(BLOCK_R, BLOCK_D)
+        x = desc.load([b32, h32, row0 + start, 0]).reshape(BLOCK_R, BLOCK_D)
     else:
         x = _load_rows(
             base, start, n_rows, stride_row, offs_r, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS
@@ -193,6 +195,7 @@ def _fwd_key_loop(
     desc_v,
     b32,
     h32,
+    row0,
     stride_kn,
     stride_vn,
     lo,
@@ -220,7 +223,7 @@ def _fwd_key_loop(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
-            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            desc_k, k_base, b32, h32, start_n, row0, n_k, stride_kn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
@@ -241,7 +244,7 @@ def _fwd_key_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_streamed(
-            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            desc_v, v_base, b32, h32, start_n, row0, n_k, stride_vn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -319,9 +322,13 @@ def attn_fwd_kernel(
     v_base = V + b * stride_vb + hk * stride_vh
     o_base = Out + b * stride_ob + h * stride_oh
     lse_row = pid_bh.to(tl.int64) * n_q
+    tma_b = b32  # K, V tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
     if VARLEN:  # batch strides are 0: move to the sequence's first rows
         seq_q = tl.load(CU_Q + b32)
         seq_k = tl.load(CU_K + b32)
+        tma_b = 0
+        row0 = seq_k
         lse_row = h * n_q + seq_q
         n_q = tl.load(CU_Q + b32 + 1) - seq_q
         n_k = tl.load(CU_K + b32 + 1) - seq_k
@@ -364,20 +371,23 @@ def attn_fwd_kernel(
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = tl.maximum(full_hi, full_lo)
         acc, l_i, m_i = _fwd_key_loop(
-            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn, stride_vn,
+            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+            stride_kn, stride_vn,
             lo, full_lo, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
             WINDOW,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_key_loop(
-        acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+        stride_kn, stride_vn,
         full_lo, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
         False,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_key_loop(
-            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn, stride_vn,
+            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+            stride_kn, stride_vn,
             full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
             WINDOW,
@@ -497,6 +507,7 @@ def _dkdv_query_loop(
     desc_rows,
     b32,
     h32,
+    row0,
     pid_bh,
     lse_base,
     delta_base,
@@ -547,11 +558,11 @@ def _dkdv_query_loop(
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPEC):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         q = _load_streamed(
-            desc_q, q_base, b32, h32, start_m, n_q, stride_qn, offs_tm, offs_d,
+            desc_q, q_base, b32, h32, start_m, row0, n_q, stride_qn, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         do = _load_streamed(
-            desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
+            desc_do, do_base, b32, h32, start_m, row0, n_q, stride_don, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         if STATS_TMA:
@@ -627,11 +638,15 @@ def _dkdv_head(
     dq_base = DQ + b * stride_dqb + h * stride_dqh
     lse_base = LSE + stats_bh.to(tl.int64) * stride_lse
     delta_base = DELTA + stats_bh.to(tl.int64) * stride_delta
+    tma_b = b32  # Q, dO tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
     if VARLEN:
         q_base += seq_q.to(tl.int64) * stride_qn
         do_base += seq_q.to(tl.int64) * stride_don
         lse_base += seq_q
         delta_base += seq_q
+        tma_b = 0
+        row0 = seq_q
 
     causal_off = n_k - n_q
     left_off = 0
@@ -653,8 +668,8 @@ def _dkdv_head(
         mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
-            stats_bh, lse_base,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+            row0, stats_bh, lse_base,
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
@@ -670,8 +685,8 @@ def _dkdv_head(
     # keys must be masked there. (It saves the mask work; no measurable time, NOTES.md run 64.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
-        stats_bh, lse_base,
+        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+        row0, stats_bh, lse_base,
         delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, full_hi,
         offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
@@ -679,8 +694,8 @@ def _dkdv_head(
     )  # fmt: skip
     if WINDOW:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
-            stats_bh, lse_base,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+            row0, stats_bh, lse_base,
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, full_hi, hi,
             offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
@@ -787,6 +802,7 @@ def _dq_key_loop(
     desc_v,
     b32,
     h32,
+    row0,
     stride_kn,
     stride_vn,
     lo,
@@ -814,11 +830,11 @@ def _dq_key_loop(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
-            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            desc_k, k_base, b32, h32, start_n, row0, n_k, stride_kn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         v = _load_streamed(
-            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            desc_v, v_base, b32, h32, start_n, row0, n_k, stride_vn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
@@ -915,9 +931,13 @@ def _dq_tile(
     hk = hk32.to(tl.int64)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
+    tma_b = b32  # K, V tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
     if VARLEN:
         k_base += seq_k.to(tl.int64) * stride_kn
         v_base += seq_k.to(tl.int64) * stride_vn
+        tma_b = 0
+        row0 = seq_k
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     causal_off = n_k - n_q
     left_off = 0
@@ -938,20 +958,20 @@ def _dq_tile(
         full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
         full_hi = tl.maximum(full_hi, full_lo)
         dq = _dq_key_loop(
-            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn,
+            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
             stride_vn, lo, full_lo, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
             WINDOW,
         )  # fmt: skip
     dq = _dq_key_loop(
-        dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn,
+        dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
         stride_vn, full_lo, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
         False,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         dq = _dq_key_loop(
-            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, hk32, stride_kn,
+            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
             stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
             WINDOW,
@@ -1202,7 +1222,7 @@ def attn_fwd_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _fwd_key_loop(
-        acc, l_i, m_i, q, k_base, v_base, None, None, b32, hk32, stride_kn, stride_vn,
+        acc, l_i, m_i, q, k_base, v_base, None, None, b32, hk32, 0, stride_kn, stride_vn,
         lo, hi, pos, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
         True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, False, WINDOW,
     )  # fmt: skip

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import replace
 
 import torch
 
@@ -324,13 +323,15 @@ _SHRUNK: dict[tuple, C.TileConfig] = {}
 def _run(
     kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int, *,
     small_grid: bool = False, few_programs: bool = False, ragged: bool = False,
+    features: bool = False,
 ) -> None:  # fmt: skip
     """Launch with the default (fitted) config, or through the autotuner when enabled.
 
     If the device has less shared memory than a config needs, Triton refuses the launch
     (OutOfResources, before anything runs); retry with smaller configs instead of failing.
-    ``ragged``: packed variable-length sequences (n_q, n_k: the longest), read by pointers
-    with every bounds check on, never autotuned (its heuristics see the packed lengths).
+    ``ragged``: packed variable-length sequences (n_q, n_k: the longest), every bounds
+    check on, never autotuned (its heuristics see the packed lengths). ``features``: tiles
+    from ``configs.FEATURE_DEFAULTS`` where it has them.
     """
     opts = get_options()
     if opts.autotune and not interpreting() and not ragged:
@@ -343,11 +344,9 @@ def _run(
     from triton.runtime.errors import OutOfResources
 
     first = C.default_config(
-        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs
+        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs, features
     )
-    if ragged and first.tma:
-        first = replace(first, tma=False)
-    key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
+    key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"), features)
     cfg = _SHRUNK.get(key, first)
     while True:
         try:
@@ -436,7 +435,7 @@ def forward(
         few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
         _run(
             "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
-            small_grid=small, few_programs=few,
+            small_grid=small, few_programs=few, features=feat is not None,
         )  # fmt: skip
 
     key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None
@@ -547,7 +546,14 @@ def _gluon_reads_stats(q: torch.Tensor) -> bool:
 
 
 def _stats_by_tma(
-    q: torch.Tensor, kind: str | None, n_q: int, n_k: int, block_d: int, elem: int, small: bool
+    q: torch.Tensor,
+    kind: str | None,
+    n_q: int,
+    n_k: int,
+    block_d: int,
+    elem: int,
+    small: bool,
+    features: bool = False,
 ) -> bool:
     """Whether the Triton dK/dV kernel (``kind`` 'dkdv' or 'atomic') will bring L and D by
     TMA, so that ``_stats_buffers`` packs them: configs.STATS_TMA, its default config asks
@@ -556,7 +562,9 @@ def _stats_by_tma(
     opts = get_options()
     if kind is None or not C.STATS_TMA or opts.autotune or _gluon_reads_stats(q):
         return False
-    cfg = C.default_config(kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs)
+    cfg = C.default_config(
+        kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs, features=features
+    )
     return cfg.tma and tma_usable(q)
 
 
@@ -673,7 +681,8 @@ def _backward_scheme(
     block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     if feat is not None:
-        return "split", "dkdv", False, _stats_by_tma(q, "dkdv", n_q, n_k, block_d, elem, False)
+        packed = _stats_by_tma(q, "dkdv", n_q, n_k, block_d, elem, False, features=True)
+        return "split", "dkdv", False, packed
     n_sms = sm_count(q)
     setting = get_options().backward
     scheme = C.resolve_backward_scheme(setting, causal, b * h, n_k, block_d, elem, n_sms)
@@ -779,6 +788,7 @@ def _backward_launches(
             _run(
                 "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, len_q, len_k, block_d,
                 elem, small_grid=plain and _small_grid(causal, bh, n_q, n_sms), ragged=ragged,
+                features=not plain,
             )  # fmt: skip
 
     def grid_keys(cfg):
@@ -803,5 +813,5 @@ def _backward_launches(
             dkdv_args.update(head_group_args(q, bh_kv, n_q * (h // h_kv), block_d))
         _run(
             kind, kern.attn_bwd_dkdv_kernel, grid_keys, dkdv_args, len_q, len_k, block_d,
-            elem, small_grid=small_dkdv, ragged=ragged,
+            elem, small_grid=small_dkdv, ragged=ragged, features=not plain,
         )  # fmt: skip

@@ -81,7 +81,7 @@ def forward_varlen(
         L._check_grid(L.triton_cdiv(max_q, 16), "max_seqlen_q", 16)
         L._run(
             "fwd", kern.attn_fwd_kernel, grid, args, max_q, max_k, block_d, q.element_size(),
-            ragged=True,
+            ragged=True, features=True,
         )  # fmt: skip
 
     key = None
