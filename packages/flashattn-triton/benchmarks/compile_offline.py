@@ -11,6 +11,11 @@ sm_90, H100). Catches compile errors before spending GPU time and shows register
         --causal                                               # grouped-query heads, a window
     python benchmarks/compile_offline.py --shape 1,16,16384,128 --varlen 8 --causal
     python benchmarks/compile_offline.py --shape 8,32,1,128 --nk 65536 --causal   # decode
+    python benchmarks/compile_offline.py --causal --sass        # + a hash of each kernel's SASS
+
+``--sass`` hashes the SASS with parameter offsets blanked out: two source trees whose hashes
+match compile to the same machine code for that call (e.g. a change that must leave the plain
+kernels as they were, checked against ``git archive`` of the previous commit).
 
 ``--schedule`` prints the order, in the PTX, of the tensor-core work and what waits for it:
 ``M4`` four wgmma instructions (one tl.dot), ``C`` a commit of the group, ``[W0]`` a wait
@@ -113,6 +118,22 @@ def wgmma_a_from_smem(ptx: str) -> int:
         operands = ins.split("}", 1)[1].lstrip(" \t\n,")
         count += not operands.startswith("{")
     return count
+
+
+def sass_hash(cubin: bytes) -> str:
+    """12 hex digits of the SASS instructions, constant-bank offsets (parameters) blanked."""
+    import hashlib
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [m[1] for m in re.finditer(r"/\*[0-9a-f]+\*/\s*(.*?);", out)]
+    text = "\n".join(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[P]", i) for i in ins)
+    return f"{hashlib.sha1(text.encode()).hexdigest()[:12]} ({len(ins)} instructions)"
 
 
 def _resource_usage(cubin: bytes) -> str:
@@ -221,6 +242,7 @@ def compile_launch(fn, bound, num_warps, num_stages, cc, maxnreg=None):
         "shfl": ptx.count("shfl.sync"),
         "shared": c.metadata.shared,
         "schedule": wgmma_schedule(ptx),
+        "sass": sass_hash(c.asm["cubin"]),
     }
 
 
@@ -233,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", default="split", choices=("split", "fused", "atomic"))
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--schedule", action="store_true", help="print each kernel's wgmma schedule")
+    ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
     ap.add_argument(
         "--pointers", action="store_true", help="compile pointer loads where a config asks for TMA"
     )
@@ -270,6 +293,8 @@ def main(argv=None) -> int:
             )
             if a.schedule:
                 print(f"    schedule: {r['schedule']}", flush=True)
+            if a.sass:
+                print(f"    sass: {r['sass']}", flush=True)
         except Exception as e:
             print(f"{fn.__name__}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}")
             return 1
