@@ -7,6 +7,15 @@ sm_90, H100). Catches compile errors before spending GPU time and shows register
     python benchmarks/compile_offline.py --shape 16,1,16384,64 --dtype bf16 --causal
     python benchmarks/compile_offline.py --bwd fused --sweep   # every default/override variant
     python benchmarks/compile_offline.py --causal --schedule   # + each kernel's wgmma schedule
+    python benchmarks/compile_offline.py --shape 2,32,4096,128 --kv-heads 8 --window 512,-1 \
+        --causal                                               # grouped-query heads, a window
+    python benchmarks/compile_offline.py --shape 1,16,16384,128 --varlen 8 --causal
+    python benchmarks/compile_offline.py --shape 8,32,1,128 --nk 65536 --causal   # decode
+    python benchmarks/compile_offline.py --causal --sass        # + a hash of each kernel's SASS
+
+``--sass`` hashes the SASS with parameter offsets blanked out: two source trees whose hashes
+match compile to the same machine code for that call (e.g. a change that must leave the plain
+kernels as they were, checked against ``git archive`` of the previous commit).
 
 ``--schedule`` prints the order, in the PTX, of the tensor-core work and what waits for it:
 ``M4`` four wgmma instructions (one tl.dot), ``C`` a commit of the group, ``[W0]`` a wait
@@ -30,7 +39,9 @@ from pathlib import Path
 import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TRITON_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TRITON_TY = {
+    torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+}  # fmt: skip
 
 
 class _MetaDescriptor:
@@ -109,6 +120,22 @@ def wgmma_a_from_smem(ptx: str) -> int:
     return count
 
 
+def sass_hash(cubin: bytes) -> str:
+    """12 hex digits of the SASS instructions, constant-bank offsets (parameters) blanked."""
+    import hashlib
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [m[1] for m in re.finditer(r"/\*[0-9a-f]+\*/\s*(.*?);", out)]
+    text = "\n".join(re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[P]", i) for i in ins)
+    return f"{hashlib.sha1(text.encode()).hexdigest()[:12]} ({len(ins)} instructions)"
+
+
 def _resource_usage(cubin: bytes) -> str:
     import triton
 
@@ -136,12 +163,17 @@ class _Capture:
         return launch
 
 
-def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
+def capture_launches(
+    shape, n_k, dtype, causal, scheme, tma=True, kv_heads=None, window=(-1, -1), varlen=0
+):
     """Run the launchers on meta tensors; return the kernel launches they would make.
 
     With ``tma`` the launchers see a Hopper GPU's TMA support, so configs marked ``tma``
-    compile with descriptors as they run there; without it, every load uses pointers."""
-    from flashattn_triton import kernels, launch
+    compile with descriptors as they run there; without it, every load uses pointers.
+    ``kv_heads``, ``window``: grouped-query heads and a sliding window; ``varlen``: that
+    many packed sequences of at most N tokens (B*N tokens in all), through
+    ``launch_varlen``."""
+    from flashattn_triton import kernels, launch, launch_varlen
 
     log: list = []
 
@@ -169,10 +201,20 @@ def capture_launches(shape, n_k, dtype, causal, scheme, tma=True):
 
     set_options(backward=scheme)
     b, h, n, d = shape
+    h_kv = kv_heads or h
+    if varlen:
+        q = torch.empty((1, h, b * n, d), dtype=dtype, device="meta")
+        k = torch.empty((1, h_kv, b * n_k, d), dtype=dtype, device="meta")
+        cu = torch.empty((varlen + 1,), dtype=torch.int32, device="meta")
+        args = (cu, cu, n, n_k, causal, d**-0.5, *window)
+        o, lse = launch_varlen.forward_varlen(q, k, k, *args)
+        launch_varlen.backward_varlen(o, q, k, k, o, lse, *args)
+        return log
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
-    k = torch.empty((b, h, n_k, d), dtype=dtype, device="meta")
-    o, lse = launch.forward(q, k, k, causal, d**-0.5)
-    launch.backward(o, q, k, k, o, lse, causal, d**-0.5)
+    k = torch.empty((b, h_kv, n_k, d), dtype=dtype, device="meta")
+    o, lse = launch.forward(q, k, k, causal, d**-0.5, *window)
+    if o.shape[2] > 16:  # a decode-sized forward runs no backward here
+        launch.backward(o, q, k, k, o, lse, causal, d**-0.5, *window)
     return log
 
 
@@ -200,6 +242,7 @@ def compile_launch(fn, bound, num_warps, num_stages, cc, maxnreg=None):
         "shfl": ptx.count("shfl.sync"),
         "shared": c.metadata.shared,
         "schedule": wgmma_schedule(ptx),
+        "sass": sass_hash(c.asm["cubin"]),
     }
 
 
@@ -212,12 +255,16 @@ def main(argv=None) -> int:
     ap.add_argument("--bwd", default="split", choices=("split", "fused", "atomic"))
     ap.add_argument("--cc", type=int, default=90)
     ap.add_argument("--schedule", action="store_true", help="print each kernel's wgmma schedule")
+    ap.add_argument("--sass", action="store_true", help="print a hash of each kernel's SASS")
     ap.add_argument(
         "--pointers", action="store_true", help="compile pointer loads where a config asks for TMA"
     )
     ap.add_argument(
         "--set", action="append", default=[], help="e.g. dkdv=32,64,4,3,tma,reg (TileConfig.parse)"
     )
+    ap.add_argument("--kv-heads", type=int, help="k/v heads (grouped-query attention)")
+    ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
+    ap.add_argument("--varlen", type=int, default=0, help="B packed sequences of up to N tokens")
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
@@ -225,12 +272,15 @@ def main(argv=None) -> int:
         kind, vals = item.split("=")
         configs.OVERRIDES[kind] = configs.TileConfig.parse(vals)
     shape = tuple(int(x) for x in a.shape.split(","))
+    window = tuple(int(x) for x in a.window.split(","))
     log = capture_launches(
-        shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers
-    )
+        shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers,
+        kv_heads=a.kv_heads, window=window, varlen=a.varlen,
+    )  # fmt: skip
+    features = ("USE_TMA", "REG_A", "GQA", "WINDOW", "VARLEN", "SPLIT")
     for fn, _grid, bound, w, s, maxnreg in log:
         meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
-        meta |= {k: v for k, v in bound.items() if k in ("USE_TMA", "REG_A") and v}
+        meta |= {k: v for k, v in bound.items() if k in features and v}
         try:
             r = compile_launch(fn, bound, w, s, a.cc, maxnreg)
             cap = f" r{maxnreg}" if maxnreg else ""
@@ -243,6 +293,8 @@ def main(argv=None) -> int:
             )
             if a.schedule:
                 print(f"    schedule: {r['schedule']}", flush=True)
+            if a.sass:
+                print(f"    sass: {r['sass']}", flush=True)
         except Exception as e:
             print(f"{fn.__name__}: COMPILE FAILED {type(e).__name__}: {str(e)[:2000]}")
             return 1

@@ -69,3 +69,80 @@ def saved_lse(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     found = [t for t in o.grad_fn.saved_tensors if t.shape == q.shape[:-1]]
     assert len(found) == 1, [tuple(t.shape) for t in o.grad_fn.saved_tensors]
     return found[0]
+
+
+def window_mask(n_q: int, n_k: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """(Nq, Nk) bool, True where query i sees key j, written out pair by pair from the rule
+    i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: unbounded; causal: right = 0)."""
+    left, right = window
+    if causal:
+        right = 0
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    for i in range(n_q):
+        for j in range(n_k):
+            if left >= 0 and j < i + n_k - n_q - left:
+                keep[i, j] = False
+            if right >= 0 and j > i + n_k - n_q + right:
+                keep[i, j] = False
+    return keep
+
+
+def reference_features(q, k, v, do, causal=False, window=(-1, -1), scale=None):
+    """Float64 o, lse, dq, dk, dv of naive attention with grouped k/v heads (k, v expanded to
+    q's heads by repeat_interleave along dim -3) and an explicit window mask. Rows that see
+    no key: o = 0, lse = -inf."""
+    d = q.shape[-1]
+    scale = d**-0.5 if scale is None else scale
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[-3] // k.shape[-3] if q.dim() >= 3 else 1
+    kx = k64.repeat_interleave(group, dim=-3) if group > 1 else k64
+    vx = v64.repeat_interleave(group, dim=-3) if group > 1 else v64
+    s = q64 @ kx.transpose(-1, -2) * scale  # (..., Hq, Nq, Nk)
+    s = s.masked_fill(~window_mask(q.shape[-2], k.shape[-2], causal, window), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    o = torch.exp(s - lse_safe[..., None]) @ vx
+    (o * do.detach().double()).sum().backward()
+    return {"o": o.detach(), "lse": lse.detach(), "dq": q64.grad, "dk": k64.grad, "dv": v64.grad}
+
+
+def reference_varlen(q, k, v, do, cu_q, cu_k, causal=False, window=(-1, -1), scale=None):
+    """``reference_features`` one packed sequence at a time: q (total_q, Hq, d), k, v
+    (total_k, Hkv, d), offsets as lists -> o (total_q, Hq, d), lse (Hq, total_q) and the
+    gradients, float64."""
+    outs = {name: [] for name in ("o", "lse", "dq", "dk", "dv")}
+    for s in range(len(cu_q) - 1):
+        a, b, c, e = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        ref = reference_features(
+            q[a:b].transpose(0, 1), k[c:e].transpose(0, 1), v[c:e].transpose(0, 1),
+            do[a:b].transpose(0, 1), causal, window, scale,
+        )  # fmt: skip
+        for name in ("o", "dq", "dk", "dv"):
+            outs[name].append(ref[name].transpose(0, 1))
+        outs["lse"].append(ref["lse"])
+    out = {name: torch.cat(outs[name], dim=0) for name in ("o", "dq", "dk", "dv")}
+    out["lse"] = torch.cat(outs["lse"], dim=1)
+    return out
+
+
+def offsets(lengths: list[int]) -> torch.Tensor:
+    """int32 cumulative offsets [0, l0, l0 + l1, ...] of sequence lengths."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def check_against(out: dict, ref: dict, tol: float, lse_tol: float) -> None:
+    """Relative errors of o, dq, dk, dv below ``tol``, finite; lse -inf exactly where the
+    reference's is and within ``lse_tol`` elsewhere."""
+    for name in ("o", "dq", "dk", "dv"):
+        assert torch.isfinite(out[name]).all(), name
+        err = rel_err(out[name], ref[name])
+        assert err < tol, (name, err)
+    fin = torch.isfinite(ref["lse"])
+    assert torch.equal(torch.isfinite(out["lse"]), fin), "rows without keys must have lse -inf"
+    assert torch.isneginf(out["lse"][~fin]).all()
+    if fin.any():
+        err = (out["lse"][fin].double() - ref["lse"][fin]).abs().max().item()
+        assert err < lse_tol, ("lse", err)

@@ -47,3 +47,36 @@ def test_reg_flag_feeds_products_from_registers_and_caps_hold():
     assert " r128 " in reg["attn_bwd_dkdv_kernel"]
     assert _field(reg["attn_bwd_dkdv_kernel"], r"reg\s+(\d+)") <= 128
     assert _field(plain["attn_bwd_dkdv_kernel"], r"wgmma (\d+)") > 0
+
+
+def _compile_features(*argv: str) -> dict[str, str]:
+    """kernel name -> its compile_offline line for a call with features (argv: the flags)."""
+    env = {**os.environ, "PYTHONPATH": str(BENCH.parents[1] / "src")}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, str(BENCH), *argv], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("attn_")}
+
+
+@pytest.mark.timeout(600)
+def test_feature_kernels_compile_for_hopper():
+    """The interpreter never compiles: the GQA / WINDOW / VARLEN variants and the decode
+    kernels must also compile for sm_90 (TMA descriptors addressed by k/v head and by a
+    packed sequence's first row, the dK/dV loop over a group's query heads, early exits)."""
+    dense = _compile_features(
+        "--causal", "--shape", "2,8,512,128", "--kv-heads", "2", "--window", "100,-1"
+    )
+    for kernel in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"):
+        assert "'GQA': True" in dense[kernel], dense[kernel]
+        assert "'WINDOW': True" in dense[kernel], dense[kernel]
+    packed = _compile_features(
+        "--causal", "--shape", "4,4,256,64", "--kv-heads", "2", "--varlen", "4"
+    )
+    for kernel in ("attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"):
+        assert "'VARLEN': True" in packed[kernel], packed[kernel]
+        assert "'USE_TMA': True" in packed[kernel], packed[kernel]
+    decode = _compile_features("--causal", "--shape", "8,32,1,128", "--nk", "65536")
+    assert "'SPLIT': True" in decode["attn_fwd_decode_kernel"]
+    assert "attn_fwd_combine_kernel" in decode

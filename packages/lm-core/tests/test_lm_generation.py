@@ -44,6 +44,26 @@ def test_cached_greedy_equals_rerunning_the_prefix(backend):
     assert torch.equal(model.generate(prompt, n, temperature=0), expected)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{"num_kv_heads": 2}, {"num_kv_heads": 1, "sliding_window": 5}, {"sliding_window": 9}],
+)
+def test_cached_greedy_with_gqa_and_windows_equals_rerunning(backend, overrides):
+    """The cache holds the k/v heads only (repeated for the decode's SDPA) and the decode mask
+    keeps the sliding window: the same tokens as re-running the full prefix."""
+    model = _model(2, attention=backend, **overrides)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    expected, ref_logits = _greedy_by_rerunning(model, prompt, 30)
+    decoder = Decoder(model)
+    logits = [decoder.prefill(prompt)]
+    out = [logits[0].argmax(-1)]
+    for _ in range(29):
+        logits.append(decoder.step(out[-1]))
+        out.append(logits[-1].argmax(-1))
+    assert torch.equal(torch.cat([prompt, torch.stack(out, 1)], 1), expected)
+    torch.testing.assert_close(torch.stack(logits, 1), ref_logits, rtol=1e-5, atol=1e-5)
+
+
 def test_decoder_is_reusable_across_prompts_and_batch_sizes():
     model = _model(2)
     decoder = Decoder(model)

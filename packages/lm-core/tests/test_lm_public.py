@@ -16,6 +16,7 @@ EXPECTED = {
     "clip_grad_norm",
     "cosine_lr",
     "cross_entropy",
+    "document_offsets",
     "forward_flops",
     "fused_linear_cross_entropy",
     "get_attention",

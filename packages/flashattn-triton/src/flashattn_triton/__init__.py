@@ -2,12 +2,13 @@
 torch.compile-friendly custom op.
 
 Read top-down: ``reference`` (naive attention) -> ``torch_impl`` (FlashAttention2Torch) ->
-``kernels`` (Triton) -> ``launch`` / ``ops`` (custom ops) -> ``autograd``
-(FlashAttention2Triton) -> ``api`` (flash_attention, FlashAttention). ``options`` holds the
-launch switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans.
+``kernels`` (Triton) -> ``launch`` / ``launch_varlen`` / ``ops`` (custom ops) -> ``autograd``
+(FlashAttention2Triton) -> ``api`` (flash_attention, flash_attention_varlen, FlashAttention).
+``options`` holds the launch switches (``set_options``, ``use_options``), ``fastlaunch`` the
+cached launch plans, ``features`` what grouped-query heads, windows and packing ask of them.
 """
 
-from .api import BACKENDS, FlashAttention, flash_attention
+from .api import BACKENDS, FlashAttention, flash_attention, flash_attention_varlen
 from .autograd import FlashAttention2Triton
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
@@ -28,6 +29,7 @@ __all__ = [
     "attention_reference",
     "causal_mask",
     "flash_attention",
+    "flash_attention_varlen",
     "get_options",
     "set_options",
     "tflops_per_s",

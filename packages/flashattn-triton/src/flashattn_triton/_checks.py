@@ -6,6 +6,7 @@ with a readable message instead of inside a kernel launch.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -39,10 +40,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
             f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}"
         )
     if k.shape[:-2] != q.shape[:-2] or v.shape[:-2] != q.shape[:-2]:
-        raise ValueError(
-            "q, k, v must have the same leading (batch, heads) dims, got "
-            f"q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])}, v {tuple(v.shape[:-2])}"
-        )
+        _check_heads(q, k, v)
     if k.shape[-2] != v.shape[-2]:
         raise ValueError(
             f"k and v must have the same sequence length, got k {k.shape[-2]}, v {v.shape[-2]}"
@@ -57,6 +55,54 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         )
     if q.shape[-1] < 1:
         raise ValueError(f"head_dim must be at least 1, got {q.shape[-1]}")
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Leading dims that differ: only grouped-query attention is allowed, i.e. k and v alike
+    with fewer heads (dim -3) than q, a divisor of q's, and the same dims before the heads."""
+    lead = "q, k, v must have the same leading (batch, heads) dims"
+    if v.shape[:-2] != k.shape[:-2] or q.dim() < 3 or k.shape[:-3] != q.shape[:-3]:
+        raise ValueError(
+            f"{lead} (k and v may have fewer heads, dim -3, for grouped-query attention), "
+            f"got q {tuple(q.shape[:-2])}, k {tuple(k.shape[:-2])}, v {tuple(v.shape[:-2])}"
+        )
+    h_q, h_kv = q.shape[-3], k.shape[-3]
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(
+            f"grouped-query attention needs the q heads to be a multiple of the k/v heads "
+            f"(dim -3), got q heads {h_q} and k/v heads {h_kv}"
+        )
+
+
+def check_window(window_size: object) -> tuple[int, int]:
+    """``window_size`` as (left, right) ints, each -1 (unbounded) or >= 0."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if ok:
+        ok = all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    if not ok:
+        raise TypeError(
+            f"window_size must be a pair of ints (left, right), -1 meaning unbounded, "
+            f"got {window_size!r}"
+        )
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"window_size values must be -1 (unbounded) or >= 0, got window_size={window_size!r}"
+        )
+    return int(left), int(right)
+
+
+def resolve_window(causal: bool, left: int, right: int, n_q: int, n_k: int) -> tuple[int, int]:
+    """The effective (left, right) window for Nq queries and Nk keys, -1 where unbounded:
+    ``causal`` sets right = 0 (flash-attn's rule), and bounds wide enough to cover every
+    key (left >= Nk - 1, right >= Nq - 1) count as unbounded."""
+    if causal:
+        right = 0
+    if left >= n_k - 1:
+        left = -1
+    if right >= n_q - 1:
+        right = -1
+    return left, right
 
 
 def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
@@ -85,3 +131,79 @@ def check_triton_dtype_and_dim(q: torch.Tensor) -> None:
             f"the Triton backend supports head_dim 1..{MAX_HEAD_DIM}, got head_dim {q.shape[-1]}; "
             "use backend='torch' for larger heads"
         )
+
+
+def check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+) -> None:
+    """Check packed q (total_q, Hq, d), k and v (total_k, Hkv, d) and the offsets' metadata
+    (int32 (batch + 1,) tensors on q's device, non-negative int maxima). Reads no values."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"{name} must have shape (total_tokens, heads, head_dim) for "
+                f"flash_attention_varlen, got shape {tuple(t.shape)}"
+            )
+    # The checks of the dense API, on (heads, total, d) views: dtypes, devices, head dims,
+    # k/v heads dividing q heads.
+    check_qkv(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), causal)
+    batch = None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor (flash-attn's), got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(
+                f"{name} must be a 1-D tensor of batch + 1 >= 2 offsets, got shape "
+                f"{tuple(cu.shape)}"
+            )
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+        if batch is not None and cu.shape[0] != batch:
+            raise ValueError(
+                f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                f"{batch} and {cu.shape[0]}"
+            )
+        batch = cu.shape[0]
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+def check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int) -> list[int]:
+    """The offsets as a list, checked: start at 0, never decrease, end at ``total``, no
+    sequence longer than ``max_seqlen``. Reads the values (for CUDA tensors a device-to-host
+    copy, which waits for the GPU), so the launchers check each tensor once per version."""
+    offsets = cu.tolist()
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} must be non-decreasing (cumulative sequence lengths), got "
+            f"{offsets[bad]} then {offsets[bad + 1]} at positions {bad}, {bad + 1}"
+        )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name} must end at the number of packed tokens {total}, got {offsets[-1]}"
+        )
+    longest = max(lengths)
+    if longest > max_seqlen:
+        max_name = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+        raise ValueError(
+            f"{max_name}={max_seqlen} is less than the longest sequence in {name}, {longest}"
+        )
+    return offsets

@@ -8,12 +8,15 @@ from torch import nn
 from ._checks import (
     MAX_HEAD_DIM,
     TRITON_DTYPES,
+    check_offsets,
     check_qkv,
     check_triton_dtype_and_dim,
+    check_varlen,
+    check_window,
     resolve_scale,
 )
-from .autograd import CheckedFlashAttention
-from .torch_impl import FlashAttention2Torch
+from .autograd import CheckedFlashAttention, VarlenFlashAttention, WindowedFlashAttention
+from .torch_impl import FlashAttention2Torch, TorchAttention, varlen_attention_torch
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -29,40 +32,143 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return "torch"
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return compiler is not None and compiler.is_compiling()
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
     *,
     backend: str = "auto",
-) -> torch.Tensor:
-    """Scaled dot-product attention, softmax(q k^T * scale [+ causal mask]) v, differentiable.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, softmax(q k^T * scale [+ mask]) v, differentiable.
 
-    q (..., Nq, d), k and v (..., Nk, d) with the same leading dims (e.g. (B, H, N, d)), one
-    dtype and one device -> o (..., Nq, d) in q's dtype. ``softmax_scale`` defaults to
-    1/sqrt(d). Causal masks are bottom-right aligned: key j is visible to query i iff
-    j <= i + (Nk - Nq); rows that see no key give 0.
+    q (..., Hq, Nq, d), k and v (..., Hkv, Nk, d) with the same other leading dims (e.g.
+    (B, H, N, d)), one dtype and one device -> o (..., Hq, Nq, d) in q's dtype.
+    ``softmax_scale`` defaults to 1/sqrt(d).
+
+    - Grouped-query / multi-query attention: Hkv may divide Hq (heads are dim -3); query
+      head h reads k/v head h // (Hq // Hkv), as SDPA's ``enable_gqa``. dk, dv come back
+      shaped like k, v, summed over each group (no expanded copies).
+    - Masks are bottom-right aligned (flash-attn's convention): with ``window_size=(left,
+      right)`` key j is visible to query i iff
+      i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 meaning unbounded; ``causal=True``
+      sets right = 0 (j <= i + Nk - Nq). Key tiles outside the window are skipped. Rows that
+      see no key give 0.
+    - ``return_lse=True`` returns (o, lse), lse (..., Hq, Nq) float32 (float64 for float64
+      inputs on the torch backend), the natural-log log-sum-exp of each row's scaled scores
+      (-inf for rows that see no key). Gradients flow through o only: lse is not
+      differentiable.
 
     backend: 'triton' runs the Triton kernels (CUDA tensors, or CPU tensors under
     TRITON_INTERPRET=1; float16/bfloat16/float32; d <= 128), 'torch' the tiled PyTorch
     implementation (any device and floating dtype), 'auto' chooses 'triton' for CUDA tensors
-    that it supports and 'torch' otherwise.
+    that it supports and 'torch' otherwise. Few queries against many keys (decoding from a
+    KV cache) split the keys over thread blocks on the Triton backend (no separate API).
     """
     check_qkv(q, k, v, causal)
+    plain = not return_lse and window_size == (-1, -1)
     if resolve_backend(backend, q) == "triton":
         check_triton_dtype_and_dim(q)
         scale = resolve_scale(softmax_scale, q.shape[-1])
-        return CheckedFlashAttention.apply(q, k, v, causal, scale)
-    return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
+        if plain:
+            return CheckedFlashAttention.apply(q, k, v, causal, scale)
+        left, right = _check_window_and_lse(window_size, return_lse)
+        o, lse = WindowedFlashAttention.apply(q, k, v, causal, scale, left, right)
+        return (o, lse) if return_lse else o
+    if plain:
+        return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
+    left, right = _check_window_and_lse(window_size, return_lse)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    o, lse = TorchAttention.apply(q, k, v, causal, scale, left, right)
+    return (o, lse) if return_lse else o
+
+
+def _check_window_and_lse(window_size: object, return_lse: object) -> tuple[int, int]:
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    return check_window(window_size)
+
+
+def _checked_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int) -> list[int] | None:
+    """``check_offsets`` once per tensor version (its result is kept on the tensor; reading
+    CUDA offsets waits for the GPU, so a model passing one tensor to every layer pays once);
+    None under torch.compile, which cannot read values (offsets are then not checked)."""
+    if _compiling():
+        return None
+    seen = getattr(cu, "_flashattn_offsets", None)
+    if seen is not None and seen[0] == (cu._version, total, max_seqlen):
+        return seen[1]
+    offsets = check_offsets(cu, name, total, max_seqlen)
+    cu._flashattn_offsets = ((cu._version, total, max_seqlen), offsets)
+    return offsets
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths (flash-attn's varlen API).
+
+    q (total_q, Hq, d), k and v (total_k, Hkv, d) hold the sequences one after another;
+    ``cu_seqlens_q`` / ``cu_seqlens_k``: int32 (batch + 1,) cumulative offsets on q's device,
+    starting at 0 and ending at total_q / total_k (sequence s is rows cu[s]:cu[s+1]; empty
+    sequences are allowed); ``max_seqlen_q`` / ``max_seqlen_k``: the longest sequence (ints).
+    No query attends across a sequence boundary. ``causal``, ``softmax_scale``,
+    ``window_size``, ``return_lse`` and grouped-query heads as in :func:`flash_attention`,
+    per sequence. Returns o (total_q, Hq, d), with ``return_lse`` also lse (Hq, total_q)
+    float32.
+
+    The offsets are checked (start 0, never decrease, end at the totals, no sequence longer
+    than the given maximum) before any launch, once per tensor (see ``_checked_offsets``;
+    for CUDA tensors reading them waits for the GPU); under ``torch.compile`` they cannot be
+    read and are not checked.
+    """
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    left, right = _check_window_and_lse(window_size, return_lse)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    offs_q = _checked_offsets(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q)
+    offs_k = _checked_offsets(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k)
+    if resolve_backend(backend, q) == "triton":
+        check_triton_dtype_and_dim(q)
+        cu_k = None if cu_seqlens_k is cu_seqlens_q else cu_seqlens_k
+        o, lse = VarlenFlashAttention.apply(
+            q, k, v, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, causal, scale, left, right
+        )
+    else:
+        if offs_q is None:
+            offs_q, offs_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        o, lse = varlen_attention_torch(q, k, v, offs_q, offs_k, causal, scale, (left, right))
+    return (o, lse) if return_lse else o
 
 
 class FlashAttention(nn.Module):
     """``nn.Module`` form of :func:`flash_attention`: ``FlashAttention(causal=True)(q, k, v)``."""
 
     def __init__(
-        self, causal: bool = False, softmax_scale: float | None = None, backend: str = "auto"
+        self,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        backend: str = "auto",
+        window_size: tuple[int, int] = (-1, -1),
     ) -> None:
         super().__init__()
         if backend not in BACKENDS:
@@ -70,9 +176,15 @@ class FlashAttention(nn.Module):
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
+        self.window_size = tuple(check_window(window_size))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flash_attention(q, k, v, self.causal, self.softmax_scale, backend=self.backend)
+        return flash_attention(
+            q, k, v, self.causal, self.softmax_scale, self.window_size, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend!r}"
+        return (
+            f"causal={self.causal}, softmax_scale={self.softmax_scale}, "
+            f"window_size={self.window_size}, backend={self.backend!r}"
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, ops  # ops registers torch.ops.flashattn_triton.*
+from . import launch, launch_varlen, ops  # ops registers torch.ops.flashattn_triton.*
 from ._checks import check_qkv, check_triton_dtype_and_dim, resolve_scale
 
 
@@ -18,27 +18,30 @@ def _compiling() -> bool:
     return compiler is not None and compiler.is_compiling()
 
 
-def _fwd(q4, k4, v4, causal: bool, scale: float):
+def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
     """The forward launcher: through the custom op when torch.compile traces (no graph break),
-    called directly in eager mode (skips the op dispatcher's per-call cost)."""
+    called directly in eager mode (skips the op dispatcher's per-call cost). ``window``:
+    (left, right), for the windowed calls only."""
     if _compiling():
-        return ops.attention_fwd(q4, k4, v4, causal, scale)
-    return launch.forward(q4, k4, v4, causal, scale)
+        return ops.attention_fwd(q4, k4, v4, causal, scale, *window)
+    return launch.forward(q4, k4, v4, causal, scale, *window)
 
 
-def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float):
+def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float, *window: int):
     """The backward launcher, dispatched like ``_fwd``."""
     if _compiling():
-        return ops.attention_bwd(do4, q4, k4, v4, o4, lse, causal, scale)
-    return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale)
+        return ops.attention_bwd(do4, q4, k4, v4, o4, lse, causal, scale, *window)
+    return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale, *window)
 
 
-def as_bhnd(t: torch.Tensor) -> torch.Tensor:
-    """View (..., N, d) as (B, H, N, d); copies only when leading dims cannot be merged."""
+def as_bhnd(t: torch.Tensor, heads_first: bool = False) -> torch.Tensor:
+    """View (..., N, d) as (B, H, N, d); copies only when leading dims cannot be merged.
+    A 3-D tensor is (B, N, d) -> (B, 1, N, d), or with ``heads_first`` (H, N, d) ->
+    (1, H, N, d) (grouped-query attention on 3-D inputs: dim -3 holds the heads)."""
     if t.dim() == 4:
         return t
     if t.dim() == 3:
-        return t.unsqueeze(1)  # (Z, 1, N, d)
+        return t.unsqueeze(0) if heads_first else t.unsqueeze(1)
     if t.dim() == 2:
         return t[None, None]  # (1, 1, N, d)
     return t.reshape(-1, *t.shape[-3:])  # (prod(lead[:-1]), H, N, d)
@@ -53,13 +56,30 @@ def _forward(ctx, q, k, v, causal: bool, scale: float) -> torch.Tensor:
     if q.dim() == 4:  # (B, H, N, d): no views to make (the common case, kept lean)
         o, lse = _fwd(q, k, v, causal, scale)
     else:
-        o4, lse4 = _fwd(as_bhnd(q), as_bhnd(k), as_bhnd(v), causal, scale)
-        o = o4.reshape(q.shape)  # (..., Nq, d)
-        lse = lse4.reshape(q.shape[:-1])  # (..., Nq)
+        o, lse = _forward_any_rank(q, k, v, causal, scale)
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.is_causal = causal
     ctx.softmax_scale = scale
     return o
+
+
+def _forward_any_rank(q, k, v, causal: bool, scale: float, *window: int):
+    """``_fwd`` on inputs of any rank >= 2, seen as (B, H, N, d)."""
+    gqa = q.shape[:-2] != k.shape[:-2]
+    q4, k4, v4 = (as_bhnd(t, gqa) for t in (q, k, v))
+    o4, lse4 = _fwd(q4, k4, v4, causal, scale, *window)
+    return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])  # (..., Nq, d), (..., Nq)
+
+
+def _backward_any_rank(do, q, k, v, o, lse, causal: bool, scale: float, *window: int):
+    """``_bwd`` on inputs of any rank >= 2 (see ``_forward_any_rank``)."""
+    gqa = q.shape[:-2] != k.shape[:-2]
+    q4 = as_bhnd(q, gqa)
+    dq4, dk4, dv4 = _bwd(
+        as_bhnd(do, gqa), q4, as_bhnd(k, gqa), as_bhnd(v, gqa), as_bhnd(o, gqa),
+        _lse_as_bhn(lse, q4), causal, scale, *window,
+    )  # fmt: skip
+    return dq4.reshape(q.shape), dk4.reshape(k.shape), dv4.reshape(v.shape)
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -83,12 +103,8 @@ class FlashAttention2Triton(torch.autograd.Function):
         if q.dim() == 4:
             dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.is_causal, ctx.softmax_scale)
             return dq, dk, dv, None, None
-        q4 = as_bhnd(q)
-        dq4, dk4, dv4 = _bwd(
-            as_bhnd(do), q4, as_bhnd(k), as_bhnd(v), as_bhnd(o), _lse_as_bhn(lse, q4),
-            ctx.is_causal, ctx.softmax_scale,
-        )  # fmt: skip
-        return dq4.reshape(q.shape), dk4.reshape(k.shape), dv4.reshape(v.shape), None, None
+        dq, dk, dv = _backward_any_rank(do, q, k, v, o, lse, ctx.is_causal, ctx.softmax_scale)
+        return dq, dk, dv, None, None
 
 
 class CheckedFlashAttention(FlashAttention2Triton):
@@ -98,3 +114,63 @@ class CheckedFlashAttention(FlashAttention2Triton):
     @staticmethod
     def forward(ctx, q, k, v, is_causal, softmax_scale):
         return _forward(ctx, q, k, v, is_causal, softmax_scale)
+
+
+class WindowedFlashAttention(torch.autograd.Function):
+    """``flash_attention`` with a window or the log-sum-exp:
+    ``WindowedFlashAttention.apply(q, k, v, causal, scale, window_left, window_right)`` on
+    checked inputs -> (o, lse), lse (..., Nq) float32 and not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
+        o, lse = _forward_any_rank(q, k, v, causal, softmax_scale, window_left, window_right)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, softmax_scale, window_left, window_right)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward_any_rank(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def _varlen_views(q, k, v):
+    """Packed (total, H, d) tensors as (1, H, total, d) views."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+
+class VarlenFlashAttention(torch.autograd.Function):
+    """``flash_attention_varlen`` on checked inputs: ``apply(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right)``
+    -> (o (total_q, Hq, d), lse (Hq, total_q) float32, not differentiable). cu_seqlens_k
+    None: the same as cu_seqlens_q (dynamo traces no Function given one tensor twice)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right):
+        cu_k = cu_q if cu_k is None else cu_k
+        args = (cu_q, cu_k, max_q, max_k, causal, scale, left, right)
+        q4, k4, v4 = _varlen_views(q, k, v)
+        if _compiling():
+            o4, lse3 = ops.varlen_fwd(q4, k4, v4, *args)
+        else:
+            o4, lse3 = launch_varlen.forward_varlen(q4, k4, v4, *args)
+        o, lse = o4[0].transpose(0, 1), lse3[0]  # (total_q, Hq, d), (Hq, total_q)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, scale, left, right)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        args = (cu_q, cu_k, *ctx.args)
+        q4, k4, v4 = _varlen_views(q, k, v)
+        do4, o4 = (t.transpose(0, 1).unsqueeze(0) for t in (do, o))
+        if _compiling():
+            dq4, dk4, dv4 = ops.varlen_bwd(do4, q4, k4, v4, o4, lse[None], *args)
+        else:
+            dq4, dk4, dv4 = launch_varlen.backward_varlen(do4, q4, k4, v4, o4, lse[None], *args)
+        grads = (g[0].transpose(0, 1) for g in (dq4, dk4, dv4))
+        return (*grads, *(None,) * 8)

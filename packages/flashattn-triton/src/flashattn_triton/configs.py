@@ -167,6 +167,22 @@ DEFAULTS_FP32: dict[str, dict[int, TileConfig]] = {
 DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
 
 
+# 16-bit calls with features (grouped-query heads, windows, packed sequences; see
+# ``features``) take these entries where present: the plain tables' tiles spill registers
+# there (the windowed forward's extra masked key range, the dK/dV kernel's loop over the
+# query heads of a group, the register caps of d = 32 and 64), e.g. up to 760 bytes of
+# stack for the d = 128 dK/dV kernel. Chosen to compile for sm_90 without spills in every
+# feature combination (benchmarks/compile_offline.py); not yet timed on a GPU.
+FEATURE_DEFAULTS: dict[str, dict[int, TileConfig]] = {
+    "fwd": {64: TileConfig(128, 64, 8, 3, tma=True), 128: TileConfig(128, 64, 8, 2, tma=True)},
+    "dkdv": {
+        32: TileConfig(32, 64, 4, 3, tma=True),
+        64: TileConfig(32, 64, 4, 3, tma=True),
+        128: TileConfig(32, 128, 8, 3, tma=True),
+    },
+}
+
+
 # Per-kind overrides, e.g. set by a benchmark sweeping configs: {"fwd": TileConfig(...)};
 # keys "fwd", "dkdv", ... apply to 16-bit inputs, "fwd.fp32", ... to float32 inputs.
 OVERRIDES: dict[str, TileConfig] = {}
@@ -292,7 +308,7 @@ def parse_overrides(spec: str) -> dict[str, TileConfig]:
     for item in filter(None, (x.strip() for x in spec.split(";"))):
         kind, _, vals = item.partition("=")
         kind = kind.strip()
-        if kind.removesuffix(".fp32") not in DEFAULTS:
+        if kind.removesuffix(".fp32") not in (*DEFAULTS, "decode"):
             raise ValueError(f"tile_configs: unknown kind {kind!r} in {item!r}")
         try:
             out[kind] = TileConfig.parse(vals)
@@ -346,13 +362,17 @@ def default_config(
     small_grid: bool = False,
     few_programs: bool = False,
     tile_configs: str = "",
+    features: bool = False,
 ) -> TileConfig:
     """The config used without autotuning: an override (``OVERRIDES``, then the
-    ``tile_configs`` spec of ``Options``), else the measured table (its FEW_PROGRAMS entry
-    for a grid of few programs, see ``few_programs``; adapted to a small grid, see
-    ``for_small_grid``), fitted."""
+    ``tile_configs`` spec of ``Options``), else for a call with ``features`` its
+    FEATURE_DEFAULTS entry, else the measured table (its FEW_PROGRAMS entry for a grid of
+    few programs, see ``few_programs``; adapted to a small grid, see ``for_small_grid``),
+    fitted."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
     cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
+    if cfg is None and features and elem_bytes < 4:
+        cfg = FEATURE_DEFAULTS.get(kind, {}).get(_table_key(block_d))
     if cfg is None:
         cfg = table[kind][_table_key(block_d)]
         if few_programs and elem_bytes < 4:
@@ -416,3 +436,46 @@ def head_group(
         return n_bh
     fit = int(l2_bytes * HEAD_GROUP_L2_SHARE) // max(streamed_bytes_per_head, 1)
     return max(1, min(n_bh, fit))
+
+
+# Decode: a forward with at most DECODE_MAX_Q queries (times the q heads per k/v head: at
+# most DECODE_MAX_ROWS rows, one tile) against DECODE_MIN_KEYS keys or more runs the split-KV
+# kernels (``kernels.attn_fwd_decode_kernel``): one program per (batch, k/v head, key split),
+# enough splits for DECODE_PROGRAMS_PER_SM programs per SM, then a combine kernel. Not yet
+# measured: the thresholds are first guesses (flash-attn splits up to 128 ways likewise).
+DECODE_MAX_Q = 16
+DECODE_MIN_KEYS = 1024
+DECODE_MAX_ROWS = 128
+DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_SPLITS = 128
+# Key tile, warps, stages by padded head dim (block_m: the rows, set per call); float32 keys
+# tiles of 32.
+DECODE_TILES: dict[int, TileConfig] = {
+    16: TileConfig(16, 128, 4, 3),
+    32: TileConfig(16, 128, 4, 3),
+    64: TileConfig(16, 64, 4, 3),
+    128: TileConfig(16, 64, 4, 3),
+}
+
+
+def decode_config(rows: int, block_d: int, elem_bytes: int, tile_configs: str = "") -> TileConfig:
+    """The decode kernel's tile: ``rows`` (queries x q heads per k/v head) padded to a power
+    of two >= 16; keys, warps and stages from an override (``OVERRIDES`` or the
+    ``tile_configs`` option, kind "decode" / "decode.fp32"; its block_m is ignored), else
+    DECODE_TILES (key tiles of 32 for float32)."""
+    key = "decode.fp32" if elem_bytes >= 4 else "decode"
+    cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
+    if cfg is None:
+        cfg = DECODE_TILES[_table_key(block_d)]
+        if elem_bytes >= 4:
+            cfg = replace(cfg, block_n=32)
+    return replace(cfg, block_m=max(16, next_pow2(rows)))
+
+
+def decode_splits(bh_kv: int, key_tiles: int, n_sms: int) -> int:
+    """Key splits of the decode kernel for bh_kv (batch x k/v heads) programs per split and
+    key_tiles tiles to share: enough for DECODE_PROGRAMS_PER_SM programs per SM (3 per
+    (batch, head) where the SM count is unknown, e.g. Triton's interpreter), at most one
+    tile per split and DECODE_MAX_SPLITS."""
+    target = DECODE_PROGRAMS_PER_SM * n_sms if n_sms > 0 else 3 * bh_kv
+    return max(1, min(-(-target // max(bh_kv, 1)), key_tiles, DECODE_MAX_SPLITS))

@@ -359,10 +359,12 @@ def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> 
     """True where a Gluon kernel runs by default: Gluon importable, switched on, a Hopper GPU,
     16-bit inputs with a head dim in ``defaults`` (this module's ``DEFAULTS`` unless given),
     and every tensor (q, k, v, dO, then the outputs) 4-D with a unit last stride; q, k, v, dO
-    (read by TMA) also 16-byte aligned with 16-byte multiple strides. Off under the CPU
-    interpreter (CUDA tensors only)."""
+    (read by TMA) also 16-byte aligned with 16-byte multiple strides; as many k/v heads as q
+    heads (no grouped-query attention). Off under the CPU interpreter (CUDA tensors only)."""
     q = tensors[0]
     if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
+        return False
+    if q.dim() != 4 or tensors[1].shape[:2] != q.shape[:2]:
         return False
     table = DEFAULTS if defaults is None else defaults
     if q.shape[-1] not in table or cuda_major(q.get_device()) != 9:

@@ -14,6 +14,18 @@ Each key loop is split in two ranges: tiles that every row of the query tile see
 (no mask computed) and the tiles on the diagonal or at the ragged end (masked). Tiles that no
 row sees are never visited.
 
+Sliding windows (WINDOW): key j is visible to query i iff i + left_off <= j <= i + causal_off,
+with left_off = Nk - Nq - window_left and causal_off = Nk - Nq + window_right (the launcher
+passes CAUSAL with every window; an unbounded side comes as a bound beyond every key). Key
+loops then have a masked range at each end and the unmasked tiles between; tiles outside the
+window are never visited. Grouped-query attention (GQA): query head h reads k/v head
+h // kv_group; the dK/dV kernel runs per k/v head and loops over its group of query heads, so
+dK and dV are summed in registers. Packed variable-length batches (VARLEN): the (batch, head)
+axis runs over sequences, each program reads its sequence's offsets from CU_Q / CU_K, and
+tensors are (1, H, total, d) with the batch strides 0. All three are constexpr flags: off,
+the kernels compile to what they were without them. The decode kernels (few queries, long
+key cache) split the keys over programs and combine the partial results.
+
 Head dims that are not a power of two (or below 16) are padded to BLOCK_D with masked loads.
 Rows past the sequence end are loaded as zeros; in the backward they get L = +inf so their
 probabilities are exactly 0. A row that sees no key (only with causal and Nq > Nk) gets o = 0
@@ -93,6 +105,7 @@ def _load_streamed(
     b32,
     h32,
     start,
+    row0,
     n_rows,
     stride_row,
     offs_r,
@@ -104,9 +117,10 @@ def _load_streamed(
     USE_TMA: tl.constexpr,
 ):
     """A tile of the main loop's streamed operand: through the (B, H, N, d) TMA descriptor
-    (out-of-bounds rows and columns read as zeros) or by pointers as ``_load_rows``."""
+    (out-of-bounds rows and columns read as zeros) or by pointers as ``_load_rows``. row0:
+    where row 0 of base is in the descriptor (a packed sequence's first row; else 0)."""
     if USE_TMA:
-        x = desc.load([b32, h32, start, 0]).reshape(BLOCK_R, BLOCK_D)
+        x = desc.load([b32, h32, row0 + start, 0]).reshape(BLOCK_R, BLOCK_D)
     else:
         x = _load_rows(
             base, start, n_rows, stride_row, offs_r, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS
@@ -147,14 +161,20 @@ def _in_registers(x, n):
 
 
 @triton.jit
-def _visible(rows, cols, n_k, causal_off, CAUSAL: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """(len(rows), len(cols)) mask of visible (query, key) pairs; rows, cols absolute."""
+def _visible(
+    rows, cols, n_k, causal_off, left_off,
+    CAUSAL: tl.constexpr, CHECK_COLS: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """(len(rows), len(cols)) mask of visible (query, key) pairs; rows, cols absolute. WINDOW
+    adds the window's left bound cols >= rows + left_off."""
     if CAUSAL:
         keep = cols[None, :] <= rows[:, None] + causal_off
         if CHECK_COLS:
             keep = keep & (cols[None, :] < n_k)
     else:
         keep = (cols[None, :] < n_k) & (rows[:, None] >= 0)
+    if WINDOW:
+        keep = keep & (cols[None, :] >= rows[:, None] + left_off)
     return keep
 
 
@@ -175,6 +195,7 @@ def _fwd_key_loop(
     desc_v,
     b32,
     h32,
+    row0,
     stride_kn,
     stride_vn,
     lo,
@@ -185,6 +206,7 @@ def _fwd_key_loop(
     n_k,
     causal_off,
     qk_scale,
+    left_off,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -194,17 +216,21 @@ def _fwd_key_loop(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask."""
+    """Online softmax over key tiles [lo, hi); MASKED tiles compute the visibility mask
+    (with WINDOW the window's left bound too, see ``_visible``)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
-            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            desc_k, k_base, b32, h32, start_n, row0, n_k, stride_kn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            keep = _visible(offs_m, start_n + offs_n, n_k, causal_off, CAUSAL, not EVEN_N)
+            keep = _visible(
+                offs_m, start_n + offs_n, n_k, causal_off, left_off, CAUSAL, not EVEN_N, WINDOW
+            )
             qk = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with no visible key yet keeps m = -inf: subtract 0 there, not -inf.
@@ -218,7 +244,7 @@ def _fwd_key_loop(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_streamed(
-            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            desc_v, v_base, b32, h32, start_n, row0, n_k, stride_vn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -235,6 +261,8 @@ def attn_fwd_kernel(
     LSE,
     DESC_A,
     DESC_B,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -252,6 +280,9 @@ def attn_fwd_kernel(
     n_k,
     qk_scale,
     head_group,
+    kv_group,
+    window_left,
+    window_right,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -264,11 +295,16 @@ def attn_fwd_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     GROUPED: tl.constexpr,
+    GQA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
 
     DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused). head_group: see
-    ``_grouped_program``."""
+    ``_grouped_program``. GQA: k/v head h // kv_group. WINDOW: window_left / window_right
+    bound the keys (module docstring). VARLEN: the first grid axis runs over (sequence, head);
+    n_q, n_k are the packed totals and CU_Q, CU_K the sequences' int32 offsets."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
@@ -276,10 +312,32 @@ def attn_fwd_kernel(
     h32 = pid_bh % n_heads
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
+    if GQA:
+        hk32 = h32 // kv_group
+    else:
+        hk32 = h32
+    hk = hk32.to(tl.int64)
     q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
     o_base = Out + b * stride_ob + h * stride_oh
+    lse_row = pid_bh.to(tl.int64) * n_q
+    tma_b = b32  # K, V tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
+    if VARLEN:  # batch strides are 0: move to the sequence's first rows
+        seq_q = tl.load(CU_Q + b32)
+        seq_k = tl.load(CU_K + b32)
+        tma_b = 0
+        row0 = seq_k
+        lse_row = h * n_q + seq_q
+        n_q = tl.load(CU_Q + b32 + 1) - seq_q
+        n_k = tl.load(CU_K + b32 + 1) - seq_k
+        if start_m >= n_q:
+            return
+        q_base += seq_q.to(tl.int64) * stride_qn
+        k_base += seq_k.to(tl.int64) * stride_kn
+        v_base += seq_k.to(tl.int64) * stride_vn
+        o_base += seq_q.to(tl.int64) * stride_on
 
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
@@ -292,6 +350,10 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_off = n_k - n_q
+    left_off = 0
+    if WINDOW:
+        left_off = causal_off - window_left
+        causal_off = causal_off + window_right
     if CAUSAL:
         # Keys every row of this tile sees: j <= start_m + causal_off.
         full_hi = tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N * BLOCK_N
@@ -300,16 +362,35 @@ def attn_fwd_kernel(
     else:
         full_hi = n_k // BLOCK_N * BLOCK_N
         hi = n_k
+    full_lo = 0
+    if WINDOW:
+        # Keys some row sees: j >= start_m + left_off; every row: j >= start_m + BLOCK_M - 1 +
+        # left_off. The tiles before the unmasked ones are masked too.
+        lo = tl.minimum(tl.maximum(start_m + left_off, 0) // BLOCK_N * BLOCK_N, hi)
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + left_off, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.maximum(full_hi, full_lo)
+        acc, l_i, m_i = _fwd_key_loop(
+            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+            stride_kn, stride_vn,
+            lo, full_lo, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
+            WINDOW,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_key_loop(
-        acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
-        0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+        stride_kn, stride_vn,
+        full_lo, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
+        False,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         acc, l_i, m_i = _fwd_key_loop(
-            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn, stride_vn,
-            full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            acc, l_i, m_i, q, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0,
+            stride_kn, stride_vn,
+            full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
+            WINDOW,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -319,7 +400,7 @@ def attn_fwd_kernel(
         HEAD_DIM, BLOCK_D, not EVEN_M,
     )  # fmt: skip
     lse = (m_i + tl.math.log2(l_i)) * _LN2  # -inf for a row that saw no key
-    lse_ptrs = LSE + pid_bh.to(tl.int64) * n_q + offs_m
+    lse_ptrs = LSE + lse_row + offs_m
     if EVEN_M:
         tl.store(lse_ptrs, lse)
     else:
@@ -426,6 +507,7 @@ def _dkdv_query_loop(
     desc_rows,
     b32,
     h32,
+    row0,
     pid_bh,
     lse_base,
     delta_base,
@@ -444,6 +526,7 @@ def _dkdv_query_loop(
     causal_off,
     qk_scale,
     sm_scale,
+    left_off,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -459,6 +542,7 @@ def _dkdv_query_loop(
     PADDED_STATS: tl.constexpr,
     LSE_LOG2: tl.constexpr,
     STATS_TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Accumulate dK, dV of one key tile over query tiles [lo, hi) (transposed scores).
     PADDED_STATS: L and D hold padding rows (+inf, 0) up to a multiple of STATS_ROWS, so
@@ -469,15 +553,16 @@ def _dkdv_query_loop(
 
     With ATOMIC_DQ also add this tile's share of dQ to the float32 DQ buffer: by a TMA bulk
     reduction through desc_dq (TMA_DQ; rows past the end are dropped by the hardware) or by
-    element-wise atomics."""
+    element-wise atomics. WINDOW: MASKED tiles also apply the window's left bound.
+    ``pid_bh`` is the row of L and D (it addresses desc_rows)."""
     for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WARP_SPEC):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         q = _load_streamed(
-            desc_q, q_base, b32, h32, start_m, n_q, stride_qn, offs_tm, offs_d,
+            desc_q, q_base, b32, h32, start_m, row0, n_q, stride_qn, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         do = _load_streamed(
-            desc_do, do_base, b32, h32, start_m, n_q, stride_don, offs_tm, offs_d,
+            desc_do, do_base, b32, h32, start_m, row0, n_q, stride_don, offs_tm, offs_d,
             HEAD_DIM, BLOCK_D, not EVEN_M, BLOCK_M, USE_TMA,
         )  # fmt: skip
         if STATS_TMA:
@@ -491,7 +576,9 @@ def _dkdv_query_loop(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])  # eq. 13-14, transposed
         if MASKED:
-            keep_t = tl.trans(_visible(start_m + offs_tm, offs_n, n_k, causal_off, CAUSAL, True))
+            keep_t = tl.trans(
+                _visible(start_m + offs_tm, offs_n, n_k, causal_off, left_off, CAUSAL, True, WINDOW)
+            )
             p_t = tl.where(keep_t, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # eq. 15
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # eq. 16
@@ -528,49 +615,47 @@ def _stats_strides(
 
 
 @triton.jit
-def _dkdv_tile(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
-    b32, h32, pid_bh,
+def _dkdv_head(
+    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
+    b32, h32, stats_bh, seq_q,
     stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
-    n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
-    PADDED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
+    n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n, window_left, window_right,
+    offs_n, offs_tm, offs_d,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, PADDED_STATS: tl.constexpr,
+    LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, head); DESC_A,
-    DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
-    (with TMA_DQ). REG_A: K and V feed S^T and dP^T from registers."""
+    """Add to dK, dV of key tile [start_n, start_n + BLOCK_N) what query head h32 of batch b32
+    contributes (stats_bh: its row of L and D; VARLEN: its rows start at seq_q)."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
-    offs_tn = tl.arange(0, BLOCK_N)
-    offs_n = start_n + offs_tn
-    offs_tm = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
-    k = _load_rows(k_base, start_n, n_k, stride_kn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
-    v = _load_rows(v_base, start_n, n_k, stride_vn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
-    if REG_A:
-        k = _in_registers(k, n_k)
-        v = _in_registers(v, n_k)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
     dq_base = DQ + b * stride_dqb + h * stride_dqh
-    lse_base = LSE + pid_bh.to(tl.int64) * stride_lse
-    delta_base = DELTA + pid_bh.to(tl.int64) * stride_delta
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lse_base = LSE + stats_bh.to(tl.int64) * stride_lse
+    delta_base = DELTA + stats_bh.to(tl.int64) * stride_delta
+    tma_b = b32  # Q, dO tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
+    if VARLEN:
+        q_base += seq_q.to(tl.int64) * stride_qn
+        do_base += seq_q.to(tl.int64) * stride_don
+        lse_base += seq_q
+        delta_base += seq_q
+        tma_b = 0
+        row0 = seq_q
 
     causal_off = n_k - n_q
+    left_off = 0
+    if WINDOW:
+        left_off = causal_off - window_left
+        causal_off = causal_off + window_right
     hi = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    if WINDOW:  # rows i > start_n + BLOCK_N - 1 - left_off see none of this tile
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(start_n + BLOCK_N - left_off, 0), BLOCK_M) * BLOCK_M)
     if CAUSAL:
         # Rows i >= start_n - causal_off see part of this tile; rows
         # i >= start_n + BLOCK_N - 1 - causal_off see all of it.
@@ -583,33 +668,123 @@ def _dkdv_tile(
         mask_hi = 0
     if CAUSAL:
         dk, dv = _dkdv_query_loop(
-            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
-            pid_bh, lse_base,
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+            row0, stats_bh, lse_base,
             delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, lo, mask_hi,
-            offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
+            offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
             True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
+            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA, WINDOW,
         )  # fmt: skip
+    full_hi = hi
+    if WINDOW:  # rows i <= start_n - left_off see all of this tile, later ones part of it
+        full_hi = tl.maximum(start_n - left_off + 1, 0) // BLOCK_M * BLOCK_M
+        full_hi = tl.minimum(tl.maximum(full_hi, mask_hi), hi)
     # The rest needs no causal mask. Nor a key mask in a ragged last key tile: its padding
     # keys (K, V rows read as zeros) only fill rows of dK, dV that are never stored, and rows
     # of a product do not mix. Only the one-pass dQ (ATOMIC_DQ) sums over keys, so padding
     # keys must be masked there. (It saves the mask work; no measurable time.)
     MASK_KEYS: tl.constexpr = ATOMIC_DQ and not EVEN_N
     dk, dv = _dkdv_query_loop(
-        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, b32, h32,
-        pid_bh, lse_base,
-        delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, hi,
-        offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale,
+        dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+        row0, stats_bh, lse_base,
+        delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, mask_hi, full_hi,
+        offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
         MASK_KEYS, False, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
+        USE_TMA, WARP_SPEC and EVEN_N, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA, False,
     )  # fmt: skip
+    if WINDOW:
+        dk, dv = _dkdv_query_loop(
+            dk, dv, k, v, q_base, do_base, DESC_A, DESC_B, DESC_C, DESC_ROWS, tma_b, h32,
+            row0, stats_bh, lse_base,
+            delta_base, dq_base, stride_qn, stride_don, stride_dqn, start_n, full_hi, hi,
+            offs_n, offs_tm, offs_d, n_q, n_k, causal_off, qk_scale, sm_scale, left_off,
+            True, CAUSAL, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_M, DOT_PRECISION, ATOMIC_DQ,
+            USE_TMA, False, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA, WINDOW,
+        )  # fmt: skip
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
+    b32, h32, pid_bh,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqn,
+    n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
+    kv_group, seq_q, seq_k, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr, REG_A: tl.constexpr,
+    PADDED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
+    GQA: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
+    """dK and dV for key tile [start_n, start_n + BLOCK_N) of one (batch, k/v head); DESC_A,
+    DESC_B: TMA descriptors of Q and dO (with USE_TMA), DESC_C of the float32 dQ buffer
+    (with TMA_DQ). REG_A: K and V feed S^T and dP^T from registers. pid_bh: the row of L and
+    D; with GQA the query heads h32 * kv_group + g (rows pid_bh * kv_group + g), g <
+    kv_group, add up in dK, dV. VARLEN: k/v rows start at seq_k, q rows at seq_q."""
+    b = b32.to(tl.int64)
+    h = h32.to(tl.int64)
+    offs_tn = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tn
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    if VARLEN:
+        k_base += seq_k.to(tl.int64) * stride_kn
+        v_base += seq_k.to(tl.int64) * stride_vn
+    k = _load_rows(k_base, start_n, n_k, stride_kn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
+    v = _load_rows(v_base, start_n, n_k, stride_vn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N)
+    if REG_A:
+        k = _in_registers(k, n_k)
+        v = _in_registers(v, n_k)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if GQA:
+        for g in range(0, kv_group):
+            dk, dv = _dkdv_head(
+                dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
+                b32, h32 * kv_group + g, pid_bh * kv_group + g, seq_q,
+                stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+                stride_dqb, stride_dqh, stride_dqn,
+                n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
+                window_left, window_right, offs_n, offs_tm, offs_d,
+                CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D,
+                ATOMIC_DQ, USE_TMA, WARP_SPEC, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
+                WINDOW, VARLEN,
+            )  # fmt: skip
+    else:
+        dk, dv = _dkdv_head(
+            dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
+            b32, h32, pid_bh, seq_q,
+            stride_qb, stride_qh, stride_qn, stride_dob, stride_doh, stride_don,
+            stride_dqb, stride_dqh, stride_dqn,
+            n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
+            window_left, window_right, offs_n, offs_tm, offs_d,
+            CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, HEAD_DIM, BLOCK_D,
+            ATOMIC_DQ, USE_TMA, WARP_SPEC, TMA_DQ, PADDED_STATS, LSE_LOG2, STATS_TMA,
+            WINDOW, VARLEN,
+        )  # fmt: skip
     dk = dk * sm_scale
+    dk_base = DK + b * stride_dkb + h * stride_dkh
+    if VARLEN:
+        dk_base += seq_k.to(tl.int64) * stride_dkn
     _store_rows(
-        DK + b * stride_dkb + h * stride_dkh, dk.to(DK.dtype.element_ty), start_n, n_k,
+        dk_base, dk.to(DK.dtype.element_ty), start_n, n_k,
         stride_dkn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
     )  # fmt: skip
+    dv_base = DV + b * stride_dvb + h * stride_dvh
+    if VARLEN:
+        dv_base += seq_k.to(tl.int64) * stride_dvn
     _store_rows(
-        DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), start_n, n_k,
+        dv_base, dv.to(DV.dtype.element_ty), start_n, n_k,
         stride_dvn, offs_tn, offs_d, HEAD_DIM, BLOCK_D, not EVEN_N,
     )  # fmt: skip
 
@@ -627,6 +802,7 @@ def _dq_key_loop(
     desc_v,
     b32,
     h32,
+    row0,
     stride_kn,
     stride_vn,
     lo,
@@ -637,6 +813,7 @@ def _dq_key_loop(
     n_k,
     causal_off,
     qk_scale,
+    left_off,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     EVEN_N: tl.constexpr,
@@ -646,22 +823,26 @@ def _dq_key_loop(
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
+    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi) (MASKED and
+    WINDOW as in ``_fwd_key_loop``)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_streamed(
-            desc_k, k_base, b32, h32, start_n, n_k, stride_kn, offs_n, offs_d,
+            desc_k, k_base, b32, h32, start_n, row0, n_k, stride_kn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         v = _load_streamed(
-            desc_v, v_base, b32, h32, start_n, n_k, stride_vn, offs_n, offs_d,
+            desc_v, v_base, b32, h32, start_n, row0, n_k, stride_vn, offs_n, offs_d,
             HEAD_DIM, BLOCK_D, MASKED and not EVEN_N, BLOCK_N, USE_TMA,
         )  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
-            keep = _visible(offs_m, start_n + offs_n, n_k, causal_off, CAUSAL, not EVEN_N)
+            keep = _visible(
+                offs_m, start_n + offs_n, n_k, causal_off, left_off, CAUSAL, not EVEN_N, WINDOW
+            )
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -680,60 +861,89 @@ def _dq_tile(
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
     n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, start_m,
+    hk32, seq_q, seq_k, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
-    FUSE_DELTA: tl.constexpr,
+    FUSE_DELTA: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """dQ for query tile [start_m, start_m + BLOCK_M) of one (batch, head); DESC_A, DESC_B:
     TMA descriptors of K and V (with USE_TMA). REG_A: Q and dO feed S and dP from registers.
     FUSE_DELTA: compute the tile's D = rowsum(dO * O) from Out here and store it to DELTA,
-    and L in log2 units to LSE2 (for the dK/dV kernel that runs next), instead of loading D."""
+    and L in log2 units to LSE2 (for the dK/dV kernel that runs next), instead of loading D.
+    pid_bh: the row of L and D; hk32: the k/v head (h32 itself without GQA); VARLEN: q rows
+    (and L, D) start at seq_q, k/v rows at seq_k."""
     b = b32.to(tl.int64)
     h = h32.to(tl.int64)
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(
-        Q + b * stride_qb + h * stride_qh, start_m, n_q, stride_qn, offs_tm, offs_d,
-        HEAD_DIM, BLOCK_D, not EVEN_M,
-    )  # fmt: skip
+    q_base = Q + b * stride_qb + h * stride_qh
+    if VARLEN:
+        q_base += seq_q.to(tl.int64) * stride_qn
+    q = _load_rows(q_base, start_m, n_q, stride_qn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M)
+    do_base = DO + b * stride_dob + h * stride_doh
+    if VARLEN:
+        do_base += seq_q.to(tl.int64) * stride_don
     do = _load_rows(
-        DO + b * stride_dob + h * stride_doh, start_m, n_q, stride_don, offs_tm, offs_d,
-        HEAD_DIM, BLOCK_D, not EVEN_M,
-    )  # fmt: skip
+        do_base, start_m, n_q, stride_don, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
+    )
     if FUSE_DELTA:  # as attn_bwd_preprocess_kernel, for this tile's rows
+        o_base = Out + b * stride_ob + h * stride_oh
+        if VARLEN:
+            o_base += seq_q.to(tl.int64) * stride_on
         o = _load_rows(
-            Out + b * stride_ob + h * stride_oh, start_m, n_q, stride_on, offs_tm, offs_d,
-            HEAD_DIM, BLOCK_D, not EVEN_M,
-        )  # fmt: skip
+            o_base, start_m, n_q, stride_on, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M
+        )
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
         delta_ptrs = DELTA + pid_bh.to(tl.int64) * stride_rows + offs_m
+        if VARLEN:
+            delta_ptrs += seq_q
         if EVEN_M:
             tl.store(delta_ptrs, delta)
         else:
             tl.store(delta_ptrs, delta, mask=offs_m < n_q)
         lse_base = LSE + pid_bh.to(tl.int64) * stride_stats
+        if VARLEN:
+            lse_base += seq_q
         lse2 = _load_lse2(lse_base, start_m, offs_tm, n_q, not EVEN_M, False)
         lse2_ptrs = LSE2 + pid_bh.to(tl.int64) * stride_rows + offs_m
+        if VARLEN:
+            lse2_ptrs += seq_q
         if EVEN_M:
             tl.store(lse2_ptrs, lse2)
         else:
             tl.store(lse2_ptrs, lse2, mask=offs_m < n_q)
     else:
+        lse_base = LSE + pid_bh.to(tl.int64) * stride_stats
+        delta_base = DELTA + pid_bh.to(tl.int64) * stride_rows
+        if VARLEN:
+            lse_base += seq_q
+            delta_base += seq_q
         lse2, delta = _load_row_stats(
-            LSE + pid_bh.to(tl.int64) * stride_stats, DELTA + pid_bh.to(tl.int64) * stride_rows,
-            start_m, offs_tm, n_q, not EVEN_M, False,
+            lse_base, delta_base, start_m, offs_tm, n_q, not EVEN_M, False
         )  # fmt: skip
     if REG_A:
         q = _in_registers(q, n_q)
         do = _in_registers(do, n_q)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    hk = hk32.to(tl.int64)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    tma_b = b32  # K, V tiles by TMA: descriptor coordinates (batch, head, row0 + row)
+    row0 = 0
+    if VARLEN:
+        k_base += seq_k.to(tl.int64) * stride_kn
+        v_base += seq_k.to(tl.int64) * stride_vn
+        tma_b = 0
+        row0 = seq_k
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     causal_off = n_k - n_q
+    left_off = 0
+    if WINDOW:
+        left_off = causal_off - window_left
+        causal_off = causal_off + window_right
     if CAUSAL:
         full_hi = tl.maximum(start_m + causal_off + 1, 0) // BLOCK_N * BLOCK_N
         full_hi = tl.minimum(full_hi, n_k // BLOCK_N * BLOCK_N)
@@ -741,27 +951,44 @@ def _dq_tile(
     else:
         full_hi = n_k // BLOCK_N * BLOCK_N
         hi = n_k
+    full_lo = 0
+    if WINDOW:  # as in attn_fwd_kernel
+        lo = tl.minimum(tl.maximum(start_m + left_off, 0) // BLOCK_N * BLOCK_N, hi)
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + left_off, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+        full_hi = tl.maximum(full_hi, full_lo)
+        dq = _dq_key_loop(
+            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
+            stride_vn, lo, full_lo, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
+            True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
+            WINDOW,
+        )  # fmt: skip
     dq = _dq_key_loop(
-        dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
-        stride_vn, 0, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+        dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
+        stride_vn, full_lo, full_hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
         False, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, WARP_SPEC,
+        False,
     )  # fmt: skip
     if CAUSAL or not EVEN_N:
         dq = _dq_key_loop(
-            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, b32, h32, stride_kn,
-            stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale,
+            dq, q, do, lse2, delta, k_base, v_base, DESC_A, DESC_B, tma_b, hk32, row0, stride_kn,
+            stride_vn, full_hi, hi, offs_m, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
             True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, USE_TMA, False,
+            WINDOW,
         )  # fmt: skip
     dq = dq * sm_scale
+    dq_base = DQ + b * stride_dqb + h * stride_dqh
+    if VARLEN:
+        dq_base += seq_q.to(tl.int64) * stride_dqn
     _store_rows(
-        DQ + b * stride_dqb + h * stride_dqh, dq.to(DQ.dtype.element_ty), start_m, n_q,
+        dq_base, dq.to(DQ.dtype.element_ty), start_m, n_q,
         stride_dqn, offs_tm, offs_d, HEAD_DIM, BLOCK_D, not EVEN_M,
     )  # fmt: skip
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -770,6 +997,7 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_dqb, stride_dqh, stride_dqn,
     n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
+    kv_group, window_left, window_right,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -778,6 +1006,7 @@ def attn_bwd_dkdv_kernel(
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_DQ: tl.constexpr,
     REG_A: tl.constexpr, GROUPED: tl.constexpr, PADDED_STATS: tl.constexpr,
     PACKED_STATS: tl.constexpr, LSE_LOG2: tl.constexpr, STATS_TMA: tl.constexpr,
+    GQA: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One program: dK, dV of one key tile (first key tiles see the most queries: run first).
 
@@ -788,28 +1017,47 @@ def attn_bwd_dkdv_kernel(
     else LSE holds natural logs). The first n_q of each are used; with PADDED_STATS the rest
     hold +inf / 0 up to a whole number of query tiles, so the loop reads them without masks.
     STATS_TMA: the loop reads both through DESC_ROWS (``_dkdv_query_loop``).
+
+    GQA: the grid's first axis runs over (batch, k/v head), n_heads of them per batch, and
+    each program sums the kv_group query heads that share its k/v head. WINDOW, VARLEN: as
+    in ``attn_fwd_kernel`` (VARLEN: no unmasked reads past a sequence's rows).
     """
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
     stride_lse, stride_delta = _stats_strides(
         stride_stats, n_q, PADDED_STATS, PACKED_STATS, LSE_LOG2
     )
+    b32 = pid_bh // n_heads
+    h32 = pid_bh % n_heads
+    stats_bh = pid_bh
+    seq_q = 0
+    seq_k = 0
+    if VARLEN:
+        seq_q = tl.load(CU_Q + b32)
+        seq_k = tl.load(CU_K + b32)
+        n_q = tl.load(CU_Q + b32 + 1) - seq_q
+        n_k = tl.load(CU_K + b32 + 1) - seq_k
+        stats_bh = h32  # L and D are (1, H, total) rows
+        if start_n >= n_k:
+            return
     _dkdv_tile(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DESC_A, DESC_B, DESC_C, DESC_ROWS,
-        pid_bh // n_heads, pid_bh % n_heads, pid_bh,
+        b32, h32, stats_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         stride_dqb, stride_dqh, stride_dqn,
         n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, start_n,
+        kv_group, seq_q, seq_k, window_left, window_right,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N, ATOMIC_DQ,
-        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS, LSE_LOG2, STATS_TMA,
+        USE_TMA, WARP_SPEC, TMA_DQ, REG_A, PADDED_STATS and not VARLEN, LSE_LOG2, STATS_TMA,
+        GQA, WINDOW, VARLEN,
     )  # fmt: skip
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out,
+    Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -817,6 +1065,7 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqn,
     stride_ob, stride_oh, stride_on,
     n_heads, n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, head_group,
+    kv_group, window_left, window_right,
     SEQ_BUCKET,  # autotune key only
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -824,22 +1073,41 @@ def attn_bwd_dq_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, REG_A: tl.constexpr,
     GROUPED: tl.constexpr, FUSE_DELTA: tl.constexpr,
+    GQA: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
 ):  # fmt: skip
     """One program: dQ of one query tile (last query tiles are heaviest: run first). With
     FUSE_DELTA it also computes the tile's D = rowsum(dO * O) and stores it, with L in log2
     units (LSE2), for the dK/dV kernel, which then runs after it (no preprocessing launch;
-    see ``_dq_tile``)."""
+    see ``_dq_tile``). GQA, WINDOW, VARLEN: as in ``attn_fwd_kernel``."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
+    b32 = pid_bh // n_heads
+    h32 = pid_bh % n_heads
+    if GQA:
+        hk32 = h32 // kv_group
+    else:
+        hk32 = h32
+    stats_bh = pid_bh
+    seq_q = 0
+    seq_k = 0
+    if VARLEN:
+        seq_q = tl.load(CU_Q + b32)
+        seq_k = tl.load(CU_K + b32)
+        n_q = tl.load(CU_Q + b32 + 1) - seq_q
+        n_k = tl.load(CU_K + b32 + 1) - seq_k
+        stats_bh = h32  # L and D are (1, H, total) rows
+        if start_m >= n_q:
+            return
     _dq_tile(
         Q, K, V, DO, LSE, DELTA, LSE2, DQ, DESC_A, DESC_B, Out,
-        pid_bh // n_heads, pid_bh % n_heads, pid_bh,
+        b32, h32, stats_bh,
         stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
         stride_dqb, stride_dqh, stride_dqn, stride_ob, stride_oh, stride_on,
         n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, start_m,
+        hk32, seq_q, seq_k, window_left, window_right,
         HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M, BLOCK_N, EVEN_M, EVEN_N,
-        USE_TMA, WARP_SPEC, REG_A, FUSE_DELTA,
+        USE_TMA, WARP_SPEC, REG_A, FUSE_DELTA, WINDOW, VARLEN,
     )  # fmt: skip
 
 
@@ -883,8 +1151,9 @@ def attn_bwd_fused_kernel(
             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
             stride_dqb, stride_dqh, stride_dqn,
             n_q, n_k, stride_lse, stride_delta, qk_scale, sm_scale, tile * BLOCK_N1,
+            1, 0, 0, 0, 0,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M1, BLOCK_N1, EVEN_M1, EVEN_N1, False,
-            False, False, False, False, PADDED_STATS, False, False,
+            False, False, False, False, PADDED_STATS, False, False, False, False, False,
         )  # fmt: skip
     if tile * BLOCK_M2 < n_q:
         _dq_tile(
@@ -893,6 +1162,113 @@ def attn_bwd_fused_kernel(
             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
             stride_dqb, stride_dqh, stride_dqn, 0, 0, 0,
             n_q, n_k, stride_stats, stride_rows, qk_scale, sm_scale, tile * BLOCK_M2,
+            h32, 0, 0, 0, 0,
             HEAD_DIM, BLOCK_D, CAUSAL, DOT_PRECISION, BLOCK_M2, BLOCK_N2, EVEN_M2, EVEN_N2,
-            False, False, False, False,
+            False, False, False, False, False, False,
         )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: few queries against a long key cache, keys split over programs (split-KV)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def attn_fwd_decode_kernel(
+    Q, K, V, Out, LSE, O_PART, LSE_PART,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    n_kv_heads, n_q, n_k, qk_scale, kv_group, window_left, window_right,
+    key_lo, key_hi, keys_per_split,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One program: every query (n_q of them) of the kv_group query heads that share k/v head
+    (b, hk), as the rows of one tile (row r: head hk * kv_group + r // n_q, query r % n_q),
+    against keys [key_lo + s * keys_per_split, ...) below key_hi (s: the split, the grid's
+    second axis; key_lo and keys_per_split are multiples of BLOCK_N). K and V are read once
+    for the whole group. With SPLIT the split's normalized output and log-sum-exp (log2
+    units; -inf where the split has no visible key) go to O_PART (B, H, S, n_q, HEAD_DIM)
+    and LSE_PART (B, H, S, n_q) float32 for ``attn_fwd_combine_kernel``; else (one split)
+    O and L are written directly."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b32 = pid // n_kv_heads
+    hk32 = pid % n_kv_heads
+    b = b32.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows_ok = offs_r < kv_group * n_q
+    head = hk32 * kv_group + offs_r // n_q  # (BLOCK_M,) query head of each row
+    pos = offs_r % n_q  # (BLOCK_M,) query position of each row
+    row_off = b * stride_qb + head.to(tl.int64) * stride_qh + pos.to(tl.int64) * stride_qn
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=rows_ok[:, None] & d_ok, other=0.0)
+    k_base = K + b * stride_kb + hk32.to(tl.int64) * stride_kh
+    v_base = V + b * stride_vb + hk32.to(tl.int64) * stride_vh
+
+    causal_off = n_k - n_q
+    left_off = 0
+    if WINDOW:
+        left_off = causal_off - window_left
+        causal_off = causal_off + window_right
+    lo = key_lo + split * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, key_hi)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_key_loop(
+        acc, l_i, m_i, q, k_base, v_base, None, None, b32, hk32, 0, stride_kn, stride_vn,
+        lo, hi, pos, offs_n, offs_d, n_k, causal_off, qk_scale, left_off,
+        True, CAUSAL, EVEN_N, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, False, False, WINDOW,
+    )  # fmt: skip
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc * (1.0 / l_safe)[:, None]
+    lse2 = m_i + tl.math.log2(l_i)  # -inf for a row that saw no key of this split
+    stat = (b * n_kv_heads * kv_group + head.to(tl.int64)) * n_q + pos  # (B, H, n_q) index
+    if SPLIT:
+        part = (stat - pos) * tl.num_programs(1) + split * n_q + pos  # (B, H, S, n_q) index
+        o_ptrs = O_PART + part[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptrs, o, mask=rows_ok[:, None] & d_ok)
+        tl.store(LSE_PART + part, lse2, mask=rows_ok)
+    else:
+        out_off = b * stride_ob + head.to(tl.int64) * stride_oh + pos.to(tl.int64) * stride_on
+        o_ptrs = Out + out_off[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=rows_ok[:, None] & d_ok)
+        tl.store(LSE + stat, lse2 * _LN2, mask=rows_ok)
+
+
+@triton.jit
+def attn_fwd_combine_kernel(
+    O_PART, LSE_PART, Out, LSE,
+    stride_ob, stride_oh, stride_on,
+    n_heads, n_q, n_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One program: one query row (b, h, i) of the decode kernel's splits, combined by their
+    log-sum-exps: O = sum_s w_s O_s / sum_s w_s, w_s = 2^(lse_s - max), L = max + log2(sum
+    w_s) in natural units (a row that saw no key: O = 0, L = -inf)."""
+    row = tl.program_id(0).to(tl.int64)  # (b * n_heads + h) * n_q + i
+    bh = row // n_q
+    i = row % n_q
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < n_splits
+    part = (bh * n_splits + offs_s) * n_q + i  # (BLOCK_S,)
+    lse_s = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse_s - m_sub)  # 0 for splits without keys
+    total = tl.sum(w, 0)
+    mask = s_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o_s = tl.load(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.sum(o_s * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    b = bh // n_heads
+    h = bh % n_heads
+    out = Out + b * stride_ob + h * stride_oh + i * stride_on + offs_d
+    tl.store(out, o.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(LSE + row, (m_sub + tl.math.log2(total)) * _LN2)

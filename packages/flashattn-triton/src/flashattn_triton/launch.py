@@ -19,6 +19,13 @@ layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids
 (default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
 batch 1 with few heads and long sequences), split otherwise. On small causal grids the forward
 and split kernels also halve their grid-axis tiles (``configs.for_small_grid``).
+
+Features (``features.Features``): grouped-query attention (k/v with fewer heads) and sliding
+windows (and, in ``launch_varlen``, packed variable-length batches) switch on the kernels'
+GQA / WINDOW / VARLEN flags and always take the split backward with the Triton kernels (the
+Gluon, fused and atomic ones lack them). A forward with few queries against many keys
+(``configs.DECODE_*``) runs the split-KV decode kernels instead (``_decode``). Each is part
+of the launch-plan key; a call with none launches exactly what it did before.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 from . import _device as _D
 from . import configs as C
 from . import fastlaunch
+from .features import PLAIN, Features, Varlen, feature_args, features
 from .options import get_options, on_change
 
 MAX_GRID_Y = 65535
@@ -55,6 +63,7 @@ def clear_plans() -> None:
     _GENERATION[0] += 1
     _PLANS.clear()
     _BWD_SCHEMES.clear()
+    _DECODE_PLANS.clear()
 
 
 on_change(clear_plans)
@@ -77,11 +86,16 @@ def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride()[:3]
 
 
-def _strides(prefix: str, t: torch.Tensor) -> dict[str, int]:
+def _strides(prefix: str, t: torch.Tensor, varlen: bool = False) -> dict[str, int]:
     """{"stride_<prefix>b", "stride_<prefix>h", "stride_<prefix>n"}: t's (B, H, N) strides as
-    kernel arguments."""
+    kernel arguments (the batch stride 0 for a packed (1, H, total, d) tensor: the kernels
+    then address a sequence by its offset alone)."""
     sb, sh, sn = t.stride()[:3]
-    return {f"stride_{prefix}b": sb, f"stride_{prefix}h": sh, f"stride_{prefix}n": sn}
+    return {
+        f"stride_{prefix}b": 0 if varlen else sb,
+        f"stride_{prefix}h": sh,
+        f"stride_{prefix}n": sn,
+    }
 
 
 def _device_guard(t: torch.Tensor):
@@ -164,8 +178,11 @@ def _triton_config(kind: str, cfg: C.TileConfig):
     return triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _meta(kind: str, cfg: C.TileConfig, n_q: int, n_k: int) -> dict[str, int | bool]:
-    """Tile constexprs plus the EVEN_* flags that switch off row/column bounds checks."""
+def _meta(
+    kind: str, cfg: C.TileConfig, n_q: int, n_k: int, ragged: bool = False
+) -> dict[str, int | bool]:
+    """Tile constexprs plus the EVEN_* flags that switch off row/column bounds checks
+    (never with ``ragged``: packed sequences of any lengths)."""
     if kind == "fused":
         return {
             "BLOCK_M1": cfg.block_m,
@@ -180,8 +197,8 @@ def _meta(kind: str, cfg: C.TileConfig, n_q: int, n_k: int) -> dict[str, int | b
     return {
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
-        "EVEN_M": n_q % cfg.block_m == 0,
-        "EVEN_N": n_k % cfg.block_n == 0,
+        "EVEN_M": not ragged and n_q % cfg.block_m == 0,
+        "EVEN_N": not ragged and n_k % cfg.block_n == 0,
     }
 
 
@@ -305,15 +322,19 @@ _SHRUNK: dict[tuple, C.TileConfig] = {}
 
 def _run(
     kind, kernel, grid, args: dict, n_q: int, n_k: int, block_d: int, elem: int, *,
-    small_grid: bool = False, few_programs: bool = False,
+    small_grid: bool = False, few_programs: bool = False, ragged: bool = False,
+    features: bool = False,
 ) -> None:  # fmt: skip
     """Launch with the default (fitted) config, or through the autotuner when enabled.
 
     If the device has less shared memory than a config needs, Triton refuses the launch
     (OutOfResources, before anything runs); retry with smaller configs instead of failing.
+    ``ragged``: packed variable-length sequences (n_q, n_k: the longest), every bounds
+    check on, never autotuned (its heuristics see the packed lengths). ``features``: tiles
+    from ``configs.FEATURE_DEFAULTS`` where it has them.
     """
     opts = get_options()
-    if opts.autotune and not interpreting():
+    if opts.autotune and not interpreting() and not ragged:
 
         def tuned_grid(meta):
             return grid(_to_tile_config(kind, meta))
@@ -323,9 +344,9 @@ def _run(
     from triton.runtime.errors import OutOfResources
 
     first = C.default_config(
-        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs
+        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs, features
     )
-    key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"))
+    key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"), features)
     cfg = _SHRUNK.get(key, first)
     while True:
         try:
@@ -333,7 +354,7 @@ def _run(
                 kernel,
                 grid(cfg),
                 **args,
-                **_meta(kind, cfg, n_q, n_k),
+                **_meta(kind, cfg, n_q, n_k, ragged),
                 **_stream_args(kind, cfg, args, block_d),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
@@ -356,23 +377,41 @@ def _interpreter_bf16(t: torch.Tensor) -> bool:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H, Nq, d), k, v (B, H, Nk, d) -> o (B, H, Nq, d), lse (B, H, Nq) float32."""
+    """q (B, H, Nq, d), k, v (B, Hkv, Nk, d) -> o (B, H, Nq, d), lse (B, H, Nq) float32.
+
+    Hkv divides H (query head h reads k/v head h // (H // Hkv)); window_left / window_right
+    bound the keys each query sees (-1: unbounded; see ``flash_attention``)."""
     require_runnable(q)
     if _interpreter_bf16(q):
-        o32, lse = forward(q.float(), k.float(), v.float(), causal, softmax_scale)
+        o32, lse = forward(
+            q.float(), k.float(), v.float(), causal, softmax_scale, window_left, window_right
+        )
         o = out_like(q)
         return o.copy_(o32), lse
     o = out_like(q)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+    feat = None
+    if window_left != -1 or window_right != -1 or k.shape[1] != h:
+        feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
     if o.numel() == 0:
         return o, lse
     if n_k == 0:  # no key at all: every row is empty
         return o.zero_(), lse.fill_(float("-inf"))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS:
+        group = 1 if feat is None else feat.group
+        if group * n_q <= C.DECODE_MAX_ROWS:
+            return _decode(q, k, v, o, lse, causal, softmax_scale, feat)
 
     def launch_jit() -> None:
         kern = _kernels()
@@ -384,6 +423,7 @@ def forward(
             **head_group_args(k, b * h, n_k, block_d),
             "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
             "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+            **PLAIN, **feature_args(feat),
         }  # fmt: skip
 
         def grid(cfg):
@@ -391,15 +431,88 @@ def forward(
 
         _check_grid(triton_cdiv(n_q, 16), "query length", 16)
         n_sms = sm_count(q)
-        small = _small_grid(causal, b * h, n_q, n_sms)
+        small = _small_grid(args["CAUSAL"] and feat is None, b * h, n_q, n_sms)
         few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
         _run(
             "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
-            small_grid=small, few_programs=few,
+            small_grid=small, few_programs=few, features=feat is not None,
         )  # fmt: skip
 
-    key = _layout_key((q, k, v), "fwd", causal, softmax_scale) if q.is_cuda else None
+    key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
+    return o, lse
+
+
+# Decode launches by launch-plan key: (tile config, splits, keys per split, first key).
+_DECODE_PLANS: dict[tuple, tuple[C.TileConfig, int, int, int]] = {}
+
+
+def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, int]:
+    """The decode kernels' tile, key splits, keys per split (a multiple of the key tile)
+    and first key: the keys any query sees run from row 0's left bound to the last key
+    (bottom-right aligned, the last query sees the last key whatever the right bound)."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    cfg = C.decode_config(
+        h // h_kv * n_q, C.block_d_for(d), q.element_size(), get_options().tile_configs
+    )
+    key_lo = 0
+    if feat is not None and feat.window:
+        key_lo = max(0, n_k - n_q - feat.left) // cfg.block_n * cfg.block_n
+    tiles = triton_cdiv(n_k - key_lo, cfg.block_n)
+    splits = C.decode_splits(b * h_kv, tiles, sm_count(q))
+    keys_per_split = triton_cdiv(tiles, splits) * cfg.block_n
+    return cfg, triton_cdiv(n_k - key_lo, keys_per_split), keys_per_split, key_lo
+
+
+def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None):
+    """The forward by the split-KV decode kernels (few queries, many keys; ``forward``
+    checked the shapes): the keys any query sees are split over programs, each (batch, k/v
+    head) program takes the queries of all q heads that read that k/v head, and a combine
+    kernel merges the splits (one split: the decode kernel writes o and lse itself)."""
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    key = _layout_key((q, k, v), "decode", causal, softmax_scale, feat) if q.is_cuda else None
+    plan = _DECODE_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _decode_plan(q, k, feat)
+        if key is not None:
+            if len(_DECODE_PLANS) >= 4096:
+                _DECODE_PLANS.clear()
+            _DECODE_PLANS[key] = plan
+    cfg, splits, keys_per_split, key_lo = plan
+    if splits > 1:
+        o_part = torch.empty((b, h, splits, n_q, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((b, h, splits, n_q), dtype=torch.float32, device=q.device)
+        outputs = (o, lse, o_part, lse_part)
+    else:
+        o_part = lse_part = None
+        outputs = (o, lse)
+
+    def launch_jit() -> None:
+        kern = _kernels()
+        block_d = C.block_d_for(d)
+        kern_causal, window = (causal, False) if feat is None else (feat.causal, feat.window)
+        fastlaunch.launch(
+            kern.attn_fwd_decode_kernel, (b * h_kv, splits),
+            q, k, v, o, lse, o_part, lse_part,
+            *_bhn_strides(q), *_bhn_strides(k), *_bhn_strides(v), *_bhn_strides(o),
+            h_kv, n_q, n_k, softmax_scale * kern.LOG2E, h // h_kv,
+            feat.left if window else None, feat.right if window else None,
+            key_lo, n_k, keys_per_split,
+            HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=kern_causal, WINDOW=window,
+            DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            EVEN_N=n_k % cfg.block_n == 0, SPLIT=splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if splits > 1:
+            fastlaunch.launch(
+                kern.attn_fwd_combine_kernel, (b * h * n_q,),
+                o_part, lse_part, o, lse, *_bhn_strides(o), h, n_q, splits,
+                HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, C.next_pow2(splits)),
+            )  # fmt: skip
+
+    _launch_planned(key, (q, k, v), outputs, launch_jit)
     return o, lse
 
 
@@ -433,7 +546,14 @@ def _gluon_reads_stats(q: torch.Tensor) -> bool:
 
 
 def _stats_by_tma(
-    q: torch.Tensor, kind: str | None, n_q: int, n_k: int, block_d: int, elem: int, small: bool
+    q: torch.Tensor,
+    kind: str | None,
+    n_q: int,
+    n_k: int,
+    block_d: int,
+    elem: int,
+    small: bool,
+    features: bool = False,
 ) -> bool:
     """Whether the Triton dK/dV kernel (``kind`` 'dkdv' or 'atomic') will bring L and D by
     TMA, so that ``_stats_buffers`` packs them: configs.STATS_TMA, its default config asks
@@ -442,7 +562,9 @@ def _stats_by_tma(
     opts = get_options()
     if kind is None or not C.STATS_TMA or opts.autotune or _gluon_reads_stats(q):
         return False
-    cfg = C.default_config(kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs)
+    cfg = C.default_config(
+        kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs, features=features
+    )
     return cfg.tma and tma_usable(q)
 
 
@@ -486,9 +608,12 @@ def backward(
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
     only: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients dq, dk, dv (shaped like q, k, v) from dO (B, H, Nq, d) and the saved o, lse.
+    """Gradients dq, dk, dv (shaped like q, k, v) from dO (B, H, Nq, d) and the saved o, lse
+    (k, v with fewer heads and the window as in ``forward``).
 
     ``only`` (benchmarks): run just that kernel kind ('dkdv', 'dq', 'fused', 'atomic') to
     time it alone; the other outputs are then left unwritten.
@@ -496,12 +621,16 @@ def backward(
     require_runnable(q)
     if _interpreter_bf16(q):
         grads = backward(
-            do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale
-        )
+            do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale,
+            window_left, window_right,
+        )  # fmt: skip
         return tuple(out_like(t).copy_(g) for t, g in zip((q, k, v), grads))
     dq, dk, dv = out_like(q), out_like(k), out_like(v)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    feat = None
+    if window_left != -1 or window_right != -1 or k.shape[1] != h:
+        feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
     if b * h == 0 or n_q == 0 or n_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
@@ -510,10 +639,10 @@ def backward(
     inputs = (q, k, v, do, o, lse)
     key = None
     if q.is_cuda and only is None:
-        key = _layout_key(inputs, "bwd", causal, softmax_scale)
+        key = _layout_key(inputs, "bwd", causal, softmax_scale, feat)
     plan = _BWD_SCHEMES.get(key) if key is not None else None
     if plan is None:
-        plan = _backward_scheme(q, k, causal)
+        plan = _backward_scheme(q, k, causal, feat)
         if key is not None:
             if len(_BWD_SCHEMES) >= 4096:
                 _BWD_SCHEMES.clear()
@@ -526,7 +655,7 @@ def backward(
     def launch_jit() -> None:
         _backward_launches(
             do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv,
-            dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only,
+            dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only, feat,
         )  # fmt: skip
 
     if scheme == "atomic":  # accumulates into dq_acc: never replayed
@@ -543,13 +672,17 @@ _BWD_SCHEMES: dict[tuple, tuple[str, str | None, bool, bool]] = {}
 
 
 def _backward_scheme(
-    q: torch.Tensor, k: torch.Tensor, causal: bool
+    q: torch.Tensor, k: torch.Tensor, causal: bool, feat: Features | None = None
 ) -> tuple[str, str | None, bool, bool]:
-    """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics)."""
+    """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics).
+    Calls with features (``Features``) take the split backward on full-size tiles."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
+    if feat is not None:
+        packed = _stats_by_tma(q, "dkdv", n_q, n_k, block_d, elem, False, features=True)
+        return "split", "dkdv", False, packed
     n_sms = sm_count(q)
     setting = get_options().backward
     scheme = C.resolve_backward_scheme(setting, causal, b * h, n_k, block_d, elem, n_sms)
@@ -562,16 +695,26 @@ def _backward_scheme(
 def _backward_launches(
     do, q, k, v, o, lse, lse2, delta, stride_rows, dq, dk, dv, dq_target,
     causal: bool, softmax_scale: float, plan: tuple, only: str | None,
+    feat: Features | None = None, varlen: Varlen | None = None,
 ) -> None:  # fmt: skip
     """The backward's kernels through Triton's dispatch (``backward`` allocated every
-    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic scheme)."""
+    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic scheme). ``feat``,
+    ``varlen``: the Triton dQ and dK/dV kernels with those features (split scheme only)."""
     scheme, kind, small_dkdv, packed = plan
     b, h, n_q, d = q.shape
-    n_k = k.shape[2]
+    h_kv, n_k = k.shape[1], k.shape[2]
     kern = _kernels()
     block_d = C.block_d_for(d)
     elem = q.element_size()
     n_sms = sm_count(q)
+    plain = feat is None and varlen is None
+    # Grid rows and tile-fitting lengths: per (batch, head) and the lengths, or for packed
+    # sequences per (sequence, head) and the longest ones.
+    bh, bh_kv, len_q, len_k = b * h, b * h_kv, n_q, n_k
+    if varlen is not None:
+        bh, bh_kv, len_q, len_k = varlen.batch * h, varlen.batch * h_kv, varlen.max_q, varlen.max_k
+    ragged = varlen is not None
+    extra = {} if plain else feature_args(feat, *(varlen[:2] if ragged else ()))
 
     def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
         pre_block = 64
@@ -593,15 +736,17 @@ def _backward_launches(
         lse2.copy_(lse * kern.LOG2E).masked_fill_(lse == float("-inf"), float("inf"))
     common = {
         "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
-        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("do", do),
+        **_strides("q", q, ragged), **_strides("k", k, ragged), **_strides("v", v, ragged),
+        **_strides("do", do, ragged),
         "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
         "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
-        "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+        "SEQ_BUCKET": C.seq_bucket(max(len_q, len_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
         "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
     }  # fmt: skip
     dkdv_out = {
         "DK": dk, "DV": dv, "DQ": dq_target,
-        **_strides("dk", dk), **_strides("dv", dv), **_strides("dq", dq_target),
+        **_strides("dk", dk, ragged), **_strides("dv", dv, ragged),
+        **_strides("dq", dq_target, ragged),
         "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": packed,
     }  # fmt: skip
     if scheme == "fused":
@@ -620,7 +765,7 @@ def _backward_launches(
     if dq_first:
         # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
         gluon_dq_ran = False
-        if q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
+        if plain and q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
             if fuse_delta:
                 preprocess()  # the Gluon kernel reads D
             gluon_dq_ran = _gluon_dq().run_default(
@@ -629,32 +774,44 @@ def _backward_launches(
         if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
 
             def grid_queries(cfg):
-                return (b * h, triton_cdiv(n_q, cfg.block_m))
+                return (bh, triton_cdiv(len_q, cfg.block_m))
 
             dq_args = {
                 **common, "LSE2": lse2, "stride_rows": stride_rows, "DQ": dq,
-                **_strides("dq", dq), "Out": o, **_strides("o", o),
-                "FUSE_DELTA": fuse_delta, **head_group_args(k, b * h, n_k, block_d),
+                **_strides("dq", dq, ragged), "Out": o, **_strides("o", o, ragged),
+                "FUSE_DELTA": fuse_delta, **PLAIN, **extra,
             }  # fmt: skip
+            if ragged:
+                dq_args.update(head_group=bh, GROUPED=False)
+            else:
+                dq_args.update(head_group_args(k, bh, n_k, block_d))
             _run(
-                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, n_q, n_k, block_d,
-                elem, small_grid=_small_grid(causal, b * h, n_q, n_sms),
+                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, len_q, len_k, block_d,
+                elem, small_grid=plain and _small_grid(causal, bh, n_q, n_sms), ragged=ragged,
+                features=not plain,
             )  # fmt: skip
 
     def grid_keys(cfg):
-        return (b * h, triton_cdiv(n_k, cfg.block_n))
+        return (bh_kv, triton_cdiv(len_k, cfg.block_n))
 
     # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
     gluon_ran = (
-        kind == "dkdv"
+        plain
+        and kind == "dkdv"
         and only in (None, kind)
         and q.is_cuda
         and _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, softmax_scale, lse_log2=True)
     )
     if only in (None, kind) and not gluon_ran:
+        dkdv_args = {
+            **common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
+            "ATOMIC_DQ": scheme == "atomic", "n_heads": h_kv, **PLAIN, **extra,
+        }  # fmt: skip
+        if ragged:
+            dkdv_args.update(head_group=bh_kv, GROUPED=False)
+        else:
+            dkdv_args.update(head_group_args(q, bh_kv, n_q * (h // h_kv), block_d))
         _run(
-            kind, kern.attn_bwd_dkdv_kernel, grid_keys,
-            {**common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
-             "ATOMIC_DQ": scheme == "atomic", **head_group_args(q, b * h, n_q, block_d)},
-            n_q, n_k, block_d, elem, small_grid=small_dkdv,
+            kind, kern.attn_bwd_dkdv_kernel, grid_keys, dkdv_args, len_q, len_k, block_d,
+            elem, small_grid=small_dkdv, ragged=ragged, features=not plain,
         )  # fmt: skip

@@ -1,30 +1,44 @@
 """The Triton launchers as ``torch.library`` custom ops, so torch.compile has no graph break.
 
-- ``flashattn_triton::fwd(q, k, v, causal, softmax_scale) -> (o, lse)``
-- ``flashattn_triton::bwd(do, q, k, v, o, lse, causal, softmax_scale) -> (dq, dk, dv)``
+- ``flashattn_triton::fwd(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1)
+  -> (o, lse)``
+- ``flashattn_triton::bwd(do, q, k, v, o, lse, causal, softmax_scale, window_left=-1,
+  window_right=-1) -> (dq, dk, dv)``
+- ``flashattn_triton::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, causal, softmax_scale, window_left, window_right) -> (o, lse)`` and
+  ``varlen_bwd(do, q, k, v, o, lse, <the same>) -> (dq, dk, dv)``
 
-All tensors are (B, H, N, d) (lse: (B, H, Nq) float32). The fake implementations give
-compile the output shapes and strides without running anything; ``fwd`` is differentiable
-through ``bwd`` (``register_autograd``), and the log-sum-exp output is non-differentiable.
+All tensors are (B, H, N, d) (lse: (B, H, Nq) float32); k and v may have fewer heads than q
+(grouped-query attention), and dk, dv come back shaped like them. The varlen ops take
+packed tensors seen as (1, H, total, d) and int32 offsets (batch + 1,). The fake
+implementations give compile the output shapes and strides without running anything;
+``fwd`` and ``varlen_fwd`` are differentiable through ``bwd`` / ``varlen_bwd``
+(``register_autograd``), and the log-sum-exp output is non-differentiable.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import launch
+from . import launch, launch_varlen
 
 
 @torch.library.custom_op("flashattn_triton::fwd", mutates_args=())
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, H, Nq, d), k, v (B, H, Nk, d) -> o (B, H, Nq, d), lse (B, H, Nq) float32."""
-    return launch.forward(q, k, v, causal, softmax_scale)
+    """q (B, H, Nq, d), k, v (B, Hkv, Nk, d) -> o (B, H, Nq, d), lse (B, H, Nq) float32."""
+    return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1):
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # (B, H, Nq)
     return launch.out_like(q), lse
 
@@ -39,29 +53,107 @@ def attention_bwd(
     lse: torch.Tensor,
     causal: bool,
     softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dO (B, H, Nq, d) and the forward's q, k, v, o, lse -> dq, dk, dv (shaped like q, k, v)."""
-    return launch.backward(do, q, k, v, o, lse, causal, softmax_scale)
+    return launch.backward(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale):
+def _attention_bwd_fake(
+    do, q, k, v, o, lse, causal, softmax_scale, window_left=-1, window_right=-1
+):
     return launch.out_like(q), launch.out_like(k), launch.out_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale, *window = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
+    ctx.window = window
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, *ctx.window)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flashattn_triton::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, H, total_q, d), k, v (1, Hkv, total_k, d) packed, int32 offsets (batch + 1,)
+    -> o (1, H, total_q, d), lse (1, H, total_q) float32."""
+    return launch_varlen.forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale, window_left, window_right,
+    )  # fmt: skip
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, *args):
+    return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashattn_triton::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen forward's gradients: dq, dk, dv shaped like q, k, v."""
+    return launch_varlen.backward_varlen(
+        do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        softmax_scale, window_left, window_right,
+    )  # fmt: skip
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(do, q, k, v, *args):
+    return launch.out_like(q), launch.out_like(k), launch.out_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, *args = inputs
+    o, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.args = args
+
+
+def _varlen_backward(ctx, do, _dlse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_bwd(do, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, *(None,) * 8
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

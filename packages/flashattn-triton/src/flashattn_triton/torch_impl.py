@@ -5,9 +5,13 @@ maximum m, a running denominator l and an unnormalized output; finish with O = a
 log-sum-exp L = m + log(l). Backward (handout equations 13-19) recomputes P = exp(S - L) tile
 by tile from Q, K and L, with D = rowsum(dO * O); P is never stored.
 
-Causal masking is bottom-right aligned (see ``reference``): key j is visible to query i iff
-j <= i + (Nk - Nq). Fully masked key tiles are skipped. Runs on any device, in float32 for
-half-precision inputs (float64 inputs stay float64).
+Masks are bottom-right aligned (see ``reference``): with a window (left, right) key j is
+visible to query i iff i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right (-1: unbounded),
+and causal is right = 0. Key tiles no query of a tile sees are skipped, so the cost grows
+with N x window. Grouped-query attention (fewer k/v heads, dim -3) broadcasts each k/v head
+over its group of q heads (no copies); dK and dV are summed over the group. Variable-length
+batches run sequence by sequence. Runs on any device, in float32 for half-precision inputs
+(float64 inputs stay float64).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 
 import torch
 
-from ._checks import check_qkv, resolve_scale
+from ._checks import check_qkv, resolve_scale, resolve_window
 
 Q_TILE = 64
 K_TILE = 64
@@ -26,13 +30,44 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tile_mask(i0: int, i1: int, j0: int, j1: int, offset: int, device) -> torch.Tensor | None:
-    """(i1-i0, j1-j0) mask of visible pairs for one causal tile, None when all are visible."""
-    if j1 - 1 <= i0 + offset:
+def _offsets(causal: bool, window: tuple[int, int], n_q: int, n_k: int):
+    """(lo, hi): key j is visible to query i iff i + lo <= j <= i + hi; None = unbounded."""
+    left, right = resolve_window(causal, window[0], window[1], n_q, n_k)
+    lo = None if left < 0 else n_k - n_q - left
+    hi = None if right < 0 else n_k - n_q + right
+    return lo, hi
+
+
+def _key_span(i0: int, i1: int, n_k: int, lo: int | None, hi: int | None) -> tuple[int, int]:
+    """Keys [j0, j1) that some query of rows [i0, i1) sees."""
+    j0 = 0 if lo is None else max(0, i0 + lo)
+    j1 = n_k if hi is None else min(n_k, i1 - 1 + hi + 1)
+    return j0, max(j0, j1)
+
+
+def _tile_mask(
+    i0: int, i1: int, j0: int, j1: int, lo: int | None, hi: int | None, device
+) -> torch.Tensor | None:
+    """(i1-i0, j1-j0) mask of visible pairs for one tile, None when all are visible."""
+    full_hi = hi is None or j1 - 1 <= i0 + hi
+    full_lo = lo is None or j0 >= i1 - 1 + lo
+    if full_hi and full_lo:
         return None
     rows = torch.arange(i0, i1, device=device)[:, None]
     cols = torch.arange(j0, j1, device=device)[None, :]
-    return cols <= rows + offset
+    keep = torch.ones((i1 - i0, j1 - j0), dtype=torch.bool, device=device)
+    if hi is not None:
+        keep &= cols <= rows + hi
+    if lo is not None:
+        keep &= cols >= rows + lo
+    return keep
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int]:
+    """(Z, G): k/v heads (all leading dims) and q heads per k/v head."""
+    z = math.prod(k.shape[:-2])  # explicit: reshape(-1, 0, d) of an empty tensor is ambiguous
+    zq = math.prod(q.shape[:-2])
+    return z, (zq // z if z else 1)
 
 
 def flash_forward_torch(
@@ -43,44 +78,46 @@ def flash_forward_torch(
     softmax_scale: float,
     q_tile: int = Q_TILE,
     k_tile: int = K_TILE,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiled forward. q (..., Nq, d), k, v (..., Nk, d) -> o (..., Nq, d), lse (..., Nq).
+    """Tiled forward. q (..., Hq, Nq, d), k, v (..., Hkv, Nk, d) (Hkv divides Hq) ->
+    o (..., Hq, Nq, d), lse (..., Hq, Nq).
 
     Empty sequences are allowed: Nq = 0 gives empty outputs, Nk = 0 zero outputs and
     lse = -inf (no key is visible), as the Triton kernels do."""
     lead, (n_q, d), n_k = q.shape[:-2], q.shape[-2:], k.shape[-2]
     cdt = _compute_dtype(q.dtype)
-    z = math.prod(lead)  # explicit: reshape(-1, 0, d) of an empty tensor is ambiguous
-    qf = q.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
-    kf = k.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
-    vf = v.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
-    o = torch.zeros((z, n_q, d), dtype=cdt, device=q.device)
-    lse = torch.full((z, n_q), float("-inf"), dtype=cdt, device=q.device)
-    offset = n_k - n_q if causal else 0
+    z, g = _grouped(q, k)
+    qf = q.reshape(z, g, n_q, d).to(cdt)  # (Z, G, Nq, d)
+    kf = k.reshape(z, 1, n_k, d).to(cdt)  # (Z, 1, Nk, d): broadcast over the group
+    vf = v.reshape(z, 1, n_k, d).to(cdt)  # (Z, 1, Nk, d)
+    o = torch.zeros((z, g, n_q, d), dtype=cdt, device=q.device)
+    lse = torch.full((z, g, n_q), float("-inf"), dtype=cdt, device=q.device)
+    lo, hi = _offsets(causal, window, n_q, n_k)
     for i0 in range(0, n_q, q_tile):
         i1 = min(i0 + q_tile, n_q)
-        qi = qf[:, i0:i1] * softmax_scale  # (Z, bq, d)
-        m = torch.full((z, i1 - i0), float("-inf"), dtype=cdt, device=q.device)
-        l_run = torch.zeros((z, i1 - i0), dtype=cdt, device=q.device)
-        acc = torch.zeros((z, i1 - i0, d), dtype=cdt, device=q.device)
-        k_end = min(n_k, i1 + offset) if causal else n_k
-        for j0 in range(0, max(k_end, 0), k_tile):
+        qi = qf[:, :, i0:i1] * softmax_scale  # (Z, G, bq, d)
+        m = torch.full((z, g, i1 - i0), float("-inf"), dtype=cdt, device=q.device)
+        l_run = torch.zeros((z, g, i1 - i0), dtype=cdt, device=q.device)
+        acc = torch.zeros((z, g, i1 - i0, d), dtype=cdt, device=q.device)
+        k_start, k_end = _key_span(i0, i1, n_k, lo, hi)
+        for j0 in range(k_start // k_tile * k_tile, k_end, k_tile):
             j1 = min(j0 + k_tile, n_k)
-            s = qi @ kf[:, j0:j1].transpose(1, 2)  # (Z, bq, bk)
-            mask = _tile_mask(i0, i1, j0, j1, offset, q.device) if causal else None
+            s = qi @ kf[:, :, j0:j1].transpose(-1, -2)  # (Z, G, bq, bk)
+            mask = _tile_mask(i0, i1, j0, j1, lo, hi, q.device)
             if mask is not None:
                 s = s.masked_fill(~mask, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             # A row with no visible key so far keeps m = -inf; subtract 0 there to avoid NaN.
             m_sub = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_sub[..., None])  # (Z, bq, bk)
+            p = torch.exp(s - m_sub[..., None])  # (Z, G, bq, bk)
             alpha = torch.exp(m - m_sub)
             l_run = alpha * l_run + p.sum(dim=-1)
-            acc = alpha[..., None] * acc + p @ vf[:, j0:j1]
+            acc = alpha[..., None] * acc + p @ vf[:, :, j0:j1]
             m = m_new
         l_safe = torch.where(l_run == 0, torch.ones_like(l_run), l_run)
-        o[:, i0:i1] = acc / l_safe[..., None]
-        lse[:, i0:i1] = m + torch.log(l_run)  # -inf + -inf = -inf for empty rows
+        o[:, :, i0:i1] = acc / l_safe[..., None]
+        lse[:, :, i0:i1] = m + torch.log(l_run)  # -inf + -inf = -inf for empty rows
     return o.to(q.dtype).reshape(q.shape), lse.reshape(*lead, n_q)
 
 
@@ -95,41 +132,45 @@ def flash_backward_torch(
     softmax_scale: float,
     q_tile: int = Q_TILE,
     k_tile: int = K_TILE,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tiled backward by recomputation. Shapes as in the forward; returns dq, dk, dv."""
+    """Tiled backward by recomputation. Shapes as in the forward; returns dq, dk, dv (dk and
+    dv summed over each group of q heads that shares a k/v head)."""
     n_q, d, n_k = q.shape[-2], q.shape[-1], k.shape[-2]
     cdt = _compute_dtype(q.dtype)
-    z = math.prod(q.shape[:-2])
-    qf = q.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
-    kf = k.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
-    vf = v.reshape(z, n_k, d).to(cdt)  # (Z, Nk, d)
-    of = o.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
-    dof = do.reshape(z, n_q, d).to(cdt)  # (Z, Nq, d)
-    lf = lse.reshape(z, n_q).to(cdt)  # (Z, Nq)
+    z, g = _grouped(q, k)
+    qf = q.reshape(z, g, n_q, d).to(cdt)  # (Z, G, Nq, d)
+    kf = k.reshape(z, 1, n_k, d).to(cdt)  # (Z, 1, Nk, d)
+    vf = v.reshape(z, 1, n_k, d).to(cdt)  # (Z, 1, Nk, d)
+    of = o.reshape(z, g, n_q, d).to(cdt)  # (Z, G, Nq, d)
+    dof = do.reshape(z, g, n_q, d).to(cdt)  # (Z, G, Nq, d)
+    lf = lse.reshape(z, g, n_q).to(cdt)  # (Z, G, Nq)
     # Empty rows have L = -inf: use +inf so that exp(S - L) = 0 there.
     lf = torch.where(torch.isneginf(lf), torch.full_like(lf, float("inf")), lf)
-    delta = (dof * of).sum(dim=-1)  # (Z, Nq) = rowsum(dO * O) = rowsum(P * dP)
+    delta = (dof * of).sum(dim=-1)  # (Z, G, Nq) = rowsum(dO * O) = rowsum(P * dP)
     dq = torch.zeros_like(qf)
-    dk = torch.zeros_like(kf)
-    dv = torch.zeros_like(vf)
-    offset = n_k - n_q if causal else 0
+    dk = torch.zeros((z, n_k, d), dtype=cdt, device=q.device)
+    dv = torch.zeros((z, n_k, d), dtype=cdt, device=q.device)
+    lo, hi = _offsets(causal, window, n_q, n_k)
     for j0 in range(0, n_k, k_tile):
         j1 = min(j0 + k_tile, n_k)
-        kj, vj = kf[:, j0:j1], vf[:, j0:j1]  # (Z, bk, d)
-        i_start = max(0, j0 - offset) // q_tile * q_tile if causal else 0
-        for i0 in range(i_start, n_q, q_tile):
+        kj, vj = kf[:, :, j0:j1], vf[:, :, j0:j1]  # (Z, 1, bk, d)
+        # Queries that see some key of this tile: i >= j0 - hi and i <= j1 - 1 - lo.
+        i_start = 0 if hi is None else max(0, j0 - hi)
+        i_end = n_q if lo is None else max(0, min(n_q, j1 - 1 - lo + 1))
+        for i0 in range(i_start // q_tile * q_tile, i_end, q_tile):
             i1 = min(i0 + q_tile, n_q)
-            s = (qf[:, i0:i1] @ kj.transpose(1, 2)) * softmax_scale  # (Z, bq, bk)
-            p = torch.exp(s - lf[:, i0:i1, None])  # eq. 14
-            mask = _tile_mask(i0, i1, j0, j1, offset, q.device) if causal else None
+            s = (qf[:, :, i0:i1] @ kj.transpose(-1, -2)) * softmax_scale  # (Z, G, bq, bk)
+            p = torch.exp(s - lf[:, :, i0:i1, None])  # eq. 14
+            mask = _tile_mask(i0, i1, j0, j1, lo, hi, q.device)
             if mask is not None:
                 p = p.masked_fill(~mask, 0.0)
-            doi = dof[:, i0:i1]
-            dv[:, j0:j1] += p.transpose(1, 2) @ doi  # eq. 15
-            dp = doi @ vj.transpose(1, 2)  # eq. 16
-            ds = p * (dp - delta[:, i0:i1, None])  # eq. 17
-            dq[:, i0:i1] += (ds @ kj) * softmax_scale  # eq. 18
-            dk[:, j0:j1] += (ds.transpose(1, 2) @ qf[:, i0:i1]) * softmax_scale  # eq. 19
+            doi = dof[:, :, i0:i1]
+            dv[:, j0:j1] += (p.transpose(-1, -2) @ doi).sum(1)  # eq. 15, summed over G
+            dp = doi @ vj.transpose(-1, -2)  # eq. 16
+            ds = p * (dp - delta[:, :, i0:i1, None])  # eq. 17
+            dq[:, :, i0:i1] += (ds @ kj) * softmax_scale  # eq. 18
+            dk[:, j0:j1] += (ds.transpose(-1, -2) @ qf[:, :, i0:i1]).sum(1) * softmax_scale
     return (
         dq.to(q.dtype).reshape(q.shape),
         dk.to(k.dtype).reshape(k.shape),
@@ -160,3 +201,52 @@ class FlashAttention2Torch(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(do, q, k, v, o, lse, ctx.is_causal, ctx.softmax_scale)
         return dq, dk, dv, None, None
+
+
+class TorchAttention(torch.autograd.Function):
+    """``flash_attention(..., backend='torch')`` with a window or the log-sum-exp:
+    ``TorchAttention.apply(q, k, v, causal, scale, window_left, window_right)`` on checked
+    inputs -> (o, lse); lse is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, window_left, window_right):
+        window = (window_left, window_right)
+        o, lse = flash_forward_torch(q, k, v, causal, softmax_scale, window=window)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, softmax_scale, window)
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        causal, scale, window = ctx.args
+        dq, dk, dv = flash_backward_torch(do, q, k, v, o, lse, causal, scale, window=window)
+        return dq, dk, dv, None, None, None, None
+
+
+def varlen_attention_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets_q: list[int],
+    offsets_k: list[int],
+    causal: bool,
+    softmax_scale: float,
+    window: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences one at a time: q (total_q, Hq, d), k, v (total_k, Hkv, d), offsets
+    as Python lists (checked) -> o (total_q, Hq, d), lse (Hq, total_q); differentiable
+    through o."""
+    outs, lses = [], []
+    for s in range(len(offsets_q) - 1):
+        q0, q1, k0, k1 = offsets_q[s], offsets_q[s + 1], offsets_k[s], offsets_k[s + 1]
+        o, lse = TorchAttention.apply(
+            q[q0:q1].transpose(0, 1),  # (Hq, n_q, d)
+            k[k0:k1].transpose(0, 1),  # (Hkv, n_k, d)
+            v[k0:k1].transpose(0, 1),  # (Hkv, n_k, d)
+            causal, softmax_scale, *window,
+        )  # fmt: skip
+        outs.append(o.transpose(0, 1))  # (n_q, Hq, d)
+        lses.append(lse)  # (Hq, n_q)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=1)

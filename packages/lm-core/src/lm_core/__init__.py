@@ -8,7 +8,7 @@ from lm_core.annotate import annotate, annotations_enabled, set_annotations
 from lm_core.attention import available_backends, get_attention
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
-from lm_core.data import get_batch, load_tokens, synthetic_tokens
+from lm_core.data import document_offsets, get_batch, load_tokens, synthetic_tokens
 from lm_core.flops import forward_flops, train_step_flops
 from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.loss import cross_entropy
@@ -30,6 +30,7 @@ __all__ = [
     "clip_grad_norm",
     "cosine_lr",
     "cross_entropy",
+    "document_offsets",
     "forward_flops",
     "fused_linear_cross_entropy",
     "get_attention",

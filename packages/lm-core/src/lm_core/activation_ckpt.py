@@ -62,7 +62,8 @@ def block_activation_ratio(config: ModelConfig, *, autocast: bool = False) -> fl
     (B, H, T, T) scores, which add about 2*H*T/D more."""
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
-    per_compute = 5 + 4 * config.d_ff / config.d_model  # q, k, v, o, o reshaped, 4 x (F) SwiGLU
+    kv = 2 * config.kv_heads * config.head_dim / config.d_model  # k and v (2 with H = Hkv)
+    per_compute = 3 + kv + 4 * config.d_ff / config.d_model  # q, k, v, o, o reshaped, SwiGLU
     return 4 + per_compute / 2 if autocast else 4 + per_compute
 
 
@@ -125,21 +126,33 @@ def resolve_group_size(every: str | int | None, num_layers: int, ratio: float = 
     return min(every, num_layers)
 
 
-def _run_group(layers: nn.ModuleList, start: int, end: int, x: torch.Tensor) -> torch.Tensor:
+def _run_group(
+    layers: nn.ModuleList, start: int, end: int, x: torch.Tensor, *packing: object
+) -> torch.Tensor:
     for i in range(start, end):
-        x = layers[i](x)
+        # packing = (cu_seqlens, max_seqlen) or nothing; by keyword (the block's second
+        # parameter is the decode cache)
+        x = layers[i](x, *((None, *packing) if packing else ()))
     return x
 
 
 def _run_blocks_checkpointed(
-    layers: nn.ModuleList, group_size: int, x: torch.Tensor
+    layers: nn.ModuleList,
+    group_size: int,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> torch.Tensor:
-    """(B, T, D) -> (B, T, D): groups of `group_size` blocks, all but the last checkpointed."""
+    """(B, T, D) -> (B, T, D): groups of `group_size` blocks, all but the last checkpointed
+    (packed documents as in `TransformerLM.run_blocks`)."""
     n = len(layers)
     last_start = ((n - 1) // group_size) * group_size
+    packing = () if cu_seqlens is None else (cu_seqlens, max_seqlen)
     for start in range(0, last_start, group_size):
-        x = checkpoint(_run_group, layers, start, start + group_size, x, use_reentrant=False)
-    return _run_group(layers, last_start, n, x)
+        x = checkpoint(
+            _run_group, layers, start, start + group_size, x, *packing, use_reentrant=False
+        )
+    return _run_group(layers, last_start, n, x, *packing)
 
 
 def apply_activation_checkpointing(

@@ -35,6 +35,10 @@ class ModelConfig:
     attention: backend name, one of "naive", "sdpa", "flash-torch", "flash-triton".
     matmul: how linear layers multiply float32 inputs: "default" (torch's matmul) or
         "tf32x3" (float32-accurate products on TF32 tensor cores; see `lm_core.matmul`).
+    num_kv_heads: key/value heads (grouped-query attention; 1: multi-query); must divide
+        num_heads. None: num_heads (multi-head attention, the course model).
+    sliding_window: each token attends to itself and the `sliding_window` tokens before it
+        (flash-attn's window_size=(sliding_window, 0)); None: every earlier token (causal).
     """
 
     vocab_size: int
@@ -46,6 +50,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     attention: str = "sdpa"
     matmul: str = "default"
+    num_kv_heads: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -73,6 +79,22 @@ class ModelConfig:
                 f"ModelConfig.attention: unknown backend {self.attention!r}; "
                 f"expected one of {list(ATTENTION_BACKENDS)}"
             )
+        for name in ("num_kv_heads", "sliding_window"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"ModelConfig.{name}: expected an int or None, got {value!r}")
+            if value <= 0:
+                raise ValueError(
+                    f"ModelConfig.{name}: expected a positive int or None, got {value}"
+                )
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide "
+                f"num_heads={self.num_heads} (each k/v head serves num_heads // num_kv_heads "
+                "query heads)"
+            )
         if self.matmul not in MATMUL_BACKENDS:
             raise ValueError(
                 f"ModelConfig.matmul: unknown backend {self.matmul!r}; "
@@ -83,6 +105,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Features per attention head, d_model // num_heads."""
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads where it is None."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of the fields (what checkpoints store)."""

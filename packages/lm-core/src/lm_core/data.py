@@ -1,10 +1,11 @@
-"""Token data: random training windows, token files, synthetic sequences.
+"""Token data: random training windows, token files, synthetic sequences, packed documents.
 
 `get_batch` draws `batch_size` random windows of `context_length + 1` tokens from a 1-D token
 array (numpy array, `np.memmap` or tensor) and returns inputs x and next-token targets y.
 Drawing start positions (`sample_starts`) is separate from reading the windows
 (`gather_windows`) so data-parallel training can draw one global batch identically on every
-rank and read only its own rows.
+rank and read only its own rows. `document_offsets` finds the documents in a batch of windows
+from an end-of-text id, for packed training (`TransformerLM(...)(x, cu_seqlens=...)`).
 
 A raw `.bin` token file may have a JSON sidecar next to it, `<file>.json` (written by
 `python -m lm_core.tokenize encode`), naming its dtype, vocabulary size, end-of-text id and
@@ -85,12 +86,16 @@ def gather_windows(
         windows = tokens[torch.from_numpy(offsets).to(tokens.device)].long()  # (B, T+1)
     else:
         windows = torch.from_numpy(np.asarray(tokens[offsets], dtype=np.int64))  # (B, T+1)
+    windows = to_device(windows, device)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`: through pinned memory without waiting for a GPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        windows = windows.pin_memory().to(device, non_blocking=True)
-    else:
-        windows = windows.to(device)
-    return windows[:, :-1], windows[:, 1:]
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def get_batch(
@@ -251,3 +256,87 @@ def synthetic_tokens(
         cycle = rng.permutation(vocab_size)[: min(period, vocab_size)].astype(np.int64)
         return np.resize(cycle, num_tokens)
     raise ValueError(f"synthetic_tokens: kind must be 'pattern' or 'random', got {kind!r}")
+
+
+def document_offsets(token_ids: np.ndarray | torch.Tensor, eot_id: int) -> tuple[torch.Tensor, int]:
+    """Packed-document offsets of a batch of windows: (cu_seqlens, max_seqlen).
+
+    token_ids: (B, T) (or (T,)) integer ids, best on the CPU (a CUDA tensor is copied to the
+    host first, which waits for the GPU). A document starts at every row start and at every
+    `eot_id` token: the end-of-text token opens the document after it, as a beginning-of-
+    sequence token would, so each token attends to its own document only (the eot predicts
+    the next document's first token from itself alone). Returns int32 (S + 1,) CPU offsets
+    into the B*T tokens taken row after row (0, ..., B*T) and the longest document's length,
+    as `TransformerLM.forward(..., cu_seqlens=, max_seqlen=)` and `flash_attention_varlen`
+    take them.
+    """
+    if isinstance(eot_id, bool) or not isinstance(eot_id, numbers.Integral) or eot_id < 0:
+        raise ValueError(f"eot_id: expected a non-negative int token id, got {eot_id!r}")
+    ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else token_ids
+    ids = np.asarray(ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"token_ids: expected a non-empty (batch, seq) integer array, got shape "
+            f"{tuple(ids.shape)} of {ids.dtype}"
+        )
+    batch, seq = ids.shape
+    starts = ids.reshape(-1) == eot_id  # (B*T,): True where a document starts
+    starts[::seq] = True  # every row starts one
+    bounds = np.flatnonzero(starts)
+    cu = np.append(bounds, batch * seq).astype(np.int32)
+    return torch.from_numpy(cu), int(np.diff(cu).max())
+
+
+def check_packing(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    batch: int,
+    seq: int,
+    device: torch.device,
+) -> None:
+    """Check packed-document offsets for a (batch, seq) input (see `document_offsets`):
+    an int32 1-D tensor on the input's device, `max_seqlen` None or an int in [1, seq]; the
+    values (0 first, batch*seq last, never decreasing, every row start k*seq among them, no
+    document longer than max_seqlen) for CPU tensors in eager mode only: reading a CUDA
+    tensor would stall the host (flashattn_triton checks them again on its side)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(
+            f"cu_seqlens: expected a 1-D int32 tensor of at least 2 offsets, got "
+            f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != device:
+        raise ValueError(
+            f"cu_seqlens: expected it on the token ids' device {device}, got {cu_seqlens.device}"
+        )
+    if max_seqlen is not None and (
+        isinstance(max_seqlen, bool)
+        or not isinstance(max_seqlen, int)
+        or not 1 <= max_seqlen <= seq
+    ):
+        raise ValueError(f"max_seqlen: expected None or an int in [1, {seq}], got {max_seqlen!r}")
+    compiling = getattr(torch, "compiler", None) is not None and torch.compiler.is_compiling()
+    if cu_seqlens.device.type != "cpu" or compiling:
+        return
+    cu = cu_seqlens.numpy()
+    if cu[0] != 0 or cu[-1] != batch * seq:
+        raise ValueError(
+            f"cu_seqlens: expected offsets from 0 to batch * seq = {batch * seq}, got "
+            f"{int(cu[0])} ... {int(cu[-1])}"
+        )
+    lengths = np.diff(cu)
+    if (lengths < 0).any():
+        raise ValueError("cu_seqlens: offsets must never decrease")
+    missing = np.setdiff1d(np.arange(0, batch * seq, seq), cu)
+    if missing.size:
+        raise ValueError(
+            f"cu_seqlens: every row start must be an offset (documents do not cross rows), "
+            f"missing {missing[:4].tolist()}"
+        )
+    if max_seqlen is not None and lengths.max() > max_seqlen:
+        raise ValueError(
+            f"max_seqlen={max_seqlen} is less than the longest document, {int(lengths.max())}"
+        )

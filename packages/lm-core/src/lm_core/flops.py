@@ -4,10 +4,12 @@ Counted: every matmul of a linear layer and the two attention matmuls. A matmul 
 by a (k, n) matrix costs 2*m*k*n FLOPs (multiply + add). With N = batch * seq tokens, D d_model,
 F d_ff, L layers, V vocab, T seq:
 
-    linear  = 2 * N * (L * (4*D*D + 3*D*F) + D*V)
-              (per layer: qkv 3*D*D, output 1*D*D, w1 and w3 2*D*F, w2 1*D*F; LM head D*V)
-    attn    = L * 2 * (2 * batch * T * T * D)
-              (QK^T and PV, each 2*batch*H*T*T*Dh = 2*batch*T*T*D, the full T x T matrix)
+    linear  = 2 * N * (L * (2*D*D + 2*D*Dkv + 3*D*F) + D*V)
+              (per layer: q D*D, k and v D*Dkv each, output 1*D*D, w1 and w3 2*D*F, w2 1*D*F;
+              LM head D*V; Dkv = num_kv_heads * head_dim, D without grouped-query attention)
+    attn    = L * 2 * (2 * batch * T * K * D)
+              (QK^T and PV, each 2*batch*H*T*K*Dh = 2*batch*T*K*D, K = T: the full T x T
+              matrix; with a sliding window W, K = min(T, W + 1), the keys a query can see)
     forward = linear + attn
     backward = 2 * forward          (gradients w.r.t. inputs and w.r.t. weights)
     train step = 3 * forward
@@ -31,9 +33,11 @@ def _check(config: ModelConfig, batch: int, seq: int) -> None:
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Weights that take part in a matmul per token: L*(4D^2 + 3DF) + DV (no embedding)."""
+    """Weights that take part in a matmul per token: L*(2D^2 + 2D*Dkv + 3DF) + DV (no
+    embedding; Dkv = D without grouped-query attention: L*(4D^2 + 3DF) + DV)."""
     d, f = config.d_model, config.d_ff
-    return config.num_layers * (4 * d * d + 3 * d * f) + d * config.vocab_size
+    d_kv = config.kv_heads * config.head_dim
+    return config.num_layers * (2 * d * d + 2 * d * d_kv + 3 * d * f) + d * config.vocab_size
 
 
 def forward_flops(config: ModelConfig, batch: int, seq: int) -> int:
@@ -41,7 +45,8 @@ def forward_flops(config: ModelConfig, batch: int, seq: int) -> int:
     _check(config, batch, seq)
     tokens = batch * seq
     linear = 2 * tokens * matmul_params(config)
-    attention = config.num_layers * 2 * (2 * batch * seq * seq * config.d_model)
+    keys = seq if config.sliding_window is None else min(seq, config.sliding_window + 1)
+    attention = config.num_layers * 2 * (2 * batch * seq * keys * config.d_model)
     return linear + attention
 
 

@@ -68,22 +68,37 @@ class LayerCache:
         return self.step.positions
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_fn: AttentionFn
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_fn: AttentionFn,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Store k, v (B, H, T, Dh) at the step's positions, then attend: (B, H, T, Dh).
+        """Store k, v (B, Hkv, T, Dh) at the step's positions, then attend: (B, H, T, Dh).
 
-        Prefill: `attn_fn` (the model's backend, causal) over the new keys only. Decode:
-        SDPA over the whole cache under the step's mask (key position <= query position).
+        Prefill: `attn_fn` (the model's backend, causal, with the sliding `window` if any)
+        over the new keys only. Decode: SDPA over the whole cache under the step's mask (key
+        position <= query position, and >= query position - window); fewer k/v heads than
+        query heads (grouped-query attention) are repeated for it.
         """
         cache, i, step = self.step.cache, self.index, self.step
         if cache.k[i] is None:
             cache.allocate(i, k, v)
-        k_all, v_all = cache.k[i], cache.v[i]  # (B, H, S, Dh) each
+        k_all, v_all = cache.k[i], cache.v[i]  # (B, Hkv, S, Dh) each
         k_all.index_copy_(2, step.positions, k.to(k_all.dtype))
         v_all.index_copy_(2, step.positions, v.to(v_all.dtype))
         if step.mask is None:
-            return attn_fn(q, k, v)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=step.mask)
+            return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
+        mask = step.mask  # (T, S)
+        if window is not None:
+            keys = torch.arange(mask.shape[-1], device=mask.device)  # (S,)
+            mask = mask & (keys[None, :] >= step.positions[:, None] - window)
+        group = q.shape[1] // k_all.shape[1]
+        if group > 1:
+            k_all = k_all.repeat_interleave(group, dim=1)  # (B, H, S, Dh)
+            v_all = v_all.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
 class CacheStep:

@@ -3,8 +3,9 @@ SwiGLU feed-forward, as in the CS336 course model, written for speed.
 
 Same parameters and math as the course model, laid out for fewer, larger kernels:
 - q, k, v projections are one (3*d_model, d_model) matrix `qkv_proj` (rows: q, then k, then v;
-  within each, head-major) and the SwiGLU's w1 and w3 are one (2*d_ff, d_model) matrix `w13`
-  (rows: w1, then w3). Each part is initialized as the separate course matrix would be.
+  within each, head-major; with `num_kv_heads` the k and v parts have num_kv_heads heads) and
+  the SwiGLU's w1 and w3 are one (2*d_ff, d_model) matrix `w13` (rows: w1, then w3). Each part
+  is initialized as the separate course matrix would be.
 - attention goes through a backend chosen by name (default: PyTorch SDPA, a fused kernel);
 - RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers);
 - RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back).
@@ -17,7 +18,12 @@ call of the `lm_head` module (`LMHead`), so wrappers that gather sharded weights
 with a KV cache (`lm_core.generation`): forward passes given a `kv_cache` read RoPE positions
 from it and let it store keys and values and pick the attention.
 
-Shapes: B batch, T sequence, D d_model, H heads, Dh head dim, F d_ff, V vocab.
+Packed documents: `model(token_ids, cu_seqlens=...)` with int32 offsets of the documents in
+the B*T tokens (every row start among them, e.g. from `lm_core.data.document_offsets`) lets
+each token attend within its own document only; every attention backend honours it, and
+`sliding_window` / `num_kv_heads` (grouped-query attention) as well.
+
+Shapes: B batch, T sequence, D d_model, H heads, Hkv k/v heads, Dh head dim, F d_ff, V vocab.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import nn
 from lm_core.annotate import annotate
 from lm_core.attention import get_attention
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
+from lm_core.data import check_packing
 from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
@@ -104,37 +111,55 @@ class RotaryEmbedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with RoPE on q and k: (B, T, D) -> (B, T, D)."""
+    """Causal self-attention with RoPE on q and k: (B, T, D) -> (B, T, D). Multi-head, or
+    grouped-query with `num_kv_heads` k/v heads; `sliding_window` bounds the keys."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         d = config.d_model
         self.num_heads = config.num_heads
+        self.num_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = Linear(d, 3 * d, bias=False, matmul=config.matmul)
+        self.window = config.sliding_window
+        kv = self.num_kv_heads * self.head_dim  # k (and v) rows of qkv_proj
+        self.qkv_proj = Linear(d, d + 2 * kv, bias=False, matmul=config.matmul)
         self.output_proj = Linear(d, d, bias=False, matmul=config.matmul)
         self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta)
         self.attn_fn = get_attention(config.attention)
 
     def reset_parameters(self) -> None:
         d = self.output_proj.in_features
-        for part in self.qkv_proj.weight.data.chunk(3, dim=0):  # q, k, v: (D, D) each
-            _trunc_normal_(part, _linear_std(d, d))
+        kv = self.num_kv_heads * self.head_dim
+        for part in self.qkv_proj.weight.data.split((d, kv, kv), dim=0):  # q (D, D), k, v
+            _trunc_normal_(part, _linear_std(d, part.shape[0]))
         _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
 
-    def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
-        # -1 heads: under tensor parallelism (lm_core.parallel) a rank computes H / tp heads
-        qkv = self.qkv_proj(x).view(b, t, 3, -1, self.head_dim)  # (B, T, 3, H, Dh)
+        # heads from the projection's width: under tensor parallelism (lm_core.parallel) a
+        # rank computes its share of the q and k/v heads
+        qkv = self.qkv_proj(x)
+        n = qkv.shape[-1] // self.head_dim
+        h = n * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
+        h_kv = (n - h) // 2
+        qkv = qkv.view(b, t, n, self.head_dim)  # (B, T, H + 2Hkv, Dh)
         positions = None if kv_cache is None else kv_cache.positions
-        qk = self.rope(qkv[:, :, :2], positions)  # (B, T, 2, H, Dh): q and k rotated in one pass
-        q = qk[:, :, 0].transpose(1, 2)  # (B, H, T, Dh)
-        k = qk[:, :, 1].transpose(1, 2)  # (B, H, T, Dh)
-        v = qkv[:, :, 2].transpose(1, 2)  # (B, H, T, Dh)
-        if kv_cache is None:
+        qk = self.rope(qkv[:, :, : h + h_kv], positions)  # (B, T, H + Hkv, Dh): q, k in one pass
+        q = qk[:, :, :h].transpose(1, 2)  # (B, H, T, Dh)
+        k = qk[:, :, h:].transpose(1, 2)  # (B, Hkv, T, Dh)
+        v = qkv[:, :, h + h_kv :].transpose(1, 2)  # (B, Hkv, T, Dh)
+        if kv_cache is not None:  # stores k and v, attends over the cached keys
+            out = kv_cache.attend(q, k, v, self.attn_fn, self.window)  # (B, H, T, Dh)
+        elif self.window is None and cu_seqlens is None:
             out = self.attn_fn(q, k, v)  # (B, H, T, Dh)
-        else:  # stores k and v, attends over the cached keys
-            out = kv_cache.attend(q, k, v, self.attn_fn)  # (B, H, T, Dh)
+        else:
+            out = self.attn_fn(q, k, v, self.window, cu_seqlens, max_seqlen)  # (B, H, T, Dh)
         out = out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H * Dh)
         return self.output_proj(out)
 
@@ -169,12 +194,23 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff, config.matmul)
 
-    def forward(self, x: torch.Tensor, kv_cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: LayerCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         with annotate("attention"):
-            # the cache only when decoding: module hooks (tensor parallelism's input layouts)
-            # see one input in training
+            # extra arguments only when given: module hooks (tensor parallelism's input
+            # layouts) see one input in plain training
             h = self.ln1(x)
-            x = x + (self.attn(h) if kv_cache is None else self.attn(h, kv_cache))
+            if kv_cache is not None:
+                x = x + self.attn(h, kv_cache=kv_cache)
+            elif cu_seqlens is not None:
+                x = x + self.attn(h, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+            else:
+                x = x + self.attn(h)
         with annotate("ffn"):
             x = x + self.ffn(self.ln2(x))
         return x
@@ -207,7 +243,8 @@ class TransformerLM(nn.Module):
 
     Token embedding, `num_layers` pre-norm blocks, final RMSNorm, untied LM head (as in the
     course). Parameters: `token_embeddings.weight` (V, D); per block `ln1.weight`,
-    `attn.qkv_proj.weight` (3D, D), `attn.output_proj.weight` (D, D), `ln2.weight`,
+    `attn.qkv_proj.weight` (D + 2 Hkv Dh, D): (3D, D) without `num_kv_heads`,
+    `attn.output_proj.weight` (D, D), `ln2.weight`,
     `ffn.w13.weight` (2F, D), `ffn.w2.weight` (D, F); `ln_final.weight`, `lm_head.weight` (V, D).
     """
 
@@ -235,32 +272,51 @@ class TransformerLM(nn.Module):
         d, v = self.config.d_model, self.config.vocab_size
         _trunc_normal_(self.lm_head.weight, _linear_std(d, v))
 
-    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T) int64 or int32, 1 <= T <= context_length.
 
         With `targets` (B, T) (next-token ids in [0, V)): the mean cross-entropy instead, a
         0-dim fp32 tensor, computed by `fused_linear_cross_entropy` from the final hidden
         states and `lm_head.weight` without materializing the (B, T, V) logits. Either way the
         `lm_head` module is called (`LMHead.forward(h, targets)`): its hooks fire.
+
+        `cu_seqlens`: packed documents, int32 (S + 1,) offsets into the B*T tokens taken row
+        after row, 0 first and B*T last, every row start k*T among them
+        (`lm_core.data.document_offsets`); each token then attends within its document only.
+        `max_seqlen`: the longest document (an int; default T, always enough).
         """
-        h = self.hidden_states(token_ids)  # (B, T, D)
+        h = self.hidden_states(token_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)  # (B, T, D)
         return self.lm_head(h, targets)  # logits (B, T, V), or the loss (0-dim fp32)
 
     def hidden_states(
-        self, token_ids: torch.Tensor, kv_cache: CacheStep | None = None
+        self,
+        token_ids: torch.Tensor,
+        kv_cache: CacheStep | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> torch.Tensor:
         """The LM head's input, (B, T, D): embeddings, every block, final RMSNorm.
 
         With `kv_cache` (decoding, `lm_core.generation`), the tokens sit at the cache step's
         positions and attend to the cached keys; the blocks run one by one, without
-        activation checkpointing (nothing is saved for a backward)."""
+        activation checkpointing (nothing is saved for a backward). With `cu_seqlens`
+        (packed documents) each token attends within its own document."""
         self._check_input(token_ids)
         x = self.token_embeddings(token_ids)  # (B, T, D)
-        if kv_cache is None:
-            x = self.run_blocks(x)  # (B, T, D)
-        else:
+        if kv_cache is not None:
             for i, block in enumerate(self.layers):
                 x = block(x, kv_cache.layer(i))  # (B, T, D)
+        elif cu_seqlens is None:
+            x = self.run_blocks(x)  # (B, T, D)
+        else:
+            check_packing(cu_seqlens, max_seqlen, *token_ids.shape, token_ids.device)
+            x = self.run_blocks(x, cu_seqlens, max_seqlen)  # (B, T, D)
         return self.ln_final(x)
 
     @torch.no_grad()
@@ -284,12 +340,20 @@ class TransformerLM(nn.Module):
         """
         return generate(self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
 
-    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def run_blocks(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
         """The residual stream through every block in order: (B, T, D) -> (B, T, D).
 
         `lm_core.apply_activation_checkpointing` replaces this on an instance."""
         for block in self.layers:
-            x = block(x)
+            if cu_seqlens is None:
+                x = block(x)
+            else:
+                x = block(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return x
 
     def _check_input(self, token_ids: torch.Tensor) -> None:

@@ -90,6 +90,12 @@ def check_tensor_parallel(
             f"tp={tp}: attention is split by heads, and num_heads={config.num_heads} is not "
             f"divisible by {tp}"
         )
+    if config.kv_heads != config.num_heads:
+        raise ValueError(
+            f"tp={tp}: grouped-query attention (num_kv_heads={config.kv_heads} < num_heads="
+            f"{config.num_heads}) is not split by tensor parallelism yet (the fused qkv "
+            "projection is reordered as three equal parts); use num_kv_heads=None"
+        )
     if config.d_ff % tp:
         raise ValueError(f"tp={tp}: d_ff={config.d_ff} is not divisible by {tp}")
     if config.matmul != "default":

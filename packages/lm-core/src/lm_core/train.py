@@ -2,6 +2,8 @@
 
 Examples:
     python -m lm_core.train --size tiny --steps 200                       # CPU, synthetic data
+    python -m lm_core.train --size small --data train.bin --pack-documents --eot-id 0 \
+        --num-kv-heads 4 --sliding-window 256 --attention flash-triton --bf16
     python -m lm_core.train --size small --data train.bin --val-data val.bin --bf16 --compile \
         --batch-size 32 --context-length 512 --steps 5000 --out-dir runs/small
     torchrun --nproc_per_node 2 -m lm_core.train --size xl --bf16 --ddp bucketed \
@@ -48,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rope-theta", type=float, help="override rope_theta")
     g.add_argument("--attention", choices=list(ATTENTION_BACKENDS), help="attention backend")
     g.add_argument(
+        "--num-kv-heads", type=int, help="k/v heads, dividing --num-heads (grouped-query)"
+    )
+    g.add_argument(
+        "--sliding-window", type=int, help="attend to the last N tokens only (and itself)"
+    )
+    g.add_argument(
         "--matmul",
         choices=list(MATMUL_BACKENDS),
         help="fp32 linear layers: default (torch) or tf32x3 (fp32-accurate, TF32 tensor cores; "
@@ -67,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="synthetic tokens when --data is not given (pattern: learnable; random: benchmark)",
     )
     g.add_argument("--synthetic-tokens", type=int, default=200_000, help="synthetic stream size")
+    g.add_argument(
+        "--pack-documents",
+        action="store_true",
+        help="attend within documents only: each window is split at every --eot-id token "
+        "(lm_core.data.document_offsets) and the model gets the offsets (cu_seqlens)",
+    )
+    g.add_argument("--eot-id", type=int, help="end-of-text token id (with --pack-documents)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
@@ -159,6 +174,8 @@ _MODEL_FLAGS = {
     "rope_theta": "rope_theta",
     "attention": "attention",
     "matmul": "matmul",
+    "num_kv_heads": "num_kv_heads",
+    "sliding_window": "sliding_window",
 }
 
 
@@ -215,6 +232,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.compile and args.fsdp == "ours":
             parser.error(f"--compile is not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}")
     _check_tp(parser, args)
+    if args.pack_documents and args.tp > 1:
+        parser.error("--pack-documents is not supported with --tp yet")
+    if args.eot_id is not None and not args.pack_documents:
+        parser.error("--eot-id is only used with --pack-documents")
     if args.zero and args.ddp == "none":
         parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
     if args.eval_every and args.val_data is None and args.data is not None:
@@ -223,7 +244,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         path = getattr(args, name)
         if path is not None and not path.is_file():
             parser.error(f"{_flag(name)}: file not found: {path}")
-    check_monitor_args(parser, args)  # the --data sidecar may set --vocab-size
+    check_monitor_args(parser, args)  # the --data sidecar may set --vocab-size and the eot id
+    if args.pack_documents and args.eot_id is None:
+        parser.error(
+            "--pack-documents needs --eot-id (the token that separates documents), or --data "
+            "with a sidecar naming it (`python -m lm_core.tokenize encode`)"
+        )
     overrides = {
         field: getattr(args, flag)
         for flag, field in _MODEL_FLAGS.items()
@@ -247,6 +273,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             )
         except ValueError as exc:
             parser.error(f"--tp: {exc}")
+    if args.eot_id is not None and not 0 <= args.eot_id < args.model_config.vocab_size:
+        parser.error(
+            f"--eot-id must be a token id in [0, {args.model_config.vocab_size}), got {args.eot_id}"
+        )
     if args.metrics is None and args.out_dir is not None:
         args.metrics = args.out_dir / "metrics.jsonl"
     message = _existing_run_message(args)

@@ -83,7 +83,8 @@ def check_monitor_args(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser.error(f"--tokenizer: file not found: {args.tokenizer}")
     if args.metrics is None and args.log_dir is not None:
         args.metrics = args.log_dir / "metrics.jsonl"
-    args.eot_id = None
+    given_eot = getattr(args, "eot_id", None)  # --eot-id (with --pack-documents)
+    args.eot_id = given_eot
     args.data_notes = []
     if args.data is None or args.data.suffix == ".npy":
         return
@@ -116,6 +117,8 @@ def check_monitor_args(parser: argparse.ArgumentParser, args: argparse.Namespace
             f"--vocab-size {args.vocab_size} is smaller than the data's vocabulary "
             f"({meta.vocab_size}, from {sidecar})"
         )
+    if given_eot is not None and given_eot != meta.eot_id:
+        parser.error(f"--eot-id {given_eot}: {sidecar} says the end-of-text id is {meta.eot_id}")
     args.eot_id = meta.eot_id
     args.data_notes.append(f"end-of-text id {meta.eot_id} from {sidecar}")
 

@@ -32,7 +32,14 @@ from lm_core.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from lm_core.data import gather_windows, load_tokens, sample_starts, synthetic_tokens
+from lm_core.data import (
+    document_offsets,
+    gather_windows,
+    load_tokens,
+    sample_starts,
+    synthetic_tokens,
+    to_device,
+)
 from lm_core.distributed import (
     DistEnv,
     ParallelModel,
@@ -109,14 +116,21 @@ def _autocast(args: argparse.Namespace, device: torch.device) -> contextlib.Abst
 
 
 def _loss(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace, env: DistEnv
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    args: argparse.Namespace,
+    env: DistEnv,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean loss (0-dim fp32) of one batch: through the fused LM head + cross-entropy with
-    --fused-loss (model(x, y)), else logits (B, T, V) then cross_entropy."""
+    --fused-loss (model(x, y)), else logits (B, T, V) then cross_entropy. `cu_seqlens`:
+    packed documents (--pack-documents)."""
+    packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     with _autocast(args, env.device):
         if args.fused_loss:
-            return model(x, y)
-        logits = model(x)  # (B, T, V)
+            return model(x, y, **packing)
+        logits = model(x, **packing)  # (B, T, V)
     return cross_entropy(logits, y)
 
 
@@ -135,10 +149,15 @@ def _step_starts(
 
 def _rank_batch(
     tokens: np.ndarray, starts: np.ndarray, args: argparse.Namespace, env: DistEnv
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's rows of a global batch of starts (B,): (x, y) int64 (B / world, T)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's rows of a global batch of starts (B,): (x, y) int64 (B / world, T), and
+    with --pack-documents the documents' offsets in x (found on the host, then copied)."""
     mine = starts[env.rows(args.batch_size)]
-    return gather_windows(tokens, mine, args.context_length, env.device)
+    if not args.pack_documents:
+        return (*gather_windows(tokens, mine, args.context_length, env.device), None)
+    x, y = gather_windows(tokens, mine, args.context_length, "cpu")
+    cu_seqlens, _ = document_offsets(x, args.eot_id)
+    return to_device(x, env.device), to_device(y, env.device), to_device(cu_seqlens, env.device)
 
 
 def train_step(
@@ -158,10 +177,10 @@ def train_step(
     loss_sum = torch.zeros((), device=env.device)
     starts = _step_starts(data.train, args, accum, data.generator)  # (accum, batch)
     for micro in range(accum):
-        x, y = _rank_batch(data.train, starts[micro], args, env)
+        x, y, cu_seqlens = _rank_batch(data.train, starts[micro], args, env)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else pm.no_sync():
-            loss = _loss(pm.module, x, y, args, env)
+            loss = _loss(pm.module, x, y, args, env, cu_seqlens)
             (loss / accum).backward()
         loss_sum += loss.detach()
     pm.finish_sync()
@@ -187,8 +206,8 @@ def evaluate(model: nn.Module, data: Data, args: argparse.Namespace, env: DistEn
     total = torch.zeros((), device=env.device)
     starts = _step_starts(data.val, args, args.eval_batches, generator)  # (batches, batch)
     for batch_starts in starts:
-        x, y = _rank_batch(data.val, batch_starts, args, env)
-        total += _loss(model, x, y, args, env)
+        x, y, cu_seqlens = _rank_batch(data.val, batch_starts, args, env)
+        total += _loss(model, x, y, args, env, cu_seqlens)
     return all_reduce_mean(total / args.eval_batches, env).item()
 
 

@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "bench": "end-to-end model step timing: sizes x contexts x modes x precisions, MFU, memory",
     "profile": "kernel-level profile of a model step: top kernels, matmul split, named ranges",
     "attention": "attention benchmarks: naive eager vs compiled, flash vs PyTorch vs SDPA",
+    "attention_features": "GQA, varlen, sliding-window and decode attention: ours vs SDPA",
     "mixed_precision": "accumulation precision and the dtypes inside autocast",
     "allreduce": "all-reduce latency and bandwidth over sizes and world sizes",
     "ddp": "data-parallel wrappers: step time and communication overhead",

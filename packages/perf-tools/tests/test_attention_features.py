@@ -1,0 +1,59 @@
+"""perf_tools.attention_features at tiny sizes on CPU: every case and provider runs, FLOPs
+count the visible pairs, speedups divide the SDPA row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from perf_tools import attention_features as af
+
+
+def test_smoke_run_every_case(tmp_path):
+    out, csv = tmp_path / "f.json", tmp_path / "f.csv"
+    assert af.main(["--device", "cpu", "--json", str(out), "--csv", str(csv), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    providers = {(r["case"], r["provider"]) for r in rows}
+    assert providers == {
+        ("gqa", "ours"), ("gqa", "sdpa-enable_gqa"),
+        ("varlen", "ours-varlen"), ("varlen", "ours-per-document"), ("varlen", "sdpa-padded"),
+        ("window", "ours-window"), ("window", "ours-full-causal"),
+        ("window", "sdpa-full-causal"), ("window", "sdpa-window-mask"),
+        ("decode", "ours-split-kv"), ("decode", "ours-no-split"), ("decode", "sdpa"),
+    }  # fmt: skip
+    assert all(r["status"] == "ok" for r in rows), rows
+    for r in rows:
+        assert r["fwd_ms"] > 0
+        assert (r.get("fwd_bwd_ms") is None) == (r["case"] == "decode")
+        baseline = r["provider"] in ("sdpa-enable_gqa", "sdpa-padded", "sdpa-full-causal", "sdpa")
+        if baseline:
+            assert r["speedup"] == pytest.approx(1.0)
+    assert csv.read_text().startswith("case,shape,provider")
+
+
+def test_useful_flops_count_visible_pairs():
+    assert af.causal_pairs(5) == 15
+    assert af.causal_pairs(5, 4) == 15  # a window as long as the sequence: full causal
+    mask = torch.ones(9, 9).tril() * torch.ones(9, 9).triu(-3)  # window of 3 keys back
+    assert af.causal_pairs(9, 3) == int(mask.sum())
+    lens = af.document_lengths(100, 8, torch.Generator().manual_seed(0))
+    assert len(lens) == 8
+    assert sum(lens) == 100
+    assert min(lens) >= 1
+
+
+def test_split_kv_switch_restores_the_threshold():
+    from flashattn_triton import configs
+
+    before = configs.DECODE_MIN_KEYS
+    with af._split_kv(False):
+        assert configs.DECODE_MIN_KEYS > 2**40
+    assert before == configs.DECODE_MIN_KEYS
+
+
+def test_bad_case_names_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        af.main(["--device", "cpu", "paged"])
+    assert "gqa, varlen, window, decode" in capsys.readouterr().err
