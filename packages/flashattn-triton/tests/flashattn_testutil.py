@@ -98,7 +98,8 @@ def reference_features(q, k, v, do, causal=False, window=(-1, -1), scale=None):
     kx = k64.repeat_interleave(group, dim=-3) if group > 1 else k64
     vx = v64.repeat_interleave(group, dim=-3) if group > 1 else v64
     s = q64 @ kx.transpose(-1, -2) * scale  # (..., Hq, Nq, Nk)
-    s = s.masked_fill(~window_mask(q.shape[-2], k.shape[-2], causal, window), float("-inf"))
+    keep = window_mask(q.shape[-2], k.shape[-2], causal, window).to(s.device)
+    s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     o = torch.exp(s - lse_safe[..., None]) @ vx
