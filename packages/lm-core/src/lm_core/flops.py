@@ -39,9 +39,24 @@ def matmul_params(config: ModelConfig) -> int:
 def forward_flops(config: ModelConfig, batch: int, seq: int) -> int:
     """FLOPs of one forward pass on `batch` sequences of length `seq` (see module formula)."""
     _check(config, batch, seq)
-    tokens = batch * seq
-    linear = 2 * tokens * matmul_params(config)
-    attention = config.num_layers * 2 * (2 * batch * seq * seq * config.d_model)
+    return forward_flops_of_dims(
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        num_layers=config.num_layers,
+        vocab_size=config.vocab_size,
+        batch=batch,
+        seq=seq,
+    )
+
+
+def forward_flops_of_dims(
+    *, d_model: int, d_ff: int, num_layers: int, vocab_size: int, batch: int, seq: int
+) -> int:
+    """The module formula on bare dimensions, for models that are not a ModelConfig (e.g. a
+    Hugging Face Llama of the same shape); `forward_flops` is this on a config."""
+    d, f = int(d_model), int(d_ff)
+    linear = 2 * batch * seq * (num_layers * (4 * d * d + 3 * d * f) + d * vocab_size)
+    attention = num_layers * 2 * (2 * batch * seq * seq * d)
     return linear + attention
 
 
