@@ -6,11 +6,10 @@ apart from the measured steps, and reports the median beside the mean.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -171,13 +170,3 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "out of memory" in text or "outofmemory" in text
-
-
-@contextlib.contextmanager
-def free_after_oom(device: torch.device | str) -> Iterator[None]:
-    """Release cached blocks when leaving the block, so an OOM cell does not poison the next."""
-    try:
-        yield
-    finally:
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
