@@ -69,6 +69,7 @@ __all__ = [
     "BenchSpec",
     "add_model_args",
     "build_parser",
+    "cli",
     "main",
     "parse_args",
     "resolve_model_args",
@@ -491,7 +492,8 @@ def _title(opts: BenchOptions, rows: Sequence[dict[str, Any]]) -> str:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m perf_tools.bench` and the `perf-bench` script: run `main`, exit with its code."""
     code = main()
     if _dist.under_torchrun():
         # A torchrun rank skips the interpreter's shutdown, as ddp_kit.launch's workers do:
@@ -501,3 +503,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()
