@@ -1,17 +1,25 @@
 """Developer sessions for the lm-systems monorepo.
 
-CPU machine (CI): nox -s lint tests             one venv per package, CPU torch pinned
+CPU machine (CI): nox -s lint tests             one venv per package (uv), the CPU torch wheel
 GPU machine:      nox -s gpu_tests nccl_tests   the interpreter's own torch/triton, no installs
 Benchmarks:       nox -s bench -- --size xl     the current interpreter (GPU box or CPU)
 
+Venvs are built by uv when it is installed beside nox (`pip install nox uv`), else by
+virtualenv and pip. uv reads no pip configuration, so the machine's pip sources (find-links,
+index URLs, constraints: e.g. a local CPU torch wheel) are handed to it as UV_* variables and
+it resolves as pip would. Its cache hard-links one copy of torch and triton into every venv.
+
 The GPU sessions never build a venv or touch an index: they run with the interpreter that
-runs nox (`python=False`) and put every package's `src/` on PYTHONPATH.
+runs nox (`python=False`, `sys.executable`) and put every package's `src/` on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from functools import cache
 from pathlib import Path
 
 import nox
@@ -19,6 +27,7 @@ import nox
 ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "uv|virtualenv"
 
 # package dir -> (import name, other workspace packages its tests need)
 PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -28,10 +37,54 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero-shard": ("zero_shard", ("ddp-kit",)),
     "perf-tools": ("perf_tools", ("lm-core", "flashattn-triton", "ddp-kit", "zero-shard")),
 }
-# The CPU build of torch that lies on local disk; a bare `torch` may pull a multi-GB CUDA build.
-CPU_TORCH = "torch==2.13.0"
+# The CPU wheel itself: a bare `torch` (or `torch==2.13.0`) may resolve to PyPI's multi-GB
+# CUDA build; only CPU builds carry `+cpu` (pip's sources must hold one: a local wheel
+# directory, or the PyTorch CPU index https://download.pytorch.org/whl/cpu).
+CPU_TORCH = "torch==2.13.0+cpu"
+# Extras the CPU tests need: flashattn-triton's kernels run in Triton's interpreter (numpy).
+EXTRAS = {"flashattn-triton": "[interpret]"}
+# pip configuration key -> the uv variable that means the same, and how uv separates values
+PIP_TO_UV = {
+    "find-links": ("UV_FIND_LINKS", ","),
+    "index-url": ("UV_INDEX_URL", " "),
+    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "constraint": ("UV_CONSTRAINT", " "),
+}
 # Suites that spawn process groups stay serial; the rest use pytest-xdist.
 XDIST_SAFE = {"lm-core", "flashattn-triton", "perf-tools"}
+
+
+@cache
+def _pip_sources_for_uv() -> dict[str, str]:
+    """The machine's pip sources (`pip config list`, environment variables included) as uv
+    environment variables; values already set for uv win. Empty when pip has none."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    pip: dict[str, str] = {}
+    for line in out.splitlines():  # e.g. global.find-links='/some/dir' (env entries first)
+        key, sep, value = line.partition("=")
+        if sep:
+            pip.setdefault(key.rsplit(".", 1)[-1], value.strip().strip("'\""))
+    env = {}
+    for name, (uv_name, joiner) in PIP_TO_UV.items():
+        if name in pip and uv_name not in os.environ:
+            env[uv_name] = joiner.join(pip[name].split())
+    if env:  # pip takes the best version over all its sources; uv's default stops at the first
+        env.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
+    return env
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """session.install, with the machine's pip sources when uv installs."""
+    env = _pip_sources_for_uv() if session.venv_backend == "uv" else {}
+    session.install(*args, env=env)
 
 
 def _src_path() -> str:
@@ -53,7 +106,7 @@ def _assert_ran_tests(junit: Path, label: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff")
+    _install(session, "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -63,9 +116,14 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package's CPU tests, installed (not editable) with only the packages it declares."""
     _, needs = PACKAGES[package]
-    session.install(CPU_TORCH)
-    session.install("pytest", "pytest-xdist", "pytest-timeout")
-    session.install(*(f"./packages/{p}" for p in (*needs, package)))
+    _install(
+        session,
+        CPU_TORCH,
+        "pytest",
+        "pytest-xdist",
+        "pytest-timeout",
+        *(f"./packages/{p}{EXTRAS.get(p, '')}" for p in (*needs, package)),
+    )
     args = ["-m", "not gpu and not nccl", "--timeout=900"]
     if package in XDIST_SAFE:
         args += ["-n", "2"]
@@ -83,7 +141,7 @@ def tests(session: nox.Session, package: str) -> None:
 
 def _current_interpreter_pytest(session: nox.Session, marker: str, env: dict[str, str]) -> None:
     session.run(
-        "python",
+        sys.executable,
         "-c",
         "import torch, sys; n = torch.cuda.device_count(); "
         "print('torch', torch.__version__, 'GPUs', n); sys.exit(0 if n else 'no CUDA GPU visible')",
@@ -92,7 +150,7 @@ def _current_interpreter_pytest(session: nox.Session, marker: str, env: dict[str
     junit = ROOT / ".nox" / f"junit-{marker}.xml"
     junit.parent.mkdir(exist_ok=True)
     session.run(
-        "python",
+        sys.executable,
         "-m",
         "pytest",
         *(f"packages/{p}/tests" for p in PACKAGES),
@@ -122,7 +180,7 @@ def nccl_tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`python -m perf_tools.bench` with the current interpreter; arguments after `--` pass on."""
     session.run(
-        "python",
+        sys.executable,
         "-m",
         "perf_tools.bench",
         *session.posargs,
