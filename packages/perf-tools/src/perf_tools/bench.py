@@ -13,6 +13,9 @@ torch's fully_shard; `--batch` is per rank. Rows report the slowest rank's step 
 over steps), tokens/s over all ranks, MFU and peak memory per GPU, and for `--fsdp ours` how
 long the compute waited for the all-gathers (`gather_wait_ms`, `units_waited`).
 
+This module is the command line (flags, the sweep's cells, the table); the cells are measured
+by `perf_tools.cells` (one process) or `perf_tools.bench_dist` (N ranks) through the harness.
+
 Examples:
   python -m perf_tools.bench              # a small default on CPU, the full sizes on a GPU
   python -m perf_tools.bench --size small xl --precision fp32 bf16 --mode forward train
@@ -41,13 +44,13 @@ import torch.distributed as dist
 from perf_tools import _cli, _dist, harness, report
 from perf_tools.bench_dist import (
     FSDP_KINDS,
+    gather_wait_notes,
     run_dist_sweep,
     run_torchrun_sweep,
     set_blas,
     set_tf32,
     torch_fully_shard,
 )
-from perf_tools.bench_dist import gather_wait_notes as gather_wait_notes
 from perf_tools.cells import HF, OURS, BenchOptions, BenchSpec, run_sweep
 from perf_tools.model_args import (
     GPU_DEFAULT_SIZES,

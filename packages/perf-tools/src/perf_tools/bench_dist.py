@@ -341,9 +341,7 @@ def run_rank(rank: int, world: int, job: DistJob) -> dict[str, Any]:
 
         report_progress(("oom", rank))
         flag.fill_(1.0)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release(device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks agree on OOM
     if flag.item() > 0:
         return {"rank": rank, "status": "OOM"}
