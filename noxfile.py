@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
@@ -67,17 +68,24 @@ def _pip_sources_for_uv() -> dict[str, str]:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
+    return _uv_env(out, os.environ)
+
+
+def _uv_env(pip_config: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The UV_* variables that mean what `pip config list` printed (`pip_config`), except
+    those `environ` sets already."""
     pip: dict[str, str] = {}
-    for line in out.splitlines():  # e.g. global.find-links='/some/dir' (env entries first)
+    for line in pip_config.splitlines():  # e.g. global.find-links='/some/dir' (env first)
         key, sep, value = line.partition("=")
         if sep:
             pip.setdefault(key.rsplit(".", 1)[-1], value.strip().strip("'\""))
     env = {}
     for name, (uv_name, joiner) in PIP_TO_UV.items():
-        if name in pip and uv_name not in os.environ:
+        if name in pip and uv_name not in environ:
             env[uv_name] = joiner.join(pip[name].split())
-    if env:  # pip takes the best version over all its sources; uv's default stops at the first
-        env.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
+    if env and "UV_INDEX_STRATEGY" not in environ:
+        # pip takes the best version over all its sources; uv's default stops at the first
+        env["UV_INDEX_STRATEGY"] = "unsafe-best-match"
     return env
 
 
