@@ -220,3 +220,14 @@ def test_plain_fallback_is_the_foreach_math(torch_without):
     for a, b, r in zip(plain, foreach, ref):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_update_without_foreach_ops(torch_without):
+    """The fused kernel alone (no torch._foreach_*): its step counts still advance."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+    fused, ref = _params(0, torch.float32), _params(0, torch.float32)
+    torch_without("_foreach_add_")
+    _run(lambda g: AdamW(g, fused=True, **kw), fused, 3, seed=5)
+    _run(lambda g: torch.optim.AdamW(g, foreach=False, **kw), ref, 3, seed=5)
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -184,7 +184,11 @@ class AdamW(torch.optim.Optimizer):
             for p, s in zip(params, steps):
                 self.state[p]["step"] = s.to(device)
             steps = [self.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1.0)
+        if _foreach_available():
+            torch._foreach_add_(steps, 1.0)
+        else:
+            for s in steps:
+                s.add_(1.0)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             params,
