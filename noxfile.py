@@ -91,7 +91,12 @@ def _uv_env(pip_config: str, environ: Mapping[str, str]) -> dict[str, str]:
 
 def _install(session: nox.Session, *args: str) -> None:
     """session.install, with the machine's pip sources when uv installs."""
-    env = _pip_sources_for_uv() if session.venv_backend == "uv" else {}
+    env: dict[str, str] = {}
+    if session.venv_backend == "uv":
+        env.update(_pip_sources_for_uv())
+        # pip writes .pyc files at install time, uv only when asked: without them every fresh
+        # interpreter (each spawned rank) recompiles torch where PYTHONDONTWRITEBYTECODE is set
+        env.setdefault("UV_COMPILE_BYTECODE", os.environ.get("UV_COMPILE_BYTECODE", "1"))
     session.install(*args, env=env)
 
 
