@@ -1,17 +1,26 @@
 """Developer sessions for the lm-systems monorepo.
 
-CPU machine (CI): nox -s lint tests             one venv per package, CPU torch pinned
+CPU machine (CI): nox -s lint tests             one venv per package (uv), the CPU torch wheel
 GPU machine:      nox -s gpu_tests nccl_tests   the interpreter's own torch/triton, no installs
 Benchmarks:       nox -s bench -- --size xl     the current interpreter (GPU box or CPU)
 
+Venvs are built by uv when it is installed beside nox (`pip install nox uv`), else by
+virtualenv and pip. uv reads no pip configuration, so the machine's pip sources (find-links,
+index URLs, constraints: e.g. a local CPU torch wheel) are handed to it as UV_* variables and
+it resolves as pip would. Its cache hard-links one copy of torch and triton into every venv.
+
 The GPU sessions never build a venv or touch an index: they run with the interpreter that
-runs nox (`python=False`) and put every package's `src/` on PYTHONPATH.
+runs nox (`python=False`, `sys.executable`) and put every package's `src/` on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from functools import cache
 from pathlib import Path
 
 import nox
@@ -19,6 +28,7 @@ import nox
 ROOT = Path(__file__).parent
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "uv|virtualenv"
 
 # package dir -> (import name, other workspace packages its tests need)
 PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -28,12 +38,68 @@ PACKAGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "zero-shard": ("zero_shard", ("ddp-kit",)),
     "perf-tools": ("perf_tools", ("lm-core", "flashattn-triton", "ddp-kit", "zero-shard")),
 }
-# Optional extras a package's CPU tests exercise (installed with it in its `tests` session).
-EXTRAS: dict[str, str] = {"lm-core": "[text,tensorboard]"}
-# The CPU build of torch that lies on local disk; a bare `torch` may pull a multi-GB CUDA build.
-CPU_TORCH = "torch==2.13.0"
+# The CPU wheel itself: a bare `torch` (or `torch==2.13.0`) may resolve to PyPI's multi-GB
+# CUDA build; only CPU builds carry `+cpu` (pip's sources must hold one: a local wheel
+# directory, or the PyTorch CPU index https://download.pytorch.org/whl/cpu).
+CPU_TORCH = "torch==2.13.0+cpu"
+# Optional extras a package's CPU tests exercise (installed with it in its `tests` session):
+# flashattn-triton's kernels run in Triton's interpreter (numpy); lm-core's text pipeline and
+# TensorBoard logging.
+EXTRAS = {"flashattn-triton": "[interpret]", "lm-core": "[text,tensorboard]"}
+# pip configuration key -> the uv variable that means the same, and how uv separates values
+PIP_TO_UV = {
+    "find-links": ("UV_FIND_LINKS", ","),
+    "index-url": ("UV_INDEX_URL", " "),
+    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "constraint": ("UV_CONSTRAINT", " "),
+}
 # Suites that spawn process groups stay serial; the rest use pytest-xdist.
 XDIST_SAFE = {"lm-core", "flashattn-triton", "perf-tools"}
+
+
+@cache
+def _pip_sources_for_uv() -> dict[str, str]:
+    """The machine's pip sources (`pip config list`, environment variables included) as uv
+    environment variables; values already set for uv win. Empty when pip has none."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return _uv_env(out, os.environ)
+
+
+def _uv_env(pip_config: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The UV_* variables that mean what `pip config list` printed (`pip_config`), except
+    those `environ` sets already."""
+    pip: dict[str, str] = {}
+    for line in pip_config.splitlines():  # e.g. global.find-links='/some/dir' (env first)
+        key, sep, value = line.partition("=")
+        if sep:
+            pip.setdefault(key.rsplit(".", 1)[-1], value.strip().strip("'\""))
+    env = {}
+    for name, (uv_name, joiner) in PIP_TO_UV.items():
+        if name in pip and uv_name not in environ:
+            env[uv_name] = joiner.join(pip[name].split())
+    if env and "UV_INDEX_STRATEGY" not in environ:
+        # pip takes the best version over all its sources; uv's default stops at the first
+        env["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    return env
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """session.install, with the machine's pip sources when uv installs."""
+    env: dict[str, str] = {}
+    if session.venv_backend == "uv":
+        env.update(_pip_sources_for_uv())
+        # pip writes .pyc files at install time, uv only when asked: without them every fresh
+        # interpreter (each spawned rank) recompiles torch where PYTHONDONTWRITEBYTECODE is set
+        env.setdefault("UV_COMPILE_BYTECODE", os.environ.get("UV_COMPILE_BYTECODE", "1"))
+    session.install(*args, env=env)
 
 
 def _src_path() -> str:
@@ -55,7 +121,7 @@ def _assert_ran_tests(junit: Path, label: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree."""
-    session.install("ruff")
+    _install(session, "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -65,16 +131,19 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session, package: str) -> None:
     """One package's CPU tests, installed (not editable) with only the packages it declares."""
     _, needs = PACKAGES[package]
-    session.install(CPU_TORCH)
-    session.install("pytest", "pytest-xdist", "pytest-timeout")
-    session.install(
-        *(f"./packages/{p}" for p in needs), f"./packages/{package}{EXTRAS.get(package, '')}"
+    _install(
+        session,
+        CPU_TORCH,
+        "pytest",
+        "pytest-xdist",
+        "pytest-timeout",
+        *(f"./packages/{p}{EXTRAS.get(p, '')}" for p in (*needs, package)),
     )
     args = ["-m", "not gpu and not nccl", "--timeout=900"]
     if package in XDIST_SAFE:
         args += ["-n", "2"]
     junit = Path(session.create_tmp()) / f"junit-{package}.xml"
-    session.run(
+    ran = session.run(
         "pytest",
         f"packages/{package}/tests",
         *args,
@@ -82,12 +151,13 @@ def tests(session: nox.Session, package: str) -> None:
         *session.posargs,
         env={"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""},
     )
-    _assert_ran_tests(junit, package)
+    if ran is not None:  # None: `nox --install-only` builds the venvs and runs nothing
+        _assert_ran_tests(junit, package)
 
 
 def _current_interpreter_pytest(session: nox.Session, marker: str, env: dict[str, str]) -> None:
     session.run(
-        "python",
+        sys.executable,
         "-c",
         "import torch, sys; n = torch.cuda.device_count(); "
         "print('torch', torch.__version__, 'GPUs', n); sys.exit(0 if n else 'no CUDA GPU visible')",
@@ -96,7 +166,7 @@ def _current_interpreter_pytest(session: nox.Session, marker: str, env: dict[str
     junit = ROOT / ".nox" / f"junit-{marker}.xml"
     junit.parent.mkdir(exist_ok=True)
     session.run(
-        "python",
+        sys.executable,
         "-m",
         "pytest",
         *(f"packages/{p}/tests" for p in PACKAGES),
@@ -126,7 +196,7 @@ def nccl_tests(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """`python -m perf_tools.bench` with the current interpreter; arguments after `--` pass on."""
     session.run(
-        "python",
+        sys.executable,
         "-m",
         "perf_tools.bench",
         *session.posargs,

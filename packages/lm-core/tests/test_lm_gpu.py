@@ -69,6 +69,36 @@ def test_fused_adamw_matches_torch_on_cuda():
     assert ours.state[params[0]]["step"].device.type == "cuda"
 
 
+def test_adamw_fallbacks_on_cuda(monkeypatch):
+    """The fused op passes the feature check on this torch; without the private ops the
+    foreach, then the plain update run on CUDA tensors with the same result."""
+    from lm_core import optim
+
+    assert optim.implementation(None, torch.device("cuda")) == "fused"
+
+    def run(**kw):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        params = [torch.nn.Parameter(torch.ones(65, 33, device="cuda")) for _ in range(2)]
+        opt = AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, device="cuda", generator=g)
+            opt.step()
+        return params
+
+    fused, foreach = run(), run(fused=False)
+    monkeypatch.delattr(torch, "_foreach_addcdiv_")
+    optim._foreach_available.cache_clear()
+    try:
+        assert optim.implementation(False, torch.device("cuda")) == "plain"
+        plain = run(fused=False)
+    finally:
+        optim._foreach_available.cache_clear()
+    for a, b, c in zip(fused, foreach, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("attention", ["naive", "flash-torch", "flash-triton"])
 def test_backends_agree_with_sdpa_bf16(attention):
     if attention.startswith("flash"):

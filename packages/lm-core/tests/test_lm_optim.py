@@ -162,3 +162,72 @@ def test_clip_grad_norm_edge_cases():
     assert clip_grad_norm([torch.nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm([], 0.0)
+
+
+@pytest.fixture
+def torch_without(monkeypatch):
+    """Remove private torch ops for one test (the availability checks are cached)."""
+    from lm_core import optim
+
+    def remove(*names):
+        for name in names:
+            monkeypatch.delattr(torch, name)
+        optim._fused_available.cache_clear()
+        optim._foreach_available.cache_clear()
+
+    yield remove
+    optim._fused_available.cache_clear()
+    optim._foreach_available.cache_clear()
+
+
+def test_implementation_choice_falls_back_without_private_ops(torch_without):
+    from lm_core.optim import implementation
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert implementation(None, cuda) == "fused"  # a feature check, no GPU needed
+    assert implementation(None, cpu) == "foreach"
+    torch_without("_fused_adamw_")
+    assert implementation(None, cuda) == "foreach"
+    with pytest.raises(RuntimeError, match="fused=True"):
+        implementation(True, cpu)
+    with pytest.raises(RuntimeError, match="fused=True"):
+        AdamW(_params(0), fused=True)
+    torch_without("_foreach_lerp_")
+    assert implementation(None, cuda) == implementation(False, cpu) == "plain"
+
+
+def test_fused_op_with_another_signature_is_not_used(monkeypatch):
+    from lm_core import optim
+
+    monkeypatch.setattr(optim, "_FUSED_KWARGS", optim._FUSED_KWARGS | {"renamed_beta"})
+    optim._fused_available.cache_clear()
+    try:
+        assert optim.implementation(None, torch.device("cuda")) == "foreach"
+    finally:
+        optim._fused_available.cache_clear()
+
+
+def test_plain_fallback_is_the_foreach_math(torch_without):
+    """Without torch._foreach_* the per-tensor update runs: bitwise the foreach result on CPU,
+    and torch.optim.AdamW's update."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+    foreach, plain, ref = _params(0), _params(0), _params(0)
+    _run(lambda g: AdamW(g, **kw), foreach, 5, seed=3, skip_grad_for=2)
+    _run(lambda g: torch.optim.AdamW(g, foreach=False, **kw), ref, 5, seed=3, skip_grad_for=2)
+    torch_without("_foreach_addcdiv_")
+    opt = _run(lambda g: AdamW(g, **kw), plain, 5, seed=3, skip_grad_for=2)
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())
+    for a, b, r in zip(plain, foreach, ref):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_update_without_foreach_ops(torch_without):
+    """The fused kernel alone (no torch._foreach_*): its step counts still advance."""
+    kw = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+    fused, ref = _params(0, torch.float32), _params(0, torch.float32)
+    torch_without("_foreach_add_")
+    _run(lambda g: AdamW(g, fused=True, **kw), fused, 3, seed=5)
+    _run(lambda g: torch.optim.AdamW(g, foreach=False, **kw), ref, 3, seed=5)
+    for a, b in zip(fused, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

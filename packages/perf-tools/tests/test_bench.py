@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from perf_tools import bench
+from perf_tools import bench, cells
 from perf_tools.flops import formula_forward_flops
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
@@ -96,14 +96,14 @@ def test_peak_override_gives_mfu(tmp_path):
 
 
 def test_simulated_oom_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    real = bench.make_cell_step
+    real = cells.make_cell_step
 
     def flaky(model, runner, spec, *a, **k):
         if spec.mode == "fwd-bwd":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, runner, spec, *a, **k)
 
-    monkeypatch.setattr(bench, "make_cell_step", flaky)
+    monkeypatch.setattr(cells, "make_cell_step", flaky)
     out = tmp_path / "b.csv"
     argv = [*TINY, *FAST, "--mode", "forward", "fwd-bwd", "train", "--context", "8", "16"]
     assert bench.main([*argv, "--csv", str(out)]) == 0  # OOM is a result, not a failure
@@ -122,21 +122,21 @@ def test_oom_while_building_marks_every_cell_of_that_model(tmp_path, monkeypatch
     def no_room(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(bench, "_build", no_room)
+    monkeypatch.setattr(cells, "_build", no_room)
     out = tmp_path / "b.csv"
     assert bench.main([*TINY, *FAST, "--mode", "forward", "train", "--csv", str(out)]) == 0
     assert [r["status"] for r in _rows(out)] == ["OOM", "OOM"]
 
 
 def test_other_errors_are_recorded_and_fail_the_run(tmp_path, monkeypatch):
-    real = bench.make_cell_step
+    real = cells.make_cell_step
 
     def broken(model, runner, spec, *a, **k):
         if spec.mode == "forward":
             raise RuntimeError("boom")
         return real(model, runner, spec, *a, **k)
 
-    monkeypatch.setattr(bench, "make_cell_step", broken)
+    monkeypatch.setattr(cells, "make_cell_step", broken)
     out = tmp_path / "b.csv"
     assert bench.main([*TINY, *FAST, "--mode", "forward", "train", "--csv", str(out)]) == 1
     rows = _rows(out)
@@ -301,3 +301,12 @@ def test_matmul_rejects_unknown_and_multi_gpu_mode(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([*TINY, "--matmul", "tf32x3", "--nprocs", "2", "--fsdp", "ours"])
     assert "multi-GPU mode runs the default matmul only" in capsys.readouterr().err
+
+
+def test_title_names_mfu_only_when_the_table_has_it():
+    opts = bench.BenchOptions(device=torch.device("cpu"), batch=2, warmup=1, steps=2, overrides={})
+    cpu_rows = [{"status": "ok", "mfu_pct": None}]
+    assert "MFU" not in bench._title(opts, cpu_rows)
+    assert "MFU" in bench._title(opts, [{"status": "ok", "mfu_pct": 12.0}])
+    opts.nprocs = 2
+    assert "MFU" not in bench._title(opts, cpu_rows)

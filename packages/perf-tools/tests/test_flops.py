@@ -39,11 +39,25 @@ def test_matches_lm_core(size, batch, seq):
 def test_attention_flops():
     full = 4 * 2 * 3 * 128 * 64 * 32  # B=2, H=3, Nq=128, Nk=64, d=32: QK^T + PV
     assert flops.attention_flops(2, 3, 128, 64, 32, False, "fwd") == full
-    assert flops.attention_flops(2, 3, 128, 64, 32, True, "fwd") == full / 2
     assert flops.attention_flops(2, 3, 128, 64, 32, False, "bwd") == 2.5 * full
-    assert flops.attention_flops(2, 3, 128, 64, 32, True, "fwd_bwd") == 3.5 * full / 2
+    # causal, Nq = Nk = 64: query i sees keys 0..i, 64 * 65 / 2 pairs of 4 * d FLOPs
+    causal = 4 * 2 * 3 * (64 * 65 // 2) * 32
+    assert flops.attention_flops(2, 3, 64, 64, 32, True, "fwd") == causal
+    assert flops.attention_flops(2, 3, 64, 64, 32, True, "fwd_bwd") == 3.5 * causal
     with pytest.raises(ValueError, match="pass_"):
         flops.attention_flops(1, 1, 1, 1, 1, False, "sideways")
+
+
+def test_one_source_of_truth():
+    """perf_tools applies lm_core's and flashattn_triton's formulas, it does not restate them."""
+    import flashattn_triton
+    import lm_core
+
+    cfg = lm_core.MODEL_SIZES["small"]
+    assert flops.forward_flops(cfg, 2, 64) == lm_core.forward_flops(cfg, 2, 64)
+    assert flops.formula_forward_flops(cfg, 2, 64) == lm_core.forward_flops(cfg, 2, 64)
+    got = flops.attention_flops(2, 3, 100, 100, 16, True, "bwd")
+    assert got == flashattn_triton.attention_flops(6, 100, 100, 16, True, "bwd")
 
 
 def test_attention_substeps():

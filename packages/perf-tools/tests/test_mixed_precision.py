@@ -60,7 +60,19 @@ def test_toy_dtypes_cuda_fp16_layernorm_in_fp32():
     assert rows["gradients"] == "float32"
 
 
-def test_requires_a_subcommand(capsys):
-    with pytest.raises(SystemExit):
-        mp.main([])
-    assert "accumulate" in capsys.readouterr().err
+def test_bare_command_runs_both_experiments(tmp_path, capsys):
+    out = tmp_path / "mp.json"
+    assert mp.main(["--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "added 1000 times" in printed
+    assert "dtypes inside torch.autocast" in printed
+    acc = json.loads((tmp_path / "mp-accumulate.json").read_text())["rows"]
+    dtypes = json.loads((tmp_path / "mp-toy-dtypes.json").read_text())["rows"]
+    assert len(acc) == len(mp.VARIANTS)
+    assert {r["autocast"] for r in dtypes} == {"float16", "bfloat16"}
+
+
+def test_output_flag_before_the_subcommand_is_kept(tmp_path):
+    out = tmp_path / "acc.csv"
+    assert mp.main(["--csv", str(out), "accumulate", "--n", "10"]) == 0
+    assert out.read_text().startswith("variant,")

@@ -86,3 +86,10 @@ def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         profile.main(["--steps", "0"])
     assert "--steps" in capsys.readouterr().err
+
+
+def test_default_output_is_under_runs():
+    """runs/ is git-ignored: a profile run from the repository root leaves the tree clean."""
+    from pathlib import Path
+
+    assert profile.build_parser().parse_args([]).out == Path("runs/profile")

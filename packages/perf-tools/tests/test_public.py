@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,24 @@ def test_main_command_help_in_a_fresh_interpreter():
 
 def test_version():
     assert perf_tools.__version__ == "0.1.0"
+
+
+def _scripts() -> dict[str, str]:
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["scripts"]
+
+
+def test_every_command_is_a_console_script():
+    """`perf-<name>` for every `python -m perf_tools.<name>`, pointing at a callable."""
+    scripts = _scripts()
+    assert set(scripts) == {"perf-" + name.replace("_", "-") for name in perf_tools.COMMANDS}
+    for script, target in scripts.items():
+        module, _, func = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), func)), script
+
+
+def test_every_runnable_module_is_a_command():
+    root = Path(perf_tools.__file__).parent
+    runnable = {p.stem for p in root.glob("*.py") if '__name__ == "__main__"' in p.read_text()}
+    assert runnable == set(perf_tools.COMMANDS)

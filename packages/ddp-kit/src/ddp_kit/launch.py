@@ -11,6 +11,8 @@ interpreter's normal shutdown with gloo threads alive has aborted now and then
 ("terminate called without an active exception").
 
 For training jobs prefer `torchrun`; this helper is for single-machine jobs one command drives.
+Ours stays beside torch.multiprocessing.spawn, which returns no results, has no time limit and
+no progress channel (the tests and perf_tools need all three).
 """
 
 from __future__ import annotations

@@ -50,6 +50,17 @@ def forward_flops(config: ModelConfig, batch: int, seq: int) -> int:
     return linear + attention
 
 
+def forward_flops_of_dims(
+    *, d_model: int, d_ff: int, num_layers: int, vocab_size: int, batch: int, seq: int
+) -> int:
+    """The module formula on bare dimensions (multi-head attention, no window), for models
+    that are not a ModelConfig (e.g. a Hugging Face Llama of the same shape)."""
+    d, f = int(d_model), int(d_ff)
+    linear = 2 * batch * seq * (num_layers * (4 * d * d + 3 * d * f) + d * vocab_size)
+    attention = num_layers * 2 * (2 * batch * seq * seq * d)
+    return linear + attention
+
+
 def backward_flops(config: ModelConfig, batch: int, seq: int) -> int:
     """FLOPs of one backward pass: 2 x forward."""
     return 2 * forward_flops(config, batch, seq)

@@ -1,6 +1,6 @@
 """Fully sharded data parallelism for the trainer (`--fsdp ours|torch`), beside the model.
 
-Two engines behind one interface (`lm_core.distributed.ParallelModel`):
+Two engines behind one interface (`lm_core.engine.ParallelModel`):
 
 - `ZeroShardFSDP` (`--fsdp ours`): `zero_shard.FSDP(model, compute_dtype=bf16 or None)`.
   Units: the token embedding, each block, the LM head; the norms are replicated. The
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lm_core.distributed import DistEnv, ParallelModel, _import
+from lm_core.engine import DistEnv, ParallelModel, optional_import
 
 
 class ZeroShardFSDP(ParallelModel):
@@ -45,7 +45,7 @@ class ZeroShardFSDP(ParallelModel):
     """
 
     def __init__(self, model: nn.Module, env: DistEnv, *, bf16: bool = False) -> None:
-        zero_shard = _import("zero_shard", "zero")
+        zero_shard = optional_import("zero_shard", "zero")
         before = dict(model.named_parameters())
         self._shapes = {k: v.shape for k, v in model.state_dict().items()}
         wrapped = zero_shard.FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)

@@ -7,14 +7,22 @@
     v <- beta2 * v + (1 - beta2) * g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-with two implementations: multi-tensor `torch._foreach_*` ops over parameters grouped by
-(device, dtype), and torch's fused AdamW kernel (`torch._fused_adamw_`, one launch per group),
-used by default for CUDA parameters when this torch has it. State keys and layout ("step",
+with three implementations of the same math, chosen per (device, dtype) group:
+- fused: torch's fused AdamW kernel (`torch._fused_adamw_`, one launch per group), the default
+  for CUDA parameters;
+- foreach: multi-tensor `torch._foreach_*` ops, the default elsewhere;
+- plain: one public in-place op per tensor, the same ops in the same order as foreach.
+Fused and foreach are private torch APIs: each is used only after a feature check (the op
+exists, and for the fused kernel its schema takes the keywords we pass), else the next one
+serves, so a torch that renames or drops them still trains, only slower. The class stays
+ours (it is lm_core's public optimizer, the course's exercise); torch.optim.AdamW gives the
+same update and loads the same state dicts. State keys and layout ("step",
 "exp_avg", "exp_avg_sq") match torch's, so state dicts load into either optimizer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -25,8 +33,54 @@ import torch
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
+# The keywords `_fused_update` passes to torch._fused_adamw_ (its schema since torch 2.0).
+_FUSED_KWARGS = frozenset({"lr", "beta1", "beta2", "weight_decay", "eps", "amsgrad", "maximize"})
+# The torch._foreach_* ops `_foreach_update` calls.
+_FOREACH_OPS = (
+    "_foreach_add_",
+    "_foreach_mul_",
+    "_foreach_lerp_",
+    "_foreach_addcmul_",
+    "_foreach_sqrt",
+    "_foreach_div_",
+    "_foreach_addcdiv_",
+)
+
+
+@functools.cache  # the torch build does not change while a process runs
 def _fused_available() -> bool:
-    return hasattr(torch, "_fused_adamw_")
+    """Whether torch has the private fused AdamW op with the signature we call."""
+    fn = getattr(torch, "_fused_adamw_", None)
+    if fn is None:
+        return False
+    try:
+        names = {a.name for a in torch.ops.aten._fused_adamw_.default._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return False
+    return names >= _FUSED_KWARGS
+
+
+@functools.cache
+def _foreach_available() -> bool:
+    """Whether torch has every private multi-tensor op the foreach update uses."""
+    return all(hasattr(torch, name) for name in _FOREACH_OPS)
+
+
+def implementation(fused: bool | None, device: torch.device) -> str:
+    """'fused', 'foreach' or 'plain': how a group with this `fused` setting steps on `device`.
+
+    fused=True needs the fused op (RuntimeError without it); fused=None takes it on CUDA when
+    available; otherwise foreach when available, else plain.
+    """
+    if fused or (fused is None and device.type == "cuda"):
+        if _fused_available():
+            return "fused"
+        if fused:
+            raise RuntimeError(
+                "AdamW(fused=True): this torch has no usable torch._fused_adamw_; "
+                "pass fused=None or False"
+            )
+    return "foreach" if _foreach_available() else "plain"
 
 
 class AdamW(torch.optim.Optimizer):
@@ -38,8 +92,10 @@ class AdamW(torch.optim.Optimizer):
         betas: (beta1, beta2), each in [0, 1).
         eps: added to the denominator (>= 0).
         weight_decay: decoupled weight decay coefficient (>= 0).
-        fused: True -> torch's fused kernel (CPU or CUDA); False -> foreach ops;
-            None (default) -> fused for groups whose parameters are all on CUDA, else foreach.
+        fused: True -> torch's fused kernel (CPU or CUDA; RuntimeError if this torch lacks
+            it); False -> foreach ops; None (default) -> fused for CUDA parameters, else
+            foreach. Where this torch lacks the private op chosen, the next one serves
+            (fused -> foreach -> plain; see the module docstring).
     """
 
     def __init__(
@@ -53,8 +109,8 @@ class AdamW(torch.optim.Optimizer):
         fused: bool | None = None,
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
-        if fused and not _fused_available():
-            raise RuntimeError("AdamW(fused=True): this torch has no torch._fused_adamw_")
+        if fused:
+            implementation(True, torch.device("cpu"))  # raises if the fused op is unusable
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -98,7 +154,8 @@ class AdamW(torch.optim.Optimizer):
                 # fused: the step count lives on the parameter's device (the kernel reads it);
                 # foreach: on the CPU (bias corrections are host math). Created in place, so
                 # the first step does not copy host -> device either.
-                step_device = p.device if self._use_fused(group, p.device) else "cpu"
+                fused = implementation(group.get("fused"), p.device) == "fused"
+                step_device = p.device if fused else "cpu"
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -107,17 +164,12 @@ class AdamW(torch.optim.Optimizer):
                 lists[i].append(t)
             lists[4].append(state["step"])
         for (device, _, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
-            if self._use_fused(group, device):
-                self._fused_update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
-            else:
-                self._foreach_update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
-
-    @staticmethod
-    def _use_fused(group: dict[str, Any], device: torch.device) -> bool:
-        fused = group.get("fused")
-        if fused is None:
-            return device.type == "cuda" and _fused_available()
-        return bool(fused)
+            update = {
+                "fused": self._fused_update,
+                "foreach": self._foreach_update,
+                "plain": self._plain_update,
+            }[implementation(group.get("fused"), device)]
+            update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
 
     def _fused_update(
         self,
@@ -134,7 +186,11 @@ class AdamW(torch.optim.Optimizer):
             for p, s in zip(params, steps):
                 self.state[p]["step"] = s.to(device)
             steps = [self.state[p]["step"] for p in params]
-        torch._foreach_add_(steps, 1.0)
+        if _foreach_available():
+            torch._foreach_add_(steps, 1.0)
+        else:
+            for s in steps:
+                s.add_(1.0)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             params,
@@ -162,10 +218,7 @@ class AdamW(torch.optim.Optimizer):
         steps: list[torch.Tensor],
     ) -> None:
         # Step counts stay on the CPU here so bias corrections are host math, not device syncs.
-        if steps[0].device.type != "cpu":
-            for p, s in zip(params, steps):
-                self.state[p]["step"] = s.cpu()
-            steps = [self.state[p]["step"] for p in params]
+        steps = self._host_steps(params, steps)
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         torch._foreach_add_(steps, 1.0)
@@ -181,6 +234,40 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+    def _plain_update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        # The foreach update's ops, one tensor at a time, with public torch ops only.
+        steps = self._host_steps(params, steps)
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+            s.add_(1.0)
+            if wd != 0:
+                p.mul_(1.0 - lr * wd)
+            m.lerp_(g, 1.0 - beta1)
+            v.mul_(beta2)
+            v.addcmul_(g, g, value=1.0 - beta2)
+            t = s.item()  # a CPU tensor: no device sync
+            denom = v.sqrt()
+            denom.div_(math.sqrt(1.0 - beta2**t))
+            denom.add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1.0 - beta1**t))
+
+    def _host_steps(self, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list:
+        """The step counts as CPU tensors (moved once if they were on a device)."""
+        if steps[0].device.type != "cpu":
+            for p, s in zip(params, steps):
+                self.state[p]["step"] = s.cpu()
+            steps = [self.state[p]["step"] for p in params]
+        return steps
 
 
 def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:

@@ -338,5 +338,10 @@ def main(argv: Sequence[str] | None = None):  # returns lm_core.trainer.TrainRes
     return train(args)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The `lm-train` console script: `main()`, exit status 0 (its TrainResult is not a code)."""
     main()
+
+
+if __name__ == "__main__":
+    cli()

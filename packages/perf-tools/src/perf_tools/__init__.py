@@ -1,10 +1,25 @@
 """Benchmarks and profiles for lm-core, flashattn-triton, ddp-kit and zero-shard: one command per
 experiment, tables, CSV/JSON and plots.
 
-Each command is a module run with `python -m perf_tools.<name>` (see COMMANDS); the shared
-pieces are `timing` (timers, memory probes, OOM detection), `report` (tables, CSV/JSON, plots),
-`hardware` (peak FLOP/s, MFU) and `flops` (the FLOP formulas). Nothing is imported eagerly:
-`import perf_tools` stays cheap.
+Read top-down:
+
+commands (`python -m perf_tools.<name>`, see COMMANDS; each a console script `perf-<name>`)
+    bench, profile           model steps: `cells` (the sweep's cells, shared by both),
+                             `model_args` (their flags), `bench_dist` (bench on N ranks)
+    attention                attention calls (`attention_providers`)
+    allreduce, ddp, zero     collectives and data parallelism on N ranks
+    mixed_precision, accounting   calculations, no timing loop
+the harness every timing command runs its cells through
+    harness                  spec -> step -> time -> row, release between cells, failure
+                             rows (OOM / unsupported / error), one progress bar
+    _dist                    the same on N ranks: spawn or torchrun, collective timing
+below it
+    timing                   clocks, statistics, memory probes, OOM detection
+    report                   tables, CSV/JSON with run metadata, plots
+    steps, models            one training step of an lm_core model; building it
+    flops, hardware          FLOP formulas (lm_core's, flashattn_triton's) and peak FLOP/s
+    _cli, _progress, _compile   argument types, the progress bar, torch.compile settings
+Nothing is imported eagerly: `import perf_tools` stays cheap.
 """
 
 __version__ = "0.1.0"
@@ -14,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "bench": "end-to-end model step timing: sizes x contexts x modes x precisions, MFU, memory",
     "profile": "kernel-level profile of a model step: top kernels, matmul split, named ranges",
     "attention": "attention benchmarks: naive eager vs compiled, flash vs PyTorch vs SDPA",
+    "attention_sweep": "flash_attention vs SDPA flash / cuDNN over shapes, eager and compiled",
     "attention_features": "GQA, varlen, sliding-window and decode attention: ours vs SDPA",
     "mixed_precision": "accumulation precision and the dtypes inside autocast",
     "allreduce": "all-reduce latency and bandwidth over sizes and world sizes",

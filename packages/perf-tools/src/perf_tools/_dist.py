@@ -1,11 +1,13 @@
 """Running a perf_tools measurement on N ranks: self-spawned or under torchrun.
 
-`run_ranks(fn, nprocs, backend, ...)` starts `nprocs` local workers through
-`ddp_kit.launch.spawn` (file-store rendezvous, worker tracebacks, a hard time limit) and shows a
-progress bar fed by rank 0's `tick()` calls. Under `torchrun` (RANK and WORLD_SIZE in the
-environment) `init_from_env` joins the group torchrun describes and the same worker function
-runs in this process instead. Helpers to aggregate timings across ranks and to fit the
-latency-bandwidth model of an all-reduce live here too.
+The multi-process side of the harness (`perf_tools.harness`). `run_ranks(fn, nprocs, backend,
+...)` starts `nprocs` local workers through `ddp_kit.launch.spawn` (file-store rendezvous,
+worker tracebacks, a hard time limit) and shows a progress bar fed by rank 0's `tick()` calls.
+Under `torchrun` (RANK and WORLD_SIZE in the environment) `init_from_env` joins the group
+torchrun describes and the same worker function runs in this process instead. On the ranks,
+`time_collective` times a collective (barrier, synchronize, call, synchronize; the slowest
+rank per call), and `gather` / `slowest_per_step` aggregate step timings. `fit_latency_bandwidth`
+fits the all-reduce cost model o + b / w.
 """
 
 from __future__ import annotations
@@ -13,13 +15,17 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_LOCAL_BAR: Any = None  # the tqdm bar of rank 0 under torchrun
+from perf_tools import timing
+from perf_tools._progress import progress
+
+_LOCAL_BAR: Any = None  # rank 0's own progress bar under torchrun
 
 
 def under_torchrun() -> bool:
@@ -56,9 +62,7 @@ def start_local_bar(total: int, label: str, enabled: bool) -> None:
     """Under torchrun: rank 0's own progress bar for `tick()`."""
     global _LOCAL_BAR
     if enabled and dist.get_rank() == 0:
-        from tqdm.auto import tqdm
-
-        _LOCAL_BAR = tqdm(total=total, desc=label, dynamic_ncols=True, leave=False)
+        _LOCAL_BAR = progress(total, label, leave=False)
 
 
 def close_local_bar() -> None:
@@ -99,11 +103,7 @@ def run_ranks(
     """
     from ddp_kit.launch import spawn
 
-    bar = None
-    if progress_total and not quiet:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=progress_total, desc=label, dynamic_ncols=True, leave=False)
+    bar = progress(progress_total, label, leave=False) if progress_total and not quiet else None
     env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
 
     def handle(rank: int, payload: Any) -> None:
@@ -140,6 +140,21 @@ def agree_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)  # (1,)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def time_collective(op: Callable[[], Any], iters: int, device: torch.device) -> list[float]:
+    """Seconds of `iters` calls of the collective `op`, each after a barrier and between two
+    device synchronizations; per call the slowest rank's time (a collective ends when every
+    rank has its result). A collective itself: every rank must call it."""
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        timing.synchronize(device)
+        t0 = time.perf_counter()
+        op()
+        timing.synchronize(device)
+        samples.append(time.perf_counter() - t0)
+    return slowest_per_step(gather(samples))
 
 
 def slowest_per_step(samples_by_rank: Sequence[Sequence[float]]) -> list[float]:

@@ -2,7 +2,8 @@
 
 Sweeps backend (gloo on CPU, NCCL on GPUs) x process count x float32 tensor size. One command
 does the whole sweep: for each (backend, process count) it spawns that many local workers
-(torch.multiprocessing, file-store rendezvous) which time every size in turn.
+(`perf_tools._dist.run_ranks`: file-store rendezvous, tracebacks, a time limit) which time
+every size in turn.
 
 Per size, each rank: warm-up all-reduces (default 5), then timed all-reduces (default 10), each
 preceded by a barrier and bracketed by device synchronizations. Timings of all ranks are
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from perf_tools import _cli, _dist, report, timing
+from perf_tools import _cli, _dist, harness, report, timing
 
 MIB = 1024 * 1024
 GPU_DEFAULT_SIZES_MB = (1, 10, 100, 1000)
@@ -169,8 +170,8 @@ def _time_size(
             raise
         x = None
     if _dist.agree_max(1.0 if x is None else 0.0, device) > 0:
-        del x
-        timing.free_after_oom(device)
+        x = None  # this rank's buffer, if it got one, goes before the release
+        harness.release(device)
         return {**row, "status": "OOM"}
     timing.synchronize(device)
     t0 = time.perf_counter()
@@ -182,19 +183,10 @@ def _time_size(
     for _ in range(n_warm):
         dist.all_reduce(x)
     timing.synchronize(device)
-    samples = []
-    for _ in range(n_iter):
-        dist.barrier()
-        timing.synchronize(device)
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        timing.synchronize(device)
-        samples.append(time.perf_counter() - t0)
-    per_iter = _dist.slowest_per_step(_dist.gather(samples))
+    per_iter = _dist.time_collective(lambda: dist.all_reduce(x), n_iter, device)
     med = statistics.median(per_iter)
     nbytes = numel * 4
     algbw = nbytes / med / 1e9
-    del x
     return {
         **row,
         "status": "ok",
@@ -236,11 +228,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     quiet=args.quiet,
                 )
                 new = results[0]
-            except TimeoutError:
-                new = [{**base, "size_MiB": s, "status": f"timeout ({limit:.0f} s)"} for s in sizes]
             except Exception as exc:  # a failed configuration is a row, not a crash
-                first = str(exc).strip().splitlines()[-1][:120] if str(exc).strip() else ""
-                new = [{**base, "size_MiB": s, "status": f"error: {first}"} for s in sizes]
+                status = harness.failure_status(exc)
+                new = [{**base, "size_MiB": s, "status": status} for s in sizes]
             for r in new:
                 r.setdefault("note", note)
                 if note and not r.get("note"):

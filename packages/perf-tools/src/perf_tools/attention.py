@@ -24,7 +24,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +41,8 @@ from perf_tools.attention_providers import (
     triton_runs_here,
 )
 from perf_tools.flops import attention_flops
+from perf_tools.harness import progress as _bar
+from perf_tools.harness import release as _release
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -194,14 +195,6 @@ def _inputs(
     shape = (batch, seq, d)
     q, k, v, do = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in "qkvo")
     return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _failure(provider: str, exc: BaseException) -> str:
@@ -490,24 +483,6 @@ def _flash_cell(
 
             traceback.print_exc()
     return out
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(total: int, label: str, quiet: bool) -> Any:
-    if quiet:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=label, dynamic_ncols=True)
 
 
 # ----------------------------------------------------------------------------- output

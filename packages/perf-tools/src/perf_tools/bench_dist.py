@@ -1,9 +1,11 @@
 """The multi-GPU mode of `python -m perf_tools.bench`: sharded (FSDP) training steps on N ranks.
 
-`bench --nprocs N --fsdp ours|torch` runs each cell of the sweep on N ranks: spawned by the
-tool itself (`_dist.run_ranks`, i.e. `ddp_kit.launch.spawn`: file-store rendezvous, NCCL with
-one GPU per rank, gloo on CPU), fresh processes for every cell so that no cell inherits another
-one's memory; or, under `torchrun`, the ranks torchrun started (every cell in turn).
+`bench --nprocs N --fsdp ours|torch` runs each cell of the sweep on N ranks (`run_dist_sweep`):
+spawned by the tool itself (`_dist.run_ranks`, i.e. `ddp_kit.launch.spawn`: file-store
+rendezvous, NCCL with one GPU per rank, gloo on CPU), fresh processes for every cell so that no
+cell inherits another one's memory; or, under `torchrun` (`run_torchrun_sweep`), the ranks
+torchrun started (every cell in turn). The rank side (`run_rank`) builds, wraps and times; the
+parent side (`aggregate`) turns every rank's measurements into the row.
 
 Each rank builds the model directly on its device, applies activation checkpointing, wraps it
 and trains on its own random batch (`--batch` sequences per rank):
@@ -42,15 +44,20 @@ import dataclasses
 import gc
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from perf_tools import _dist, hardware, timing
+from perf_tools import _dist, hardware, harness, timing
+from perf_tools.cells import BenchOptions, BenchSpec, cell_row
+from perf_tools.models import build_model, count_params, random_batch, resolve_config
+from perf_tools.steps import PhaseTimer, make_step
 
 FSDP_KINDS = ("ours", "torch")
 WAIT_THRESHOLD_MS = 0.05  # a wait above this is compute stalled on an all-gather (events: ~us)
@@ -171,8 +178,6 @@ def fsdp_memory_estimate(
 
 def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, int]:
     """The lm_core model on `device` (built there: no host copy), checkpointed as asked."""
-    from perf_tools.models import build_model
-
     torch.manual_seed(job.seed)
     model = build_model(config, device)
     model.train()
@@ -239,8 +244,6 @@ def set_blas(library: str) -> None:
 def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
     """Build, wrap, warm up and time this rank; raises on failure (OOM included)."""
     from lm_core import AdamW, cross_entropy
-    from perf_tools.models import count_params, random_batch, resolve_config
-    from perf_tools.steps import PhaseTimer, make_step
 
     set_tf32(job.tf32)  # a spawned rank does not inherit the parent's backend flags
     set_blas(job.blas)
@@ -338,9 +341,7 @@ def run_rank(rank: int, world: int, job: DistJob) -> dict[str, Any]:
 
         report_progress(("oom", rank))
         flag.fill_(1.0)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release(device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks agree on OOM
     if flag.item() > 0:
         return {"rank": rank, "status": "OOM"}
@@ -480,20 +481,12 @@ def spawn_cell(
     except Exception as exc:  # WorkerError (a rank's traceback) or TimeoutError
         if oom or timing.is_oom(exc):
             return {"status": "OOM", "note": f"rank(s) {sorted(set(oom))} ran out of memory"}
-        return {"status": _error_status(exc), "error": str(exc)}
+        return {"status": harness.failure_status(exc), "error": str(exc)}
     return aggregate(job, per_rank)
 
 
 class _CellOOMError(RuntimeError):
     """A rank reported an out-of-memory error: the cell ends as OOM."""
-
-
-def _error_status(exc: BaseException) -> str:
-    """'error: <the failing rank's last traceback line>' (or the exception itself)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    last = next((ln for ln in reversed(lines) if not ln.startswith("---")), "")
-    text = last or f"{type(exc).__name__}: {exc}"
-    return f"error: {text}"[:200]
 
 
 def torchrun_cell(job: DistJob) -> dict[str, Any] | None:
@@ -502,3 +495,96 @@ def torchrun_cell(job: DistJob) -> dict[str, Any] | None:
     mine = run_rank(rank, world, job)
     per_rank = _dist.gather(mine)
     return aggregate(job, per_rank) if rank == 0 else None
+
+
+# ----------------------------------------------------------------------------- the sweeps
+
+
+def gather_wait_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Lines under the table: where our FSDP's compute waited for an all-gather."""
+    out = []
+    for r in rows:
+        if r.get("status") != "ok" or r.get("gather_wait_ms") is None:
+            continue
+        out.append(
+            f"{r['size']} {r['precision']} ctx {r['context']} (fsdp {r['fsdp']}): all-gather "
+            f"waits {r['gather_wait_ms']:.3g} ms per step (forward {r['gather_wait_fwd_ms']:.3g}, "
+            f"backward {r['gather_wait_bwd_ms']:.3g}); {r['units_waited']:g} of "
+            f"{r['gathers']:g} gathers waited > {WAIT_THRESHOLD_MS} ms; longest wait "
+            f"{r['gather_wait_max_ms']:.3g} ms ({r['gather_wait_max_unit']})"
+        )
+    return out
+
+
+def dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
+    assert spec.fsdp is not None
+    return DistJob(
+        size=spec.size,
+        attention=spec.attention,
+        precision=spec.precision,
+        mode=spec.mode,
+        context=spec.context,
+        fsdp=spec.fsdp,
+        batch=opts.batch,
+        warmup=opts.warmup,
+        steps=opts.steps,
+        overrides=opts.overrides,
+        backend=opts.backend,
+        seed=opts.seed,
+        fused_loss=opts.fused_loss,
+        act_ckpt=opts.act_ckpt,
+        peak_tflops=opts.peak_tflops,
+        quiet=not opts.progress,
+        tf32=bool(torch.backends.cuda.matmul.allow_tf32),
+        blas=opts.blas,
+    )
+
+
+def run_dist_sweep(specs: Sequence[BenchSpec], opts: BenchOptions) -> list[dict[str, Any]]:
+    """The multi-GPU mode: every cell on `opts.nprocs` freshly spawned ranks."""
+    assert opts.nprocs is not None
+    rows = []
+    quiet = not opts.progress or len(specs) < 2
+    with harness.Sweep(len(specs), "configs", device="cpu", quiet=quiet) as sweep:
+        for spec in specs:
+            info: dict[str, Any] = {}
+            try:
+                config = resolve_config(
+                    spec.size,
+                    context_length=spec.context,
+                    attention=spec.attention,
+                    overrides=opts.overrides,
+                )
+            except (ValueError, TypeError) as exc:
+                sweep.skip(1)
+                rows.append(cell_row(spec, info, opts, {"status": f"error: {exc}"}))
+                continue
+            info.update({f: getattr(config, f) for f in ("d_model", "num_layers", "num_heads")})
+            info.update(d_ff=config.d_ff, vocab_size=config.vocab_size, attention=config.attention)
+            job = dist_job(spec, opts)
+            measured = sweep.measure(partial(spawn_cell, job, opts.nprocs, opts.timeout_s))
+            if str(measured.get("status", "")).startswith("error") and measured.get("error"):
+                print(f"[perf_tools.bench] {spec.label()}:\n{measured['error']}", file=sys.stderr)
+            rows.append(cell_row(spec, info, opts, measured))
+    return rows
+
+
+def run_torchrun_sweep(
+    specs: Sequence[BenchSpec], opts: BenchOptions
+) -> list[dict[str, Any]] | None:
+    """The multi-GPU mode under torchrun: every cell in turn on torchrun's ranks; the rows on
+    rank 0 (None elsewhere). A failure other than OOM ends the run (ranks cannot skip a
+    collective and stay in step)."""
+    _dist.init_from_env(opts.backend, timeout_s=opts.timeout_s)
+    rows: list[dict[str, Any]] = []
+    try:
+        for spec in specs:
+            measured = torchrun_cell(dist_job(spec, opts))
+            if measured is not None:
+                rows.append(cell_row(spec, {}, opts, measured))
+        dist.barrier()
+    finally:
+        rank = dist.get_rank()
+        gc.collect()  # models and FSDP wrappers in reference cycles still hold the group
+        dist.destroy_process_group()
+    return rows if rank == 0 else None

@@ -52,20 +52,19 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from perf_tools import _cli, _dist, report, timing
+from perf_tools import _cli, _dist, harness, report, timing
 
 MIB = 1024 * 1024
 WRAPPERS = ("naive", "flat", "individual", "bucketed", "torch")
@@ -290,16 +289,10 @@ def _probe(opts: Options, device: torch.device) -> dict[str, float]:
         x = torch.ones(max(1, int(mb * MIB) // 4), device=device)  # (numel,)
         for _ in range(2):
             dist.all_reduce(x)
-        samples = []
-        for _ in range(5):
-            dist.barrier()
-            timing.synchronize(device)
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            timing.synchronize(device)
-            samples.append(time.perf_counter() - t0)
         nbytes.append(x.numel() * 4)
-        times.append(statistics.median(_dist.slowest_per_step(_dist.gather(samples))))
+        times.append(
+            statistics.median(_dist.time_collective(partial(dist.all_reduce, x), 5, device))
+        )
         del x
     o, w = _dist.fit_latency_bandwidth(nbytes, times)
     return {"o_s": o, "w_Bps": w, "points": list(zip(nbytes, times))}
@@ -403,12 +396,31 @@ def _add_overheads(
         row["pipeline_ms"] = pipeline_overhead_s(buckets, o, w, t_bwd, overlap) * 1e3
 
 
-def _release(model: nn.Module, device: torch.device) -> None:
+def _run_scheme(
+    kind: str,
+    bucket_mb: float | None,
+    model: nn.Module,
+    optimizer: Any,
+    batch: tuple,
+    device: torch.device,
+    opts: Options,
+    warmup: int,
+    plan: dict[str, Any],
+) -> dict[str, Any]:
+    """One scheme's measured columns; `plan` receives its bucket sizes, overlap and wrapper."""
+    runner, finish, buckets, overlap = _wrap(kind, bucket_mb, model, device)
+    plan.update(buckets=buckets, overlap=overlap, runner=runner)
+    measured = _measure(opts, runner, model, optimizer, batch, finish, device, warmup)
+    return {"n_buckets": len(buckets), **measured}
+
+
+def _close(plan: dict[str, Any], model: nn.Module) -> None:
+    """Drop the scheme's wrapper (and its bucket buffers) and the gradients before the next."""
+    runner = plan.pop("runner", None)
+    if runner is not None and hasattr(runner, "close"):
+        runner.close()
     for p in model.parameters():
         p.grad = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_worker(rank: int, world: int, opts: Options) -> dict[str, Any]:
@@ -430,32 +442,29 @@ def run_worker(rank: int, world: int, opts: Options) -> dict[str, Any]:
     optimizer = AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     batch = random_batch(opts.batch, opts.context, config.vocab_size, device, opts.seed + rank)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    _release(model, device)
+    harness.release(device)
     rows: list[dict[str, Any]] = []
     plans: list[tuple[list[int], bool]] = []
+    # Ranks cannot skip a scheme their peers run: any failure but OOM ends the run.
+    sweep = harness.Sweep(
+        len(configs(opts)),
+        "ddp",
+        device=device,
+        fatal=lambda exc: not timing.is_oom(exc),
+        advance=_dist.tick,
+    )
     for kind, bucket_mb in configs(opts):
-        row: dict[str, Any] = {"wrapper": kind, "bucket_MiB": bucket_mb}
-        runner = finish = None
-        buckets: list[int] = []
-        overlap = False
-        try:
-            runner, finish, buckets, overlap = _wrap(kind, bucket_mb, model, device)
-            row["n_buckets"] = len(buckets)
-            # the first configuration also absorbs one-time costs (allocator, optimizer state)
-            warm = opts.warmup + (2 if not rows else 0)
-            row.update(_measure(opts, runner, model, optimizer, batch, finish, device, warm))
-            row["status"] = "ok"
-        except Exception as exc:
-            if not timing.is_oom(exc):
-                raise
-            row["status"] = "OOM"
-        if runner is not None and hasattr(runner, "close"):
-            runner.close()
-        del runner, finish  # drop the wrapper (and its bucket buffers) before the next one
-        _release(model, device)
+        plan: dict[str, Any] = {"buckets": [], "overlap": False}
+        # the first configuration also absorbs one-time costs (allocator, optimizer state)
+        warm = opts.warmup + (2 if not rows else 0)
+        scheme = (kind, bucket_mb, model, optimizer, batch, device, opts, warm, plan)
+        row = {"wrapper": kind, "bucket_MiB": bucket_mb}
+        row.update(
+            sweep.measure(partial(_run_scheme, *scheme), cleanup=partial(_close, plan, model))
+        )
         rows.append(row)
-        plans.append((buckets, overlap))
-        _dist.tick()
+        plans.append((plan["buckets"], plan["overlap"]))
+    sweep.close()
     _add_overheads(rows, plans, probe)
     info = {
         "grad_bytes": grad_bytes,

@@ -1,20 +1,13 @@
-"""FLOP counts, written out, for the model benchmarks, the profiler and the attention sweep.
+"""FLOP counts for the model benchmarks, the profiler and the attention sweep.
 
-Only matrix-multiply FLOPs are counted (2 FLOPs per multiply-add); elementwise work, norms,
-softmax and the optimizer are left out, as in the usual MFU definition (PaLM, Chowdhery et al.
-2022, appendix B). For a decoder-only model with L layers, width d, feed-forward width f,
-vocabulary V, batch B and sequence length T, one forward pass costs
-
-    F_fwd = 2 * B * T * (L * (4 d^2 + 3 d f) + d V)      projections: q, k, v, o (4 d^2),
-                                                        SwiGLU w1, w2, w3 (3 d f), LM head
-          + 4 * B * L * T^2 * d                          attention: Q K^T and P V, each
-                                                        2 * B * T^2 * d (all heads together)
-
-Attention is counted over the full T x T matrix (the naive and SDPA-math implementations do
-compute all of it; this is also the PaLM convention), so MFU of a causal kernel that skips the
-masked half is not overstated. Backward costs twice the forward (a gradient for the input and
-one for the weight of every matmul), so a forward+backward pass or a training step costs
-3 * F_fwd.
+The formulas have one home each, in the package whose code they describe; this module only
+applies them to the benchmarks' modes and passes:
+- the model: `lm_core.flops` (matmul FLOPs of a forward pass, attention over the full T x T
+  matrix, backward = 2 x forward, the usual MFU definition: PaLM, Chowdhery et al. 2022,
+  appendix B);
+- one attention call: `flashattn_triton.flops` (the FlashAttention benchmarks' convention:
+  QK^T and PV forward, five matmuls backward = 2.5 x forward, causal pairs counted exactly).
+Only the softmax count of the profiler's attention sub-steps is defined here.
 """
 
 from __future__ import annotations
@@ -39,27 +32,26 @@ def _dims(config: Any) -> tuple[int, int, int, int, int]:
 
 
 def forward_flops(config: Any, batch: int, seq: int) -> float:
-    """Matmul FLOPs of one forward pass of a model with `config` on `batch` x `seq` tokens.
+    """Matmul FLOPs of one forward pass of a model with `config` on `batch` x `seq` tokens:
+    `lm_core.forward_flops` for an lm_core ModelConfig, the same formula on the dims of any
+    other config (`formula_forward_flops`)."""
+    import lm_core
 
-    Uses lm_core's own count (`lm_core.forward_flops`, the same formula) when `config` is an
-    lm_core ModelConfig, else the formula above.
-    """
-    try:
-        import lm_core
-
-        if isinstance(config, lm_core.ModelConfig) and hasattr(lm_core, "forward_flops"):
-            return float(lm_core.forward_flops(config, batch, seq))
-    except ImportError:
-        pass
+    if isinstance(config, lm_core.ModelConfig):
+        return float(lm_core.forward_flops(config, batch, seq))
     return formula_forward_flops(config, batch, seq)
 
 
 def formula_forward_flops(config: Any, batch: int, seq: int) -> float:
-    """The module docstring's forward formula, written out (any object with the dim fields)."""
+    """lm_core's forward formula on any object with d_model, d_ff, num_layers, vocab_size."""
+    from lm_core.flops import forward_flops_of_dims
+
     d, f, n_layers, _, vocab = _dims(config)
-    dense = 2.0 * batch * seq * (n_layers * (4 * d * d + 3 * d * f) + d * vocab)
-    attn = 4.0 * batch * n_layers * seq * seq * d
-    return dense + attn
+    return float(
+        forward_flops_of_dims(
+            d_model=d, d_ff=f, num_layers=n_layers, vocab_size=vocab, batch=batch, seq=seq
+        )
+    )
 
 
 def step_flops(config: Any, batch: int, seq: int, mode: str) -> float:
@@ -79,7 +71,8 @@ def attention_substep_flops(config: Any, batch: int, seq: int) -> dict[str, floa
     """
     d, _, n_layers, heads, _ = _dims(config)
     d_head = d // heads
-    mm = 2.0 * batch * heads * seq * seq * d_head * n_layers
+    # each of the two forward matmuls is half of a non-causal attention call's forward
+    mm = n_layers * attention_flops(batch, heads, seq, seq, d_head, False, "fwd") / 2
     soft = float(SOFTMAX_FLOPS_PER_ELEMENT) * batch * heads * seq * seq * n_layers
     return {"scores": mm, "softmax": soft, "weighted_sum": mm}
 
@@ -87,17 +80,15 @@ def attention_substep_flops(config: Any, batch: int, seq: int) -> dict[str, floa
 def attention_flops(
     batch: int, heads: int, seq_q: int, seq_k: int, d_head: int, causal: bool, pass_: str
 ) -> float:
-    """Matmul FLOPs of one attention call (the FlashAttention benchmarks' convention).
-
-    forward: Q K^T and P V, 2 * B * H * Nq * Nk * d each, halved when causal (the masked half
-    need not be computed). backward: 2.5x forward (five matmuls: recompute S, dV, dP, dQ, dK).
-    `pass_` is 'fwd', 'bwd' or 'fwd_bwd' (3.5x forward).
+    """Matmul FLOPs of one attention call: `flashattn_triton.attention_flops` over
+    batch x heads independent heads. forward: QK^T and PV, 4 * d FLOPs per visible (query,
+    key) pair (causal: N(N+1)/2 pairs for N queries and keys, bottom-right aligned);
+    backward: 2.5x forward (five matmuls: recompute S, dV, dP, dQ, dK). `pass_` is 'fwd',
+    'bwd' or 'fwd_bwd' (3.5x forward).
     """
-    fwd = 4.0 * batch * heads * seq_q * seq_k * d_head
-    if causal:
-        fwd *= 0.5
-    factor = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
-    try:
-        return fwd * factor[pass_]
-    except KeyError:
-        raise ValueError(f"pass_: expected one of {sorted(factor)}, got {pass_!r}") from None
+    from flashattn_triton.flops import MODES
+    from flashattn_triton.flops import attention_flops as flops_of_attention
+
+    if pass_ not in MODES:
+        raise ValueError(f"pass_: expected one of {sorted(MODES)}, got {pass_!r}")
+    return flops_of_attention(batch * heads, seq_q, seq_k, d_head, causal, pass_)

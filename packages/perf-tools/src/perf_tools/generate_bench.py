@@ -42,7 +42,7 @@ import torch
 from perf_tools import _cli, report
 from perf_tools._compile import allow_recompiles
 from perf_tools.models import build_model, resolve_config, size_names
-from perf_tools.timing import free_after_oom, is_oom, peak_memory_bytes, reset_peak_memory
+from perf_tools.timing import is_oom, peak_memory_bytes, reset_peak_memory
 from perf_tools.timing import synchronize as sync
 
 PROVIDERS = ("eager", "compile", "cudagraph", "compile+cudagraph", "hf", "hf-static")
@@ -145,8 +145,11 @@ def _measure(row: dict[str, Any], fn: Callable[[], tuple[float, float, float]], 
     another failure becomes the row's note."""
     reset_peak_memory(device)
     try:
-        with free_after_oom(device):
+        try:
             warmup, prefill, decode = fn()
+        finally:  # an OOM cell must not leave its cached blocks to the next one
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
     except CellSkippedError as exc:
         row["note"] = f"skipped: {exc}"
         return

@@ -8,7 +8,10 @@
                gradients, read by forward hooks. On CUDA when present; else on CPU, whose
                autocast also runs bf16 and fp16 (the table says which device ran).
 
+With no sub-command: both, accumulate then toy-dtypes.
+
 Examples:
+  python -m perf_tools.mixed_precision
   python -m perf_tools.mixed_precision accumulate
   python -m perf_tools.mixed_precision toy-dtypes --json dtypes.json
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,11 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
     )
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{accumulate,toy-dtypes}")
+    _cli.add_output_args(p, plot=False)
+    sub = p.add_subparsers(dest="cmd", metavar="{accumulate,toy-dtypes}")
     a = sub.add_parser("accumulate", help="the four accumulation variants (and bf16)")
     a.add_argument("--n", type=_cli.positive_int, default=1000, help="additions (default 1000)")
     a.add_argument("--value", type=float, default=0.01, help="value added (default 0.01)")
-    _cli.add_output_args(a, plot=False)
+    _cli.add_output_args(a, plot=False, inherit=True)
     t = sub.add_parser("toy-dtypes", help="dtypes inside autocast for the ToyModel")
     t.add_argument("--device", type=_cli.device_arg, default=None, help="default: cuda if any")
     t.add_argument(
@@ -160,39 +165,63 @@ def build_parser() -> argparse.ArgumentParser:
         type=_cli.listed(_cli.choice(("fp16", "bf16"))),
         help="autocast dtypes (default fp16 bf16)",
     )
-    _cli.add_output_args(t, plot=False)
+    _cli.add_output_args(t, plot=False, inherit=True)
     return p
 
 
+def run_accumulate(n: int = 1000, value: float = 0.01) -> tuple[list[dict[str, Any]], str]:
+    """The accumulation table and its title."""
+    return accumulate_rows(n, value), f"sum of {value} added {n} times (exact {n * value:g})"
+
+
+def run_toy_dtypes(
+    device: torch.device | None = None, names: Sequence[str] = ("fp16", "bf16")
+) -> tuple[list[dict[str, Any]], str]:
+    """The autocast dtype table (a row per component and dtype) and its title."""
+    device = device or torch.device(_cli.default_device())
+    rows = []
+    for name in names:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+        try:
+            rows.extend(toy_dtypes(device, dtype))
+        except RuntimeError as exc:  # an autocast dtype this device does not support
+            rows.append(
+                {
+                    "device": device.type,
+                    "autocast": name,
+                    "component": "(not supported here)",
+                    "dtype": str(exc).splitlines()[0][:120],
+                }
+            )
+    return rows, f"dtypes inside torch.autocast for ToyModel on {device.type}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one experiment, or both (accumulate, then toy-dtypes) without a sub-command; with
+    both, --csv / --json FILE become FILE-accumulate / FILE-toy-dtypes."""
     args = build_parser().parse_args(argv)
-    if args.cmd == "accumulate":
-        rows = accumulate_rows(args.n, args.value)
-        title = f"sum of {args.value} added {args.n} times (exact {args.n * args.value:g})"
-    else:
-        device = args.device or torch.device(_cli.default_device())
-        names = _cli.flatten(args.dtype) or ["fp16", "bf16"]
-        rows = []
-        for name in names:
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
-            try:
-                rows.extend(toy_dtypes(device, dtype))
-            except RuntimeError as exc:  # an autocast dtype this device does not support
-                rows.append(
-                    {
-                        "device": device.type,
-                        "autocast": name,
-                        "component": "(not supported here)",
-                        "dtype": str(exc).splitlines()[0][:120],
-                    }
-                )
-        title = f"dtypes inside torch.autocast for ToyModel on {device.type}"
-    report.print_table([_precise(r) for r in rows], title=title)
-    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
-    for what, path in (("csv", args.csv), ("json", args.json)):
-        if path is not None:
-            print(f"{what}: {path}")
+    cmds = [args.cmd] if args.cmd else ["accumulate", "toy-dtypes"]
+    for cmd in cmds:
+        if cmd == "accumulate":
+            rows, title = run_accumulate(getattr(args, "n", 1000), getattr(args, "value", 0.01))
+        else:
+            names = _cli.flatten(getattr(args, "dtype", None)) or ["fp16", "bf16"]
+            rows, title = run_toy_dtypes(getattr(args, "device", None), names)
+        report.print_table([_precise(r) for r in rows], title=title)
+        csv_path = _suffixed(args.csv, cmd, len(cmds) > 1)
+        json_path = _suffixed(args.json, cmd, len(cmds) > 1)
+        report.save_rows(rows, csv_path=csv_path, json_path=json_path)
+        for what, path in (("csv", csv_path), ("json", json_path)):
+            if path is not None:
+                print(f"{what}: {path}")
     return 0
+
+
+def _suffixed(path: Path | None, name: str, several: bool) -> Path | None:
+    """FILE.csv -> FILE-<name>.csv when one command writes several tables."""
+    if path is None or not several:
+        return path
+    return path.with_name(f"{path.stem}-{name}{path.suffix}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ https://ui.perfetto.dev) and the four tables as CSV, plus tables.json; and a sum
 configurations. On a machine without a GPU the same tables list CPU operators and CPU time.
 
 Examples:
-  python -m perf_tools.profile --size small --mode forward fwd-bwd train --out prof/
+  python -m perf_tools.profile --size small --mode forward fwd-bwd train --out runs/prof
   python -m perf_tools.profile --size xl --precision bf16 --mode train --steps 2
 """
 
@@ -35,16 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from perf_tools import _cli, bench, report, timing
+from perf_tools import _cli, harness, report, timing
+from perf_tools.cells import OURS, BenchOptions, BenchSpec, make_cell_step, run_sweep
 from perf_tools.flops import SOFTMAX_FLOPS_PER_ELEMENT, attention_substep_flops
-from perf_tools.steps import (
-    MODE_ALIASES,
-    MODES,
-    PRECISION_ALIASES,
-    PRECISIONS,
-    Annotator,
-    lm_core_annotations,
-)
+from perf_tools.model_args import add_model_args, add_step_args, resolve_model_args
+from perf_tools.steps import MODES, Annotator, lm_core_annotations
 from perf_tools.trace_analysis import (
     RangeIndex,
     attention_table,
@@ -68,6 +63,7 @@ RANGE_NAMES = (
     "attention/weighted_sum",
     "ffn",
 )
+DEFAULT_OUT = Path("runs/profile")
 SUMMARY_COLUMNS = [
     "size",
     "attention",
@@ -96,20 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         + "\nLists take several values (--mode forward train) or commas.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_model_args(p)
+    add_model_args(p)
     g = p.add_argument_group("profile")
-    g.add_argument(
-        "--mode",
-        nargs="+",
-        type=_cli.listed(_cli.choice(MODES, MODE_ALIASES)),
-        help="forward, fwd-bwd, train (default: all three)",
-    )
-    g.add_argument(
-        "--precision",
-        nargs="+",
-        type=_cli.listed(_cli.choice(PRECISIONS, PRECISION_ALIASES)),
-        help="fp32 and/or bf16 autocast (default fp32)",
-    )
+    add_step_args(g, mode_default="all three", precision_default="fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--batch", type=_cli.positive_int, default=4, help="batch size (default 4)")
     g.add_argument(
@@ -121,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--out",
         type=Path,
-        default=Path("profile-out"),
+        default=DEFAULT_OUT,
         metavar="DIR",
-        help="output directory (default ./profile-out)",
+        help=f"output directory (default ./{DEFAULT_OUT}; runs/ is git-ignored)",
     )
     g.add_argument("--no-trace", action="store_true", help="do not write the trace files")
     _cli.add_output_args(p, plot=False)
@@ -133,19 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    bench.resolve_model_args(parser, args, gpu_default_sizes=("small",))
+    resolve_model_args(parser, args, gpu_default_sizes=("small",))
     args.modes = _cli.flatten(args.mode) or list(MODES)
     args.precisions = _cli.flatten(args.precision) or ["fp32"]
     args.compiles = [bool(args.compile)]
     return args
 
 
-def _specs(args: argparse.Namespace) -> list[bench.BenchSpec]:
+def _specs(args: argparse.Namespace) -> list[BenchSpec]:
     attentions = [a or "naive" for a in args.attentions]
     return [
-        bench.BenchSpec(
-            bench.OURS, size, attention, compiled, precision, mode, context, matmul=matmul
-        )
+        BenchSpec(OURS, size, attention, compiled, precision, mode, context, matmul=matmul)
         for size in args.sizes
         for attention in attentions
         for matmul in args.matmuls
@@ -157,7 +140,7 @@ def _specs(args: argparse.Namespace) -> list[bench.BenchSpec]:
 
 
 class Profiler:
-    """The `measure` hook of bench.run_sweep that profiles a cell instead of timing it."""
+    """The `measure` hook of `cells.run_sweep` that profiles a cell instead of timing it."""
 
     def __init__(self, out: Path, *, top: int, trace: bool, echo: bool = True) -> None:
         self.out = out
@@ -170,21 +153,19 @@ class Profiler:
         self,
         model: nn.Module,
         runner: nn.Module,
-        spec: bench.BenchSpec,
+        spec: BenchSpec,
         config: Any,
-        opts: bench.BenchOptions,
+        opts: BenchOptions,
         n_cells: int = 1,
     ) -> dict[str, Any]:
         device = opts.device
         annotator = Annotator(record=True)
-        step, optimizer = bench.make_cell_step(
-            model, runner, spec, config, opts, annotator, timer=None
-        )
+        step, optimizer = make_cell_step(model, runner, spec, config, opts, annotator, timer=None)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         walls = []
-        with lm_core_annotations(spec.impl == bench.OURS) as annotated:
+        with lm_core_annotations(spec.impl == OURS) as annotated:
             for _ in range(opts.warmup):
                 step()
                 timing.synchronize(device)
@@ -244,7 +225,7 @@ def analyze(
     steps: int,
     config: Any,
     batch: int,
-    spec: bench.BenchSpec,
+    spec: BenchSpec,
 ) -> dict[str, list[dict[str, Any]]]:
     """The four tables of one profiled configuration."""
     index = RangeIndex(spans)
@@ -259,7 +240,7 @@ def analyze(
 
 
 def save_tables(
-    tables: dict[str, list[dict[str, Any]]], cell_dir: Path, spec: bench.BenchSpec, unit: str
+    tables: dict[str, list[dict[str, Any]]], cell_dir: Path, spec: BenchSpec, unit: str
 ) -> None:
     for name, rows in tables.items():
         if rows:
@@ -278,7 +259,7 @@ def _short(name: str, width: int = 72) -> str:
 
 def print_tables(
     tables: dict[str, list[dict[str, Any]]],
-    spec: bench.BenchSpec,
+    spec: BenchSpec,
     unit: str,
     top: int,
     device: torch.device,
@@ -308,7 +289,7 @@ def print_tables(
 
 def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Profile every configuration of `args`; returns the summary rows."""
-    opts = bench.BenchOptions(
+    opts = BenchOptions(
         device=args.device,
         batch=args.batch,
         warmup=args.warmup,
@@ -322,7 +303,7 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     profiler = Profiler(
         out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)
     )
-    rows = bench.run_sweep(_specs(args), opts, measure=profiler)
+    rows = run_sweep(_specs(args), opts, measure=profiler)
     cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows) and c != "dir"]
     shown = [{**r, "top_item": _short(str(r.get("top_item") or "-"), 48)} for r in rows]
     report.print_table(shown, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
@@ -335,14 +316,12 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
 
 def main_from_bench(args: argparse.Namespace) -> int:
     """`bench --profile DIR`: profile bench's configurations (naive attention by default)."""
-    rows = run(args, args.profile)
-    return 1 if any(str(r.get("status", "")).startswith("error") for r in rows) else 0
+    return 1 if harness.has_errors(run(args, args.profile)) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = run(args, args.out)
-    return 1 if any(str(r.get("status", "")).startswith("error") for r in rows) else 0
+    return 1 if harness.has_errors(run(args, args.out)) else 0
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib
+import importlib.metadata
 import json
 import math
 import platform
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -20,8 +23,20 @@ from typing import Any
 Row = dict[str, Any]
 
 
+# distribution name -> import name of this repo's packages, recorded in every run's metadata
+PACKAGES = {
+    "lm-core": "lm_core",
+    "flashattn-triton": "flashattn_triton",
+    "ddp-kit": "ddp_kit",
+    "zero-shard": "zero_shard",
+    "perf-tools": "perf_tools",
+}
+
+
 def run_metadata() -> dict[str, Any]:
-    """Date, command, git commit, software versions and device: what BENCHMARKS.md needs."""
+    """Date, command, git commit, software versions (python, torch, triton, CUDA, cuDNN, NCCL,
+    the NVIDIA driver, this repo's packages) and device: what a results table needs to be
+    reproduced. Versions that do not apply here (CUDA on a CPU build) are None."""
     import torch
 
     meta: dict[str, Any] = {
@@ -30,13 +45,13 @@ def run_metadata() -> dict[str, Any]:
         "commit": _git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "triton": _module_version("triton"),
+        "cuda": torch.version.cuda,
+        "cudnn": _cudnn_version(),
+        "nccl": _nccl_version(),
+        "driver": _driver_version(),
+        "packages": {dist: _package_version(dist, mod) for dist, mod in PACKAGES.items()},
     }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
     if torch.cuda.is_available():
         meta["device"] = torch.cuda.get_device_name(0)
         meta["device_count"] = torch.cuda.device_count()
@@ -44,6 +59,65 @@ def run_metadata() -> dict[str, Any]:
         meta["device"] = f"cpu ({platform.processor() or platform.machine()})"
         meta["device_count"] = 0
     return meta
+
+
+def _module_version(name: str) -> str | None:
+    try:
+        return str(importlib.import_module(name).__version__)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _package_version(dist: str, module: str) -> str | None:
+    """The installed distribution's version, or the module's `__version__` when it runs from
+    a source tree on PYTHONPATH (as on the GPU machine)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return _module_version(module)
+
+
+def _cudnn_version() -> int | None:
+    import torch
+
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError:
+        return None
+
+
+def _nccl_version() -> str | None:
+    import torch
+
+    if not (torch.cuda.is_available() and hasattr(torch.cuda, "nccl")):
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (e.g. '550.54.15'), None without one."""
+    proc = Path("/proc/driver/nvidia/version")
+    try:
+        match = re.search(r"Kernel Module(?: for \S+)?\s+([\d.]+)", proc.read_text())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.stdout.strip().splitlines()[:1]
+    return first[0].strip() if out.returncode == 0 and first else None
 
 
 def _git_commit() -> str | None:

@@ -6,15 +6,16 @@ apart from the measured steps, and reports the median beside the mean.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
+from perf_tools._progress import progress as progress_bar
 
 
 def synchronize(device: torch.device | str | None = None) -> None:
@@ -77,7 +78,7 @@ def time_steps(
 ) -> StepTiming:
     """Run `step` `warmup` times untimed, then `iters` times, synchronizing around each step.
 
-    `progress`, when given, labels a tqdm bar (if tqdm is installed). `on_measure`, when given,
+    `progress`, when given, labels a progress bar over the steps. `on_measure`, when given,
     is called once between the warm-up and the measured steps, outside every timed interval
     (e.g. to reset the peak-memory counter or start a memory / Nsight capture). `after_step`,
     when given, is called after every step (warm-up included) once the device is synchronized,
@@ -87,7 +88,7 @@ def time_steps(
         raise ValueError(f"warmup: expected >= 0, got {warmup}")
     if iters < 1:
         raise ValueError(f"iters: expected >= 1, got {iters}")
-    bar = _progress(warmup + iters, progress)
+    bar = progress_bar(warmup + iters, progress or "", progress is None, leave=False)
     synchronize(device)
     t_warm = time.perf_counter()
     first = math.nan
@@ -169,31 +170,3 @@ def is_oom(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "out of memory" in text or "outofmemory" in text
-
-
-@contextlib.contextmanager
-def free_after_oom(device: torch.device | str) -> Iterator[None]:
-    """Release cached blocks when leaving the block, so an OOM cell does not poison the next."""
-    try:
-        yield
-    finally:
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, label: str | None) -> Any:
-    if label is None:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=label, leave=False, dynamic_ncols=True)

@@ -41,24 +41,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import math
 import os
-import queue as queue_mod
-import shutil
 import sys
-import tempfile
-import time
-import traceback
 from collections.abc import Sequence
-from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from perf_tools import _cli, report, timing
+from perf_tools import _cli, _dist, harness, report, timing
 
 VARIANTS = ("ddp", "zero-shard", "zero-shard-ag", "torch-zero")
 WRAPPERS = ("torch", "naive", "flat", "individual", "bucketed")
@@ -257,50 +251,14 @@ def _run_variant(variant: str, job: Job, rank: int, device: torch.device) -> dic
     return out
 
 
-def _release(device: torch.device) -> None:
-    """Free the previous variant's tensors (reference cycles included) before the next."""
-    import torch.distributed as dist
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    dist.barrier()
-
-
-def _worker(
-    rank: int, world: int, job: Job, variants: list[str], init_method: str, results: Any
-) -> None:
-    """One rank: join the group, run the variants in order, report each, exit hard."""
-    import torch.distributed as dist
-
-    code = 0
-    current = None
-    try:
-        if job.device_type == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group(
-            job.backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(minutes=5),
-        )
-        for current in variants:
-            results.put(("ok", rank, current, _run_variant(current, job, rank, device)))
-            _release(device)
-        dist.barrier()
-    except BaseException as exc:
-        results.put(("fail", rank, current, timing.is_oom(exc), traceback.format_exc()))
-        code = 1
-    results.close()
-    results.join_thread()
-    if code == 0:
-        dist.destroy_process_group()
-    os._exit(code)
+def _rank_variant(rank: int, world: int, job: Job, variant: str) -> dict[str, Any]:
+    """One rank of one optimizer kind, in a process of its own (`_dist.run_ranks`)."""
+    if job.device_type == "cuda":
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return _run_variant(variant, job, rank, device)
 
 
 def _launch(job: Job, world: int, variants: list[str], timeout: float) -> dict[str, Any]:
@@ -311,63 +269,19 @@ def _launch(job: Job, world: int, variants: list[str], timeout: float) -> dict[s
     one long-lived process added ~15 GiB per variant to the next one's memory (xl, seen on
     2x H200). A variant that fails (OOM or error) costs its own row only.
     """
-    import torch.multiprocessing as mp
-
     out: dict[str, Any] = {}
-    todo = list(variants)
-    while todo:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        tmp = tempfile.mkdtemp(prefix="perf-zero-")
-        init = f"file://{os.path.join(tmp, 'store')}"
-        pending = todo[:1]
-        procs = [
-            ctx.Process(target=_worker, args=(r, world, job, pending, init, results), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        got: dict[str, dict[int, Any]] = {v: {} for v in pending}
-        failed: tuple[str, str] | None = None
-        deadline = time.monotonic() + timeout
-        try:
-            while pending and failed is None:
-                try:
-                    msg = results.get(timeout=2.0)
-                except queue_mod.Empty:
-                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        failed = (pending[0], f"error: a rank died (exit code {dead[0]})")
-                    elif time.monotonic() > deadline:
-                        failed = (pending[0], f"timeout after {timeout:.0f}s")
-                    continue
-                if msg[0] == "fail":
-                    _, rank, variant, oom, tb = msg
-                    variant = variant or pending[0]
-                    if not oom:
-                        print(f"[perf_tools.zero] rank {rank}, {variant}:\n{tb}", file=sys.stderr)
-                    failed = (variant, "OOM" if oom else f"error: {tb.strip().splitlines()[-1]}")
-                    continue
-                _, rank, variant, row = msg
-                got[variant][rank] = row
-                if len(got[variant]) == world:
-                    out[variant] = list(got[variant].values())
-                    todo.remove(variant)
-                    pending.remove(variant)
-        finally:
-            for p in procs:
-                p.join(timeout=30 if failed is None else 0.1)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
-            results.close()
-            results.join_thread()
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failed is not None:
-            variant, status = failed
-            out[variant] = status
-            todo.remove(variant)
+    with harness.Sweep(len(variants), "zero", device="cpu", quiet=job.quiet) as sweep:
+        for variant in variants:
+            measured = sweep.measure(partial(_spawn_variant, job, world, variant, timeout))
+            out[variant] = measured.get("ranks", measured["status"])
     return out
+
+
+def _spawn_variant(job: Job, world: int, variant: str, timeout: float) -> dict[str, Any]:
+    ranks = _dist.run_ranks(
+        _rank_variant, world, backend=job.backend, args=(job, variant), timeout_s=timeout
+    )
+    return {"ranks": ranks}
 
 
 # ------------------------------------------------------------------ table
