@@ -1,7 +1,7 @@
 """GPU tests of grouped-query attention, sliding windows, lse, varlen and the split-KV decode
 path at real sizes in bfloat16 / float16 (run with `nox -s gpu_tests`).
 
-Tolerance (STYLE item 6): the error of o, dq, dk and dv against a float64 reference is at
+Tolerance: the error of o, dq, dk and dv against a float64 reference is at
 most 2x that of PyTorch SDPA on the same inputs (+1e-4 where both are tiny); SDPA gets the
 same attention as an explicit boolean mask, k/v expanded to q's heads. lse is checked
 absolutely, |L - L_ref| < 1e-3 (1 + |L_ref|), as in test_flashattn_gpu.

@@ -183,6 +183,11 @@ def test_ab_defaults_source_mode(tmp_path, capsys):
     assert old_launch.__name__ == f"{ab.OLD_PACKAGE}.launch"
     assert old_launch is not launch
     assert Path(old_launch.__file__).parent == tmp_path / "flashattn_triton"
+    # the copy's custom ops live in its own namespace; ours keep their implementation
+    assert torch.ops.flashattn_triton_old.fwd.default is not torch.ops.flashattn_triton.fwd.default
+    from flashattn_triton import ops
+
+    assert ops.NAMESPACE == "flashattn_triton"
     pairs[1][1]()
     assert target["launch"] is old_launch
     pairs[0][1]()

@@ -22,8 +22,13 @@ import torch
 
 from . import launch, launch_varlen
 
+# The ops' namespace is the package's import name: a second copy of this package imported under
+# another name (benchmarks/ab_defaults.py compares two source trees in one process) then
+# registers its own ops instead of redefining these, which corrupts the ones already traced.
+NAMESPACE = __name__.partition(".")[0]
 
-@torch.library.custom_op("flashattn_triton::fwd", mutates_args=())
+
+@torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -43,7 +48,7 @@ def _attention_fwd_fake(q, k, v, causal, softmax_scale, window_left=-1, window_r
     return launch.out_like(q), lse
 
 
-@torch.library.custom_op("flashattn_triton::bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=())
 def attention_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -86,7 +91,7 @@ def _backward(ctx, do, _dlse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("flashattn_triton::varlen_fwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::varlen_fwd", mutates_args=())
 def varlen_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,7 +118,7 @@ def _varlen_fwd_fake(q, k, v, *args):
     return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("flashattn_triton::varlen_bwd", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::varlen_bwd", mutates_args=())
 def varlen_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
