@@ -110,7 +110,7 @@ class Case:
     steps: int = 3
     per_rank: int = 4  # rows per rank per step
     micro_batches: int = 1  # >1: the first ones run under no_sync()
-    rank_branch: bool = False  # only rank 0 uses the branch (needs find_unused_parameters)
+    rank_branch: bool = False  # only rank 0 uses the branch (a data-dependent graph)
     find_unused: bool = False
     bucket_mb: float | str = 25.0  # or "two" for a cap that gives exactly two buckets
     set_to_none: bool = True
@@ -330,6 +330,13 @@ def correctness_cases() -> dict[str, Case]:
         )
         cases[f"{w}-rank-dependent-graph"] = Case(
             w, {"branch": True, "unused": True}, "adamw", rank_branch=True, find_unused=True
+        )
+        # The default (find_unused_parameters=False) is right too: no divergence, no abort.
+        cases[f"{w}-rank-dependent-default"] = Case(
+            w, {"branch": True, "unused": True}, "adamw", rank_branch=True
+        )
+        cases[f"{w}-rank-dependent-no-sync"] = Case(
+            w, {"branch": True}, "sgd", rank_branch=True, micro_batches=2, per_rank=4
         )
         cases[f"{w}-find-unused-static"] = Case(w, {"unused": True}, "sgd", find_unused=True)
     cases["bucketed-one-bucket"] = Case("bucketed", {}, "sgd", bucket_mb=1.0, expect_buckets=1)
