@@ -2,15 +2,17 @@
 
 CPU machine (CI): nox -s lint tests             one venv per package, CPU torch pinned
 GPU machine:      nox -s gpu_tests nccl_tests   the interpreter's own torch/triton, no installs
+Either machine:   nox -s faults                 fault injection, each case 20 times
 Benchmarks:       nox -s bench -- --size xl     the current interpreter (GPU box or CPU)
 
-The GPU sessions never build a venv or touch an index: they run with the interpreter that
-runs nox (`python=False`) and put every package's `src/` on PYTHONPATH.
+The GPU sessions and `faults` never build a venv or touch an index: they run with the
+interpreter that runs nox (`python=False`) and put every package's `src/` on PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -116,6 +118,31 @@ def gpu_tests(session: nox.Session) -> None:
 def nccl_tests(session: nox.Session) -> None:
     """Data-parallel wrappers and sharding over NCCL on 2 GPUs (NVLink multicast kept off)."""
     _current_interpreter_pytest(session, "nccl", {"NCCL_NVLS_ENABLE": "0"})
+
+
+@nox.session(python=False)
+def faults(session: nox.Session) -> None:
+    """Every test marked `faults`, each case repeated DIST_FAULT_RUNS (20) times in a row, on
+    the interpreter that runs nox (CPU or GPU machine; the cases use gloo on the CPU)."""
+    junit = ROOT / ".nox" / "junit-faults.xml"
+    junit.parent.mkdir(exist_ok=True)
+    session.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        *(f"packages/{p}/tests" for p in PACKAGES),
+        "-m",
+        "faults",
+        f"--junitxml={junit}",
+        *session.posargs,
+        env={
+            "PYTHONPATH": _src_path(),
+            "DIST_FAULT_RUNS": os.environ.get("DIST_FAULT_RUNS", "20"),
+            "TRITON_INTERPRET": "1",
+        },
+        external=True,
+    )
+    _assert_ran_tests(junit, "faults")
 
 
 @nox.session(python=False)
