@@ -218,8 +218,11 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, seed: int)
     assignment = ddp.bucket_assignment()
     if sorted(n for b in assignment for n in b) != sorted(trainable):
         fails.append(f"bucket_assignment {assignment} does not cover {trainable} once")
-    elif assignment[0][0] != trainable[-1]:
-        fails.append(f"first bucket starts with {assignment[0][0]}, not the last parameter")
+    elif assignment[-1][-1] != trainable[0] or any(
+        [trainable.index(n) for n in b] != sorted((trainable.index(n) for n in b), reverse=True)
+        for b in assignment
+    ):  # launched by expected completion: reverse registration order, the first one last
+        fails.append(f"bucket_assignment {assignment} is not in reverse registration order")
     if case.model.get("buffers"):
         with torch.no_grad():
             model.scale.fill_(float(rank + 3))

@@ -122,16 +122,16 @@ class DataParallelBase(nn.Module):
         infos = [ParamInfo.of(n, p) for n, p in named]
         self._buckets: list[GradBucket] = []
         self._slot: dict[int, tuple[GradBucket, int]] = {}  # id(param) -> (bucket, position)
-        plan = self._plan(infos)
-        # Launch order: by expected completion, i.e. by the bucket's earliest-registered
-        # parameter, whose gradient backward produces last; the same on every rank.
-        order = sorted(range(len(plan)), key=lambda b: -min(plan[b]))
+        # Buckets in launch order: by expected completion, i.e. by the bucket's earliest-
+        # registered parameter, whose gradient backward produces last (the same on every rank;
+        # it reorders only plans that interleave dtypes).
+        plan = sorted(self._plan(infos), key=lambda members: -min(members))
         for b_idx, members in enumerate(plan):
             bucket = GradBucket(
                 b_idx,
                 [self._params[i] for i in members],
                 [self._names[i] for i in members],
-                flag_slots=len(self._params) if b_idx == order[-1] else 0,
+                flag_slots=len(self._params) if b_idx == len(plan) - 1 else 0,
             )
             self._buckets.append(bucket)
             for pos, i in enumerate(members):
@@ -143,8 +143,7 @@ class DataParallelBase(nn.Module):
         self._sync_backward_seen = False  # a synchronized backward ran since the last finish
         self._nosync_backward_seen = False
         self._finish_calls = 0
-        self._order = [self._buckets[b] for b in order]  # the launch order
-        self._next_launch = 0  # index into _order of the next bucket to launch
+        self._next_launch = 0  # index of the next bucket to launch
         self._launched: list[GradBucket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -183,11 +182,11 @@ class DataParallelBase(nn.Module):
         return len(self._buckets)
 
     def bucket_assignment(self) -> list[list[str]]:
-        """Parameter names of each bucket, in plan order (last layers first)."""
+        """Parameter names of each bucket, in launch order (last layers first)."""
         return [list(b.names) for b in self._buckets]
 
     def bucket_sizes_bytes(self) -> list[int]:
-        """Bytes of each bucket, in plan order."""
+        """Bytes of each bucket (gradients only), in launch order."""
         return [b.nbytes for b in self._buckets]
 
     @contextlib.contextmanager
@@ -286,8 +285,8 @@ class DataParallelBase(nn.Module):
     def _launch_ready(self) -> None:
         """Launch every consecutive complete bucket from the next one in launch order (the
         same order on every rank, whichever parameters its backward reached)."""
-        while self._next_launch < len(self._order):
-            nxt = self._order[self._next_launch]
+        while self._next_launch < len(self._buckets):
+            nxt = self._buckets[self._next_launch]
             if nxt.pending > 0:
                 return
             self._launch(nxt)
@@ -306,7 +305,7 @@ class DataParallelBase(nn.Module):
         self._launched.append(bucket)
 
     def _write_usage_flags(self, flags: torch.Tensor) -> None:
-        """1 for each parameter (in plan order) that has a gradient on this rank, else 0.
+        """1 for each parameter (in bucket order) that has a gradient on this rank, else 0.
         Summed (or averaged) over ranks, a flag is 0 exactly when no rank used the parameter,
         in any float dtype."""
         flags.fill_(1)
@@ -319,7 +318,7 @@ class DataParallelBase(nn.Module):
         (reads the reduced usage flags: only a rank that lacks a gradient waits for them)."""
         if not any(b.missing for b in self._buckets):
             return
-        flags = self._order[-1].flags
+        flags = self._buckets[-1].flags
         assert flags is not None
         used = (flags != 0).tolist()
         for bucket in self._buckets:
