@@ -122,7 +122,7 @@ def nccl_tests(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def faults(session: nox.Session) -> None:
-    """Every test marked `faults`, each case repeated DIST_FAULT_RUNS (20) times in a row, on
+    """Every test marked `faults`, each case repeated FAULT_RUNS (20) times in a row, on
     the interpreter that runs nox (CPU or GPU machine; the cases use gloo on the CPU)."""
     junit = ROOT / ".nox" / "junit-faults.xml"
     junit.parent.mkdir(exist_ok=True)
@@ -137,7 +137,7 @@ def faults(session: nox.Session) -> None:
         *session.posargs,
         env={
             "PYTHONPATH": _src_path(),
-            "DIST_FAULT_RUNS": os.environ.get("DIST_FAULT_RUNS", "20"),
+            "FAULT_RUNS": os.environ.get("FAULT_RUNS", "20"),
             "TRITON_INTERPRET": "1",
         },
         external=True,

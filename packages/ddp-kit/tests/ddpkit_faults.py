@@ -3,7 +3,8 @@
 `python ddpkit_faults.py CASE WRAPPER RANK WORLD STORE` is one rank: it joins a gloo group
 through the file store STORE, trains a small model with WRAPPER, injects the fault of CASE,
 prints one JSON line (what it saw) and ends through the interpreter's normal exit, without
-`os._exit`, so an abort or a hang at exit shows. `run_case` starts the ranks and collects them.
+`os._exit`, so an abort or a hang at exit shows. The exit cases run ddpkit_exit_script.py, a
+top-level script as users write them. `run_case` starts the ranks and collects them.
 
 Cases (rank 1 misbehaves at step 1 of 4 unless said otherwise):
   raise     rank 1 raises in forward and its process dies with the traceback
@@ -12,8 +13,11 @@ Cases (rank 1 misbehaves at step 1 of 4 unless said otherwise):
   skip      rank 1 catches its exception and goes on to the next step (one step fewer), then
             leaves (destroy_process_group, exit); rank 0's last step has no partner
   unused    no fault: only rank 0 uses a branch, default arguments (find_unused_parameters off)
-  exit      no fault: destroy_process_group() with the wrapper alive, then a plain exit
+  exit      no fault: a last step and logged metrics, destroy_process_group() with the
+            wrapper alive, then a plain exit (ddpkit_exit_script.py)
   exit-no-destroy  the same without destroy_process_group()
+  exit-unguarded   exit-no-destroy without the exit guard: a control run, not a test (it
+            aborts in about half the runs)
 A case prefixed "nccl-" runs on NCCL (rank r on cuda:r) instead of gloo.
 """
 
@@ -52,8 +56,10 @@ def run_case(case: str, wrapper: str, world: int = 2, deadline_s: float = 90.0) 
     with tempfile.TemporaryDirectory(prefix="ddpkit_faults_") as tmp:
         out = Path(tmp)
         procs, t0 = [], time.monotonic()
+        name = "ddpkit_exit_script.py" if case.startswith("exit") else "ddpkit_faults.py"
+        script = str(Path(__file__).with_name(name))
         for rank in range(world):
-            args = [sys.executable, __file__, case, wrapper, str(rank), str(world), str(out / "s")]
+            args = [sys.executable, script, case, wrapper, str(rank), str(world), str(out / "s")]
             stdout = (out / f"out{rank}").open("w")
             stderr = (out / f"err{rank}").open("w")
             procs.append((subprocess.Popen(args, stdout=stdout, stderr=stderr), stdout, stderr))
@@ -75,7 +81,8 @@ def run_case(case: str, wrapper: str, world: int = 2, deadline_s: float = 90.0) 
 
 
 # ----- inside a rank ------------------------------------------------------------------------
-def _model(torch, with_branch: bool):
+def make_model(torch, with_branch: bool):
+    """The cases' model: (B, 6) -> (B, 3), with a branch that forward can skip."""
     from torch import nn
 
     class Net(nn.Module):
@@ -97,7 +104,8 @@ def _model(torch, with_branch: bool):
     return Net()
 
 
-def _wrap(ddp_kit, kind: str, model, timeout):
+def make_wrapper(ddp_kit, kind: str, model, timeout):
+    """The ddp_kit wrapper `kind` ("naive", "flat", "individual", "bucketed") of `model`."""
     cls = {
         "naive": ddp_kit.NaiveDDP,
         "flat": ddp_kit.FlatDDP,
@@ -129,10 +137,10 @@ def _rank_main(case: str, kind: str, rank: int, world: int, store: str) -> dict:
         timeout=datetime.timedelta(seconds=pg_timeout),
     )
     torch.manual_seed(rank)  # different initial weights: the wrapper broadcasts rank 0's
-    model = _model(torch, with_branch=True).to(device)
-    calm = case == "unused" or case.startswith("exit")
+    model = make_model(torch, with_branch=True).to(device)
+    calm = case == "unused"
     timeout = None if case == "stall-pg" else CALM_TIMEOUT_S if calm else TIMEOUT_S
-    ddp = _wrap(ddp_kit, kind, model, timeout)
+    ddp = make_wrapper(ddp_kit, kind, model, timeout)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     report: dict = {"rank": rank, "steps": 0}
     step = 0
@@ -171,31 +179,12 @@ def _rank_main(case: str, kind: str, rank: int, world: int, store: str) -> dict:
     report["finite"] = bool(torch.isfinite(flat).all())
     if case == "unused":
         report["branch_grad"] = model.branch.weight.grad is not None
-    if case.startswith("exit"):
-        # As a user's script ends: a last step and its logged loss, then
-        # destroy_process_group() or not, with the wrapper alive, then the interpreter's plain
-        # exit, printing nothing after the step. A long switch interval keeps this thread on
-        # the GIL until it blocks, which widens the window in which a gloo worker thread still
-        # owes a release at finalization (without ddp_kit's exit guard most runs then abort).
-        print(json.dumps(report), flush=True)
-        report = {}
-        sys.setswitchinterval(10.0)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        ddp.finish_gradient_synchronization()
-        dist.all_reduce(loss.detach())  # the loss, for logging: the script's last collective
-        if case == "exit-unguarded":  # control run: without ddp_kit's exit guard
-            import atexit
-
-            atexit.unregister(time.sleep)
-    if case not in ("exit-no-destroy", "exit-unguarded"):
-        dist.destroy_process_group()
+    dist.destroy_process_group()
     return report
 
 
 if __name__ == "__main__":
     case, kind, rank, world, store = sys.argv[1:6]
     result = _rank_main(case, kind, int(rank), int(world), store)
-    if result:
-        print(json.dumps(result), flush=True)
+    print(json.dumps(result), flush=True)
     # From here on the interpreter's plain exit: no os._exit.

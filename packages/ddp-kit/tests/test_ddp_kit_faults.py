@@ -3,7 +3,7 @@ that use different parameters, and exits with the wrapper alive. Every rank must
 clear error or a right result: no hang, no abort, nothing silently wrong.
 
 Each case runs in fresh processes that exit like a user's script. CI runs each case once (the
-exit cases twice); `nox -s faults` sets DIST_FAULT_RUNS=20 and runs each case 20 times in a
+exit cases twice); `nox -s faults` sets FAULT_RUNS=20 and runs each case 20 times in a
 row, cycling through the four wrappers.
 """
 
@@ -18,8 +18,8 @@ CASES = ["raise", "stall", "stall-pg", "skip", "unused", "exit", "exit-no-destro
 
 
 def _runs(case: str) -> int:
-    if "DIST_FAULT_RUNS" in os.environ:
-        return int(os.environ["DIST_FAULT_RUNS"])
+    if "FAULT_RUNS" in os.environ:
+        return int(os.environ["FAULT_RUNS"])
     return 2 if case.startswith("exit") else 1
 
 

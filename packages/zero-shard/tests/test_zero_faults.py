@@ -3,7 +3,7 @@ or raises under FSDP, and an exit with the wrappers alive. Every rank must end w
 error or a right result: no hang, no abort.
 
 Each case runs in fresh processes that exit like a user's script. CI runs each case once (the
-exit case twice); `nox -s faults` sets DIST_FAULT_RUNS=20 and runs each case 20 times in a row.
+exit cases twice); `nox -s faults` sets FAULT_RUNS=20 and runs each case 20 times in a row.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import os
 import pytest
 from zs_faults import RankResult, run_case
 
-CASES = ["consolidate", "fsdp-stall", "fsdp-raise", "exit"]
+CASES = ["consolidate", "fsdp-stall", "fsdp-raise", "exit", "exit-no-destroy"]
 
 
 def _runs(case: str) -> int:
-    if "DIST_FAULT_RUNS" in os.environ:
-        return int(os.environ["DIST_FAULT_RUNS"])
-    return 2 if case == "exit" else 1
+    if "FAULT_RUNS" in os.environ:
+        return int(os.environ["FAULT_RUNS"])
+    return 2 if case.startswith("exit") else 1
 
 
 PARAMS = [
@@ -50,7 +50,7 @@ def test_fault(case: str, run: int) -> None:
         assert results[1].code == 1
         assert "injected fault on rank 1" in results[1].stderr
         assert "FSDP: rank 0 of 2:" in r0.get("error", ""), r0
-    else:  # exit: no fault, so the right result and a clean exit
+    else:  # exit, exit-no-destroy: no fault, so the right result and a clean exit
         for rank, r in enumerate(results):
             assert r.code == 0, f"rank {rank} exited with {r.code}:\n{r.stderr[-3000:]}"
         for report in (r0, r1):

@@ -3,14 +3,17 @@
 `python zs_faults.py CASE RANK WORLD STORE` is one rank: it joins a gloo group through the file
 store STORE, trains a small model, injects the fault of CASE, prints one JSON line (what it
 saw) and ends through the interpreter's normal exit, without `os._exit`, so an abort or a hang
-at exit shows. `run_case` starts the ranks and collects them.
+at exit shows. The exit cases run zs_exit_script.py, a top-level script as users write them.
+`run_case` starts the ranks and collects them.
 
 Cases (rank 1 misbehaves at step 1 of 3):
   consolidate  rank 0 alone calls ShardedOptimizer.consolidate_state_dict (rank 1 goes on)
   fsdp-stall   under FSDP, rank 1 stops for longer than the timeout, then tries to go on
   fsdp-raise   under FSDP, rank 1 raises in forward and its process dies with the traceback
-  exit         no fault: destroy_process_group() with a ShardedOptimizer and an FSDP alive,
-               then a plain exit
+  exit         no fault: a last step and logged metrics, destroy_process_group() with a
+               ShardedOptimizer and an FSDP alive, then a plain exit (zs_exit_script.py)
+  exit-no-destroy  the same without destroy_process_group()
+  exit-unguarded   exit-no-destroy without the exit guard: a control run, not a test
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TIMEOUT_S = 3.0  # the wrappers' per-collective timeout in the fault cases
-CALM_TIMEOUT_S = 60.0  # in the case without a fault (a busy machine must not trip it)
+CALM_TIMEOUT_S = 60.0  # in the exit cases, without a fault (a busy machine must not trip it)
 PG_TIMEOUT_S = 120.0  # the process group's own timeout
 STEPS = 3
 
@@ -45,8 +48,10 @@ def run_case(case: str, world: int = 2, deadline_s: float = 90.0) -> list[RankRe
     with tempfile.TemporaryDirectory(prefix="zs_faults_") as tmp:
         out = Path(tmp)
         procs, t0 = [], time.monotonic()
+        name = "zs_exit_script.py" if case.startswith("exit") else "zs_faults.py"
+        script = str(Path(__file__).with_name(name))
         for rank in range(world):
-            args = [sys.executable, __file__, case, str(rank), str(world), str(out / "s")]
+            args = [sys.executable, script, case, str(rank), str(world), str(out / "s")]
             stdout = (out / f"out{rank}").open("w")
             stderr = (out / f"err{rank}").open("w")
             procs.append((subprocess.Popen(args, stdout=stdout, stderr=stderr), stdout, stderr))
@@ -68,7 +73,8 @@ def run_case(case: str, world: int = 2, deadline_s: float = 90.0) -> list[RankRe
 
 
 # ----- inside a rank ------------------------------------------------------------------------
-def _models(torch):
+def model_class(torch):
+    """The cases' model class: (B, 8) -> (B, 3), three blocks (FSDP units) and a head."""
     from torch import nn
 
     class Block(nn.Module):
@@ -109,13 +115,12 @@ def _rank_main(case: str, rank: int, world: int, store: str) -> dict:
         world_size=world,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
-    net = _models(torch)
+    net = model_class(torch)
     torch.manual_seed(rank)
     report: dict = {"rank": rank, "steps": 0}
-    timeout = CALM_TIMEOUT_S if case == "exit" else TIMEOUT_S
-    fsdp = FSDP(net(), timeout=timeout) if case != "consolidate" else None
+    fsdp = FSDP(net(), timeout=TIMEOUT_S) if case != "consolidate" else None
     plain = net()
-    opt = ShardedOptimizer(plain.parameters(), torch.optim.AdamW, lr=1e-2, timeout=timeout)
+    opt = ShardedOptimizer(plain.parameters(), torch.optim.AdamW, lr=1e-2, timeout=TIMEOUT_S)
     fsdp_opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2) if fsdp is not None else None
     try:
         for step in range(STEPS):
@@ -150,18 +155,6 @@ def _rank_main(case: str, rank: int, world: int, store: str) -> dict:
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     report["ranks_equal"] = all(torch.equal(g, gathered[0]) for g in gathered)
-    if case == "exit":
-        # As a user's script ends: a last step, then destroy_process_group() with both
-        # wrappers alive, then the interpreter's plain exit, printing nothing after the step.
-        print(json.dumps(report), flush=True)
-        report = {}
-        sys.setswitchinterval(10.0)  # keeps this thread on the GIL: see ddpkit_faults.py
-        assert fsdp is not None
-        assert fsdp_opt is not None
-        torch.nn.functional.mse_loss(fsdp(x), y).backward()
-        fsdp.finish_gradient_synchronization()
-        fsdp_opt.step()
-        opt.step()
     dist.destroy_process_group()
     return report
 
