@@ -2,6 +2,7 @@
 
 CPU machine (CI): nox -s lint tests             one venv per package (uv), the CPU torch wheel
 GPU machine:      nox -s gpu_tests nccl_tests   the interpreter's own torch/triton, no installs
+Either machine:   nox -s faults                 fault injection, each case 20 times
 Benchmarks:       nox -s bench -- --size xl     the current interpreter (GPU box or CPU)
 
 Venvs are built by uv when it is installed beside nox (`pip install nox uv`), else by
@@ -9,8 +10,9 @@ virtualenv and pip. uv reads no pip configuration, so the machine's pip sources 
 index URLs, constraints: e.g. a local CPU torch wheel) are handed to it as UV_* variables and
 it resolves as pip would. Its cache hard-links one copy of torch and triton into every venv.
 
-The GPU sessions never build a venv or touch an index: they run with the interpreter that
-runs nox (`python=False`, `sys.executable`) and put every package's `src/` on PYTHONPATH.
+The GPU sessions and `faults` never build a venv or touch an index: they run with the
+interpreter that runs nox (`python=False`, `sys.executable`) and put every package's `src/` on
+PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -190,6 +192,31 @@ def gpu_tests(session: nox.Session) -> None:
 def nccl_tests(session: nox.Session) -> None:
     """Data-parallel wrappers and sharding over NCCL on 2 GPUs (NVLink multicast kept off)."""
     _current_interpreter_pytest(session, "nccl", {"NCCL_NVLS_ENABLE": "0"})
+
+
+@nox.session(python=False)
+def faults(session: nox.Session) -> None:
+    """Every test marked `faults`, each case repeated FAULT_RUNS (20) times in a row, on
+    the interpreter that runs nox (CPU or GPU machine; the cases use gloo on the CPU)."""
+    junit = ROOT / ".nox" / "junit-faults.xml"
+    junit.parent.mkdir(exist_ok=True)
+    session.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        *(f"packages/{p}/tests" for p in PACKAGES),
+        "-m",
+        "faults",
+        f"--junitxml={junit}",
+        *session.posargs,
+        env={
+            "PYTHONPATH": _src_path(),
+            "FAULT_RUNS": os.environ.get("FAULT_RUNS", "20"),
+            "TRITON_INTERPRET": "1",
+        },
+        external=True,
+    )
+    _assert_ran_tests(junit, "faults")
 
 
 @nox.session(python=False)

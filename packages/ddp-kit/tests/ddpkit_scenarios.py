@@ -110,7 +110,7 @@ class Case:
     steps: int = 3
     per_rank: int = 4  # rows per rank per step
     micro_batches: int = 1  # >1: the first ones run under no_sync()
-    rank_branch: bool = False  # only rank 0 uses the branch (needs find_unused_parameters)
+    rank_branch: bool = False  # only rank 0 uses the branch (a data-dependent graph)
     find_unused: bool = False
     bucket_mb: float | str = 25.0  # or "two" for a cap that gives exactly two buckets
     set_to_none: bool = True
@@ -218,8 +218,11 @@ def run_case(case: Case, rank: int, world: int, device: torch.device, seed: int)
     assignment = ddp.bucket_assignment()
     if sorted(n for b in assignment for n in b) != sorted(trainable):
         fails.append(f"bucket_assignment {assignment} does not cover {trainable} once")
-    elif assignment[0][0] != trainable[-1]:
-        fails.append(f"first bucket starts with {assignment[0][0]}, not the last parameter")
+    elif assignment[-1][-1] != trainable[0] or any(
+        [trainable.index(n) for n in b] != sorted((trainable.index(n) for n in b), reverse=True)
+        for b in assignment
+    ):  # launched by expected completion: reverse registration order, the first one last
+        fails.append(f"bucket_assignment {assignment} is not in reverse registration order")
     if case.model.get("buffers"):
         with torch.no_grad():
             model.scale.fill_(float(rank + 3))
@@ -330,6 +333,13 @@ def correctness_cases() -> dict[str, Case]:
         )
         cases[f"{w}-rank-dependent-graph"] = Case(
             w, {"branch": True, "unused": True}, "adamw", rank_branch=True, find_unused=True
+        )
+        # The default (find_unused_parameters=False) is right too: no divergence, no abort.
+        cases[f"{w}-rank-dependent-default"] = Case(
+            w, {"branch": True, "unused": True}, "adamw", rank_branch=True
+        )
+        cases[f"{w}-rank-dependent-no-sync"] = Case(
+            w, {"branch": True}, "sgd", rank_branch=True, micro_batches=2, per_rank=4
         )
         cases[f"{w}-find-unused-static"] = Case(w, {"unused": True}, "sgd", find_unused=True)
     cases["bucketed-one-bucket"] = Case("bucketed", {}, "sgd", bucket_mb=1.0, expect_buckets=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 
 import pytest
@@ -40,6 +41,24 @@ def test_bucket_size_must_be_positive_and_finite(bad: float) -> None:
 def test_bucket_size_must_be_a_number(bad: object) -> None:
     with pytest.raises(TypeError, match="bucket_size_mb"):
         ddp_kit.DDPBucketed(ToyNet(), bucket_size_mb=bad)
+
+
+@pytest.mark.parametrize("cls", WRAPPER_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    ("bad", "exc"),
+    [
+        (0, ValueError),
+        (-1.0, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (datetime.timedelta(0), ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_timeout_must_be_a_positive_duration(cls: type, bad: object, exc: type) -> None:
+    with pytest.raises(exc, match=f"{cls.__name__}: timeout: expected"):
+        cls(ToyNet(), timeout=bad)
 
 
 def test_module_must_be_a_module() -> None:

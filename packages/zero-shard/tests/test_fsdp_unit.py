@@ -3,6 +3,8 @@ the package's public exports."""
 
 from __future__ import annotations
 
+import datetime
+import math
 import re
 
 import pytest
@@ -16,7 +18,12 @@ from zero_shard import FSDP
 
 
 def test_public_exports() -> None:
-    assert set(zero_shard.__all__) == {"FSDP", "ShardedOptimizer", "greedy_partition"}
+    assert set(zero_shard.__all__) == {
+        "CollectiveError",
+        "FSDP",
+        "ShardedOptimizer",
+        "greedy_partition",
+    }
     for name in zero_shard.__all__:
         assert getattr(zero_shard, name) is not None
 
@@ -72,3 +79,20 @@ def test_mixed_dtypes_need_a_compute_dtype() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
     with pytest.raises(ValueError, match="compute_dtype: the sharded parameters have several"):
         FSDP(model)
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc"),
+    [
+        (0, ValueError),
+        (-1.0, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (datetime.timedelta(0), ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_timeout_must_be_a_positive_duration(bad: object, exc: type) -> None:
+    with pytest.raises(exc, match="FSDP: timeout: expected"):
+        FSDP(ToyLM(), timeout=bad)

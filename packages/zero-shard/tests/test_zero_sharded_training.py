@@ -51,6 +51,11 @@ def test_param_group_added_mid_run(backend: str, opt_name: str, ranks) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_params_broadcast_from_rank0_without_wrapper(backend: str, ranks) -> None:
+    ranks.run(sc.scenario_broadcast_at_construction, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_lr_changes_reach_the_shards(backend: str, ranks) -> None:
     ranks.run(sc.scenario_lr_changes, backend=backend)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import math
 import random
 
 import pytest
@@ -88,3 +90,20 @@ def test_needs_an_initialized_process_group() -> None:
 def test_param_sync_must_be_known() -> None:
     with pytest.raises(ValueError, match="param_sync: expected 'broadcast' or 'allgather'"):
         ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, param_sync="ring")
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc"),
+    [
+        (0, ValueError),
+        (-1.0, ValueError),
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (datetime.timedelta(0), ValueError),
+        ("5", TypeError),
+        (True, TypeError),
+    ],
+)
+def test_timeout_must_be_a_positive_duration(bad: object, exc: type) -> None:
+    with pytest.raises(exc, match="ShardedOptimizer: timeout: expected"):
+        ShardedOptimizer([torch.nn.Parameter(torch.ones(2))], torch.optim.SGD, timeout=bad)

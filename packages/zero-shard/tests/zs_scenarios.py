@@ -421,6 +421,34 @@ def scenario_other_world_size(
     assert_same(sharded.model, reference.model, device, f"world size {world} resume")
 
 
+def _all_ranks_equal(params: Any, world: int) -> bool:
+    mine = torch.cat([p.detach().reshape(-1).double() for p in params])  # (P,)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    return all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def scenario_broadcast_at_construction(rank: int, world: int, device: torch.device) -> None:
+    """Without a data-parallel wrapper, ranks that built their models from different seeds
+    start from rank 0's parameters (a non-contiguous one included), also for a group added
+    later, and stay equal while training."""
+    model = make_model("tied-t", device, seed=rank)
+    cls, defaults = optimizer_spec("adamw")
+    opt = ShardedOptimizer(two_groups(model, 1e-2), cls, **defaults)
+    rank0 = make_model("tied-t", device, seed=0)
+    for (name, p), q in zip(model.named_parameters(), rank0.parameters()):
+        assert torch.equal(p, q), f"{name} is not rank 0's after construction"
+    torch.manual_seed(100 + rank)
+    extra = nn.Linear(16, 16).to(device)  # differs per rank
+    opt.add_param_group({"params": list(extra.parameters()), "lr": 1e-3})
+    assert _all_ranks_equal(extra.parameters(), world), "added group not broadcast"
+    run = Run(model, "manual", device)
+    run.opt = opt
+    for step in range(2):
+        run.step("tied", step, rank, device)
+    assert _all_ranks_equal(model.parameters(), world), "ranks diverged while training"
+
+
 def _expect(exc: type[BaseException], text: str, fn: Callable[[], Any]) -> None:
     with pytest.raises(exc, match=re.escape(text)):
         fn()

@@ -11,6 +11,7 @@ See `ddp_kit.wrappers` for the four strategies, `ddp_kit.base` for the shared co
 `ddp_kit.launch.spawn` to run a function in N local processes.
 """
 
+from ddp_kit._comm import CollectiveError
 from ddp_kit.base import DataParallelBase
 from ddp_kit.buckets import plan_buckets
 from ddp_kit.wrappers import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
@@ -18,6 +19,7 @@ from ddp_kit.wrappers import DDPBucketed, DDPIndividualParameters, FlatDDP, Naiv
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveError",
     "DDPBucketed",
     "DDPIndividualParameters",
     "DataParallelBase",

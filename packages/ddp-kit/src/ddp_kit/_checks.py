@@ -1,8 +1,9 @@
 """Argument checks and the construction-time collectives every wrapper shares.
 
 `resolve_group` and `validate_bucket_size` are local (no communication). `check_same_structure`
-and `broadcast_from_rank0` are collectives: every rank of the group must call them in the same
-order, which the wrappers' constructors do.
+and `broadcast_from_rank0` are collectives (through the owner's `Comm`, so bounded by its
+timeout): every rank of the group must call them in the same order, which the wrappers'
+constructors do.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ddp_kit._comm import Comm
 
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
 
@@ -67,7 +70,7 @@ def comm_device(module: nn.Module, group: ProcessGroup) -> torch.device:
 
     Raises ValueError when the module lives on the CPU but the group only speaks NCCL.
     """
-    first = next(_tensors(module), None)
+    first = next(module_tensors(module), None)
     backend = str(dist.get_backend(group)).lower()
     if first is None:
         if backend == "nccl":
@@ -82,7 +85,8 @@ def comm_device(module: nn.Module, group: ProcessGroup) -> torch.device:
     return first.device
 
 
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+def module_tensors(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The module's parameters, then its buffers, in registration order."""
     yield from module.parameters()
     yield from module.buffers()
 
@@ -94,9 +98,7 @@ def structure_signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ..
     return sig
 
 
-def check_same_structure(
-    module: nn.Module, group: ProcessGroup, device: torch.device, owner: str
-) -> None:
+def check_same_structure(module: nn.Module, comm: Comm, device: torch.device) -> None:
     """Collective: raise ValueError on every rank if parameter/buffer names, shapes or dtypes
     differ between ranks. Never hangs on a mismatch: it exchanges a fixed-size digest first.
     """
@@ -104,33 +106,32 @@ def check_same_structure(
     numel = sum(math.prod(s[2]) for s in sig)
     digest = zlib.crc32(repr(sig).encode())
     mine = torch.tensor([len(sig), numel, digest], dtype=torch.int64, device=device)  # (3,)
-    world = dist.get_world_size(group)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = [torch.empty_like(mine) for _ in range(comm.world_size)]
+    comm.all_gather(gathered, mine, ("all_gather of the model's structure digest", ())).wait()
     rows = [tuple(t.tolist()) for t in gathered]
     if all(r == rows[0] for r in rows):
         return
     # Every rank saw the same mismatch, so every rank takes this branch: the object gather
     # below is matched on all of them.
-    texts = _all_gather_bytes(json.dumps(sig).encode(), group, device)
+    texts = _all_gather_bytes(json.dumps(sig).encode(), comm, device)
     sigs = [[(k, n, tuple(shape), dt) for k, n, shape, dt in json.loads(t)] for t in texts]
-    raise ValueError(f"{owner}: module: " + _describe_mismatch(sigs))
+    raise ValueError(f"{comm.owner}: module: " + _describe_mismatch(sigs))
 
 
-def _all_gather_bytes(data: bytes, group: ProcessGroup, device: torch.device) -> list[bytes]:
+def _all_gather_bytes(data: bytes, comm: Comm, device: torch.device) -> list[bytes]:
     """Collective: every rank's `data`, by group rank (tensor collectives only: unlike
     all_gather_object this needs neither numpy nor a current CUDA device)."""
-    world = dist.get_world_size(group)
+    world = comm.world_size
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)  # (1,)
     sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
+    comm.all_gather(sizes, size, ("all_gather of the structure's length", ())).wait()
     lengths = [int(t.item()) for t in sizes]
     payload = torch.zeros(max(lengths), dtype=torch.uint8)  # (max_len,) padded
     if data:
         payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     payload = payload.to(device)
     gathered = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(gathered, payload, group=group)
+    comm.all_gather(gathered, payload, ("all_gather of the model's structure", ())).wait()
     return [bytes(t[:n].tolist()) for t, n in zip(gathered, lengths)]
 
 
@@ -156,16 +157,20 @@ def _describe_mismatch(sigs: list[object]) -> str:
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, group: ProcessGroup) -> None:
-    """Collective: copy group rank 0's parameters and buffers into every rank's module.
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], comm: Comm, what: str) -> None:
+    """Collective: copy group rank 0's `tensors` into every rank's (`what` names them in
+    errors, e.g. "buffer").
 
-    One broadcast per tensor (in registration order, the same on every rank once
-    `check_same_structure` passed); non-contiguous tensors go through a contiguous copy.
+    One asynchronous broadcast per tensor (in the given order, the same on every rank once
+    `check_same_structure` passed), waited for at the end; a non-contiguous tensor goes
+    through a contiguous copy.
     """
-    src = dist.get_global_rank(group, 0)
-    for t in _tensors(module):
+    pending = []
+    for i, t in enumerate(tensors):
         data = t.data
         buf = data if data.is_contiguous() else data.contiguous()
-        dist.broadcast(buf, src=src, group=group)
+        pending.append((data, buf, comm.broadcast(buf, 0, ("broadcast of %s %d", (what, i)))))
+    for data, buf, work in pending:
+        work.wait()
         if buf is not data:
             data.copy_(buf)

@@ -4,17 +4,29 @@ in whether a bucket is sent during backward (overlap) or after it.
 Life of a step (every rank runs the same one):
 1. forward through the wrapper (plain call of the wrapped module);
 2. backward: each trainable parameter's post-accumulate-grad hook marks it ready; an
-   overlapping wrapper launches a bucket's asynchronous all-reduce once its last gradient is in;
+   overlapping wrapper launches a bucket's asynchronous all-reduce once its last gradient is in
+   and every bucket before it in the launch order has been launched;
 3. `finish_gradient_synchronization()`: completes the buckets still open (parameters that got
-   no gradient this backward), launches them, waits for every collective, and averages;
+   no gradient this backward count as zeros), launches them in launch order, waits for every
+   collective, averages, and gives each parameter that some rank used the average;
 4. `optimizer.step()`.
 Under `no_sync()` the hooks only keep gradients in bucket storage; nothing is communicated and
 the next synchronized backward reduces the accumulated sums.
+
+Why every rank makes the same calls whatever its backward reached: buckets are sent in one
+fixed launch order (by expected completion: the bucket whose earliest-registered parameter is
+registered latest goes first), every bucket is sent every step (absent gradients as zeros), and
+the bucket sent last carries one usage flag per parameter. So ranks that take different
+branches (data-dependent control flow) still reduce the same buckets in the same order, the
+result is the whole-batch gradient, and no rank can pair one bucket with another rank's
+different bucket (which gloo answers with a size-mismatch abort, or, for equal sizes, silently
+mixes).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -30,8 +42,10 @@ from ddp_kit._checks import (
     check_same_structure,
     comm_device,
     is_nccl,
+    module_tensors,
     resolve_group,
 )
+from ddp_kit._comm import Comm, check_timeout
 from ddp_kit.buckets import GradBucket, ParamInfo
 
 # module -> its live wrapper, so that a second wrapper (whose hooks would also fire) is refused.
@@ -50,14 +64,16 @@ class DataParallelBase(nn.Module):
     Args:
         module: the model (any nn.Module), already on this rank's device.
         process_group: the group to average over; None means WORLD.
-        find_unused_parameters: False (default) assumes that every rank's backward reaches the
-            same parameters in a step (a static graph, as torch DDP assumes by default). A
-            parameter with no gradient on this rank is then taken to have none anywhere: its
-            `.grad` stays None and, where it travels alone, it is not communicated. True allows
-            the ranks to differ: buckets are launched in one fixed order on every rank, absent
-            gradients count as zeros, and one extra small all-reduce per step tells which
-            parameters some rank used; those get the average on every rank, parameters no rank
-            used keep `.grad = None`.
+        find_unused_parameters: accepted for torch DDP compatibility; both values behave the
+            same. Ranks whose backwards reach different parameters (data-dependent branches)
+            are always handled: a parameter some rank used gets the whole-batch average on
+            every rank (zeros from the ranks that did not use it), a parameter no rank used
+            keeps `.grad = None`.
+        timeout: a bound on each collective this wrapper issues: None (default) uses the
+            process group's timeout (`init_process_group(timeout=...)`); a number of seconds
+            or a `datetime.timedelta` makes a collective that some rank does not join raise
+            `ddp_kit.CollectiveError` (naming it and this rank) after that long. On NCCL an
+            explicit timeout makes every wait block the host until the collective is done.
     """
 
     _overlap: bool = True  # send buckets from the hooks (True) or after backward (False)
@@ -68,6 +84,7 @@ class DataParallelBase(nn.Module):
         *,
         process_group: ProcessGroup | None = None,
         find_unused_parameters: bool = False,
+        timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -77,6 +94,7 @@ class DataParallelBase(nn.Module):
             raise TypeError(
                 f"{owner}: find_unused_parameters: expected a bool, got {find_unused_parameters!r}"
             )
+        limit = check_timeout(timeout, owner)
         ref = _OWNERS.get(module)
         previous = ref() if ref is not None else None
         if previous is not None and not previous._closed:
@@ -90,10 +108,13 @@ class DataParallelBase(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.find_unused_parameters = find_unused_parameters
+        self.timeout = limit
         device = comm_device(module, group)
         self._device = device
-        check_same_structure(module, group, device, owner)
-        broadcast_from_rank0(module, group)
+        self._comm = Comm(group, limit, owner)
+        self._nccl = is_nccl(group)
+        check_same_structure(module, self._comm, device)
+        broadcast_from_rank0(module_tensors(module), self._comm, "parameter or buffer")
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -101,9 +122,16 @@ class DataParallelBase(nn.Module):
         infos = [ParamInfo.of(n, p) for n, p in named]
         self._buckets: list[GradBucket] = []
         self._slot: dict[int, tuple[GradBucket, int]] = {}  # id(param) -> (bucket, position)
-        for b_idx, members in enumerate(self._plan(infos)):
+        # Buckets in launch order: by expected completion, i.e. by the bucket's earliest-
+        # registered parameter, whose gradient backward produces last (the same on every rank;
+        # it reorders only plans that interleave dtypes).
+        plan = sorted(self._plan(infos), key=lambda members: -min(members))
+        for b_idx, members in enumerate(plan):
             bucket = GradBucket(
-                b_idx, [self._params[i] for i in members], [self._names[i] for i in members]
+                b_idx,
+                [self._params[i] for i in members],
+                [self._names[i] for i in members],
+                flag_slots=len(self._params) if b_idx == len(plan) - 1 else 0,
             )
             self._buckets.append(bucket)
             for pos, i in enumerate(members):
@@ -115,7 +143,7 @@ class DataParallelBase(nn.Module):
         self._sync_backward_seen = False  # a synchronized backward ran since the last finish
         self._nosync_backward_seen = False
         self._finish_calls = 0
-        self._next_launch = 0  # in-order launching (find_unused_parameters=True)
+        self._next_launch = 0  # index of the next bucket to launch
         self._launched: list[GradBucket] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -154,11 +182,11 @@ class DataParallelBase(nn.Module):
         return len(self._buckets)
 
     def bucket_assignment(self) -> list[list[str]]:
-        """Parameter names of each bucket, in launch-plan order (last layers first)."""
+        """Parameter names of each bucket, in launch order (last layers first)."""
         return [list(b.names) for b in self._buckets]
 
     def bucket_sizes_bytes(self) -> list[int]:
-        """Bytes of each bucket, in plan order."""
+        """Bytes of each bucket (gradients only), in launch order."""
         return [b.nbytes for b in self._buckets]
 
     @contextlib.contextmanager
@@ -185,10 +213,11 @@ class DataParallelBase(nn.Module):
         """Wait until every gradient is averaged across ranks; call before `optimizer.step()`.
 
         Collective: every rank must call it once after each synchronized backward. Launches
-        the buckets still open (parameters without a gradient this step), waits for all
-        all-reduces, and resets the per-step state. Raises RuntimeError if no synchronized
-        backward ran since the last call (called twice, before any backward, or after a
-        backward inside `no_sync()` only): that is a bug in the training loop, not a no-op.
+        the buckets still open (parameters without a gradient this step count as zeros), waits
+        for all all-reduces, and resets the per-step state. Raises RuntimeError if no
+        synchronized backward ran since the last call (called twice, before any backward, or
+        after a backward inside `no_sync()` only): that is a bug in the training loop, not a
+        no-op. Raises `CollectiveError` when a collective fails or times out (see `timeout`).
         """
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} was closed")
@@ -196,41 +225,29 @@ class DataParallelBase(nn.Module):
             return  # nothing trainable: nothing to average
         if not self._sync_backward_seen:
             raise RuntimeError(self._finish_error())
-        with self._lock:
-            for bucket in self._buckets:
-                if not bucket.launched and bucket.pending > 0:
-                    bucket.complete()
-                if not bucket.launched:
-                    self._bucket_ready(bucket)
-        used = self._usage_mask() if self.find_unused_parameters else None
-        for bucket in self._launched:
-            if bucket.handle is not None:
+        try:
+            with self._lock:
+                for bucket in self._buckets:
+                    if not bucket.launched and bucket.pending > 0:
+                        bucket.complete()
+                self._launch_ready()
+            for bucket in self._launched:
                 bucket.handle.wait()
                 if not self._averages_in_collective(bucket) and self.world_size > 1:
                     bucket.reduced.div_(self.world_size)
-        if used is not None:
-            counts = used.tolist()  # reads the mask reduction: waits for it
+            self._assign_missing()
+        finally:
             for bucket in self._buckets:
-                if bucket.missing:
-                    base = self._bucket_offset[bucket.index]
-                    bucket.assign_missing([counts[base + k] > 0 for k in range(len(bucket.params))])
-        for bucket in self._buckets:
-            bucket.reset()
-        self._launched = []
-        self._next_launch = 0
-        self._sync_backward_seen = False
-        self._nosync_backward_seen = False
+                bucket.reset()
+            self._launched = []
+            self._next_launch = 0
+            self._sync_backward_seen = False
+            self._nosync_backward_seen = False
         self._finish_calls += 1
 
     def sync_buffers(self) -> None:
         """Collective: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank."""
-        with torch.no_grad():
-            src = dist.get_global_rank(self.process_group, 0)
-            for buf in self.module.buffers():
-                tmp = buf if buf.is_contiguous() else buf.contiguous()
-                dist.broadcast(tmp, src=src, group=self.process_group)
-                if tmp is not buf:
-                    buf.copy_(tmp)
+        broadcast_from_rank0(self.module.buffers(), self._comm, "buffer")
 
     def close(self) -> None:
         """Remove the hooks so the module can be used bare or wrapped again (local)."""
@@ -263,13 +280,11 @@ class DataParallelBase(nn.Module):
             bucket.ready[pos] = True
             bucket.pending -= 1
             if bucket.pending == 0 and self._overlap:
-                self._bucket_ready(bucket)
+                self._launch_ready()
 
-    def _bucket_ready(self, bucket: GradBucket) -> None:
-        """Launch `bucket`, or (fixed-order mode) every consecutive ready bucket from the next."""
-        if not self.find_unused_parameters:
-            self._launch(bucket)
-            return
+    def _launch_ready(self) -> None:
+        """Launch every consecutive complete bucket from the next one in launch order (the
+        same order on every rank, whichever parameters its backward reached)."""
         while self._next_launch < len(self._buckets):
             nxt = self._buckets[self._next_launch]
             if nxt.pending > 0:
@@ -279,27 +294,41 @@ class DataParallelBase(nn.Module):
 
     def _launch(self, bucket: GradBucket) -> None:
         bucket.launched = True
-        tensor = bucket.tensor_for_reduction(include_missing=self.find_unused_parameters)
-        if tensor is None:
-            return  # a lone parameter with no gradient: every rank skips it (static graph)
+        tensor = bucket.tensor_for_reduction()
+        if bucket.flags is not None:  # sent last: every other bucket's `missing` is final
+            self._write_usage_flags(bucket.flags)
         op = dist.ReduceOp.AVG if self._averages_in_collective(bucket) else dist.ReduceOp.SUM
         bucket.reduced = tensor
-        bucket.handle = dist.all_reduce(tensor, op=op, group=self.process_group, async_op=True)
+        bucket.handle = self._comm.all_reduce(
+            tensor, op, ("all_reduce of gradient bucket %d of %d", (bucket.index, self.num_buckets))
+        )
         self._launched.append(bucket)
+
+    def _write_usage_flags(self, flags: torch.Tensor) -> None:
+        """1 for each parameter (in bucket order) that has a gradient on this rank, else 0.
+        Summed (or averaged) over ranks, a flag is 0 exactly when no rank used the parameter,
+        in any float dtype."""
+        flags.fill_(1)
+        absent = [self._bucket_offset[b.index] + pos for b in self._buckets for pos in b.missing]
+        if absent:
+            flags[torch.tensor(absent, device=flags.device)] = 0
+
+    def _assign_missing(self) -> None:
+        """Give each parameter without a local gradient the reduced one if some rank used it
+        (reads the reduced usage flags: only a rank that lacks a gradient waits for them)."""
+        if not any(b.missing for b in self._buckets):
+            return
+        flags = self._buckets[-1].flags
+        assert flags is not None
+        used = (flags != 0).tolist()
+        for bucket in self._buckets:
+            if bucket.missing:
+                base = self._bucket_offset[bucket.index]
+                bucket.assign_missing(used[base : base + len(bucket.params)])
 
     def _averages_in_collective(self, bucket: GradBucket) -> bool:
         # NCCL averages in the collective itself; gloo sums and we divide once per bucket.
-        return bucket.device.type == "cuda" and is_nccl(self.process_group)
-
-    def _usage_mask(self) -> torch.Tensor:
-        """All-reduced count of ranks with a local gradient, per parameter in bucket order."""
-        flags = []
-        for b in self._buckets:
-            missing = set(b.missing)
-            flags.extend(0 if k in missing else 1 for k in range(len(b.params)))
-        mask = torch.tensor(flags, dtype=torch.int32, device=self._device)  # (n_params,)
-        dist.all_reduce(mask, op=dist.ReduceOp.SUM, group=self.process_group)
-        return mask
+        return self._nccl and bucket.device.type == "cuda"
 
     def _finish_error(self) -> str:
         name = f"{type(self).__name__}.finish_gradient_synchronization()"

@@ -4,7 +4,8 @@
 tested and printed without any process group. `GradBucket` holds one group's communication
 state. A bucket of several parameters owns one flat, preallocated buffer and makes each
 parameter's `.grad` a view into it, so gradients are reduced in place with no copy back; a
-bucket of one parameter reduces that parameter's `.grad` directly.
+bucket of one parameter reduces that parameter's `.grad` directly. The bucket sent last also
+carries the usage flags (one element per trainable parameter) after its gradients.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,7 +80,13 @@ class GradBucket:
     had no local gradient when the bucket was completed (`missing`).
     """
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        flag_slots: int = 0,
+    ) -> None:
         if not params:
             raise ValueError("params: a bucket needs at least one parameter")
         self.index = index
@@ -89,17 +97,21 @@ class GradBucket:
         self.numel = sum(p.numel() for p in params)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        if len(params) > 1:
-            # (numel,) flat storage; each view has its parameter's shape.
-            self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        self.flags: torch.Tensor | None = None  # (flag_slots,) usage flags after the gradients
+        if len(params) > 1 or flag_slots > 0:
+            # (numel + flag_slots,) flat storage; each view has its parameter's shape.
+            total = self.numel + flag_slots
+            self.buffer = torch.zeros(total, dtype=self.dtype, device=self.device)
             offset = 0
             for p in params:
                 self.views.append(self.buffer[offset : offset + p.numel()].view(p.shape))
                 offset += p.numel()
+            if flag_slots:
+                self.flags = self.buffer[self.numel :]
         self.ready = [False] * len(params)
         self.pending = len(params)
         self.launched = False
-        self.handle: object | None = None
+        self.handle: Any = None  # the launched collective (ddp_kit._comm.Pending)
         self.reduced: torch.Tensor | None = None  # the tensor the collective works on
         self.missing: list[int] = []
         self._zeros: torch.Tensor | None = None  # stand-in for a single missing gradient
@@ -150,16 +162,14 @@ class GradBucket:
             self.ready[pos] = True
         self.pending = 0
 
-    def tensor_for_reduction(self, include_missing: bool) -> torch.Tensor | None:
-        """The contiguous tensor to all-reduce, or None to skip a lone parameter that has no
-        gradient (allowed only when every rank is known to skip it too)."""
+    def tensor_for_reduction(self) -> torch.Tensor:
+        """The contiguous tensor to all-reduce; zeros for a lone parameter without gradient
+        (every rank sends every bucket, whatever its backward reached)."""
         if self.buffer is not None:
             return self.buffer
         grad = self.params[0].grad
         if grad is not None:
             return grad
-        if not include_missing:
-            return None
         if self._zeros is None:
             self._zeros = torch.zeros(self.params[0].shape, dtype=self.dtype, device=self.device)
         else:

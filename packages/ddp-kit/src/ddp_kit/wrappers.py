@@ -17,6 +17,7 @@ All are used the same way (every rank runs this loop; see the package README):
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 from torch import nn
@@ -76,7 +77,7 @@ class DDPBucketed(DataParallelBase):
     is allocated once, and gradients are views into it (no copy back after the reduction).
 
     Args:
-        module, process_group, find_unused_parameters: see `DataParallelBase`.
+        module, process_group, find_unused_parameters, timeout: see `DataParallelBase`.
         bucket_size_mb: cap per bucket in MiB (2**20 bytes), a positive finite number.
     """
 
@@ -89,10 +90,14 @@ class DDPBucketed(DataParallelBase):
         *,
         process_group: ProcessGroup | None = None,
         find_unused_parameters: bool = False,
+        timeout: float | datetime.timedelta | None = None,
     ) -> None:
         self.bucket_size_mb = validate_bucket_size(bucket_size_mb)
         super().__init__(
-            module, process_group=process_group, find_unused_parameters=find_unused_parameters
+            module,
+            process_group=process_group,
+            find_unused_parameters=find_unused_parameters,
+            timeout=timeout,
         )
 
     def _plan(self, infos: Sequence[ParamInfo]) -> list[list[int]]:

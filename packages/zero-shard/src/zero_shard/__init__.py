@@ -9,9 +9,10 @@ stage 3) keeps only this rank's fp32 shard of every Linear/Embedding weight, gat
 just in time for forward and backward and reduce-scatters their gradients.
 """
 
+from zero_shard._comm import CollectiveError
 from zero_shard.fsdp import FSDP
 from zero_shard.optimizer import ShardedOptimizer
 from zero_shard.partition import greedy_partition
 
-__all__ = ["FSDP", "ShardedOptimizer", "greedy_partition"]
+__all__ = ["FSDP", "CollectiveError", "ShardedOptimizer", "greedy_partition"]
 __version__ = "0.1.0"

@@ -26,16 +26,18 @@ CPU); `gather_waits()` returns the records. A prefetch that finished in time cos
 
 from __future__ import annotations
 
+import datetime
 import functools
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_shard._comm import Comm, check_timeout
 from zero_shard.plan import (
     broadcast_from_rank0,
     check_dtype,
@@ -51,6 +53,7 @@ from zero_shard.plan import (
     sharded_params,
 )
 from zero_shard.shard import Collectives, ShardedParam
+from zero_shard.tree import cast_float, map_tensors, tensors_in
 from zero_shard.units import Unit, cast_slots
 
 MAX_GATHERED = 2  # units holding gathered weights at once (the current one and a prefetch)
@@ -111,6 +114,11 @@ class FSDP(nn.Module):
         units: modules whose sharded parameters are gathered together (one all-gather each);
             default: the children of the outermost `nn.ModuleList`/`nn.Sequential`, then
             each remaining module holding a sharded parameter.
+        timeout: a bound on each collective this wrapper issues: None (default) uses the
+            process group's timeout; a number of seconds or a `datetime.timedelta` makes a
+            collective that some rank does not join raise `zero_shard.CollectiveError` (naming
+            it and this rank) after that long. On NCCL an explicit timeout makes every wait
+            block the host until the collective is done (see `zero_shard._comm`).
 
     `fsdp.parameters()` are the local fp32 shards, `(ceil(numel / N),)` each, plus the
     replicated parameters: build any torch optimizer over them. The constructor,
@@ -127,11 +135,13 @@ class FSDP(nn.Module):
         *,
         reduce_dtype: torch.dtype | None = None,
         units: Iterable[nn.Module] | None = None,
+        timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP: module: expected a torch.nn.Module, got {type(module)}")
         self._compute_dtype = check_dtype(compute_dtype, "compute_dtype")
+        limit = check_timeout(timeout, "FSDP")
         reduce = check_dtype(reduce_dtype, "reduce_dtype")
         types = check_types(shard_module_types)
         if any(m in _WRAPPED for m in module.modules()):
@@ -147,10 +157,12 @@ class FSDP(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.module = module
         plan, outside = plan_units(module, slots, sharded, roots)
-        check_same_on_all_ranks(module, slots, sharded, plan, group, device)
-        broadcast_from_rank0(module, group)
+        self.timeout = limit
+        comm = Comm(group, limit, "FSDP")
+        check_same_on_all_ranks(module, slots, sharded, plan, comm, device)
+        broadcast_from_rank0(module, comm)
 
-        self._comm = Collectives(group, device)
+        self._comm = Collectives(comm, device)
         self._by_key: dict[str, ShardedParam] = {}  # state-dict key -> its shard
         made: dict[int, ShardedParam] = {}
         for key, _, _, p in slots:
@@ -199,8 +211,8 @@ class FSDP(nn.Module):
                 u.free()
         self._order = []
         if self._compute_dtype is not None:
-            cast = functools.partial(_cast_float, dtype=self._compute_dtype)
-            args, kwargs = _map_tensors((args, kwargs), cast)
+            cast = functools.partial(cast_float, dtype=self._compute_dtype)
+            args, kwargs = map_tensors((args, kwargs), cast)
         self._cast_replicated()
         try:
             out = self.module(*args, **kwargs)
@@ -266,7 +278,8 @@ class FSDP(nn.Module):
         for p in shards:
             if p.grad is not None:
                 local += p.grad.float().square().sum()
-        dist.all_reduce(local, group=self.process_group)  # shards: disjoint pieces
+        what = ("all_reduce of the squared gradient norm", ())
+        self._comm.comm.all_reduce(local, dist.ReduceOp.SUM, what).wait()  # disjoint shards
         for p in self._replicated:  # identical on every rank: counted once
             if p.grad is not None:
                 local += p.grad.float().square().sum()
@@ -300,7 +313,7 @@ class FSDP(nn.Module):
                 recv = torch.empty(
                     self.world_size * sp.chunk, dtype=shard.dtype, device=shard.device
                 )
-                self._comm.all_gather(recv, shard).wait()
+                self._comm.all_gather(recv, shard, f"parameter {key!r}").wait()
                 full = recv[: sp.numel].view(sp.shape).to(sp.dtype)  # (N chunk,) -> shape
             if device is not None:
                 full = full.to(device)
@@ -423,7 +436,7 @@ class FSDP(nn.Module):
 
     def _hook_outputs(self, output: Any, unit: Unit, prev: Unit | None) -> None:
         """Re-gather `unit` (and prefetch `prev`) when the first output gradient arrives."""
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         fired = [False]
 
         def hook(grad: torch.Tensor) -> None:
@@ -467,7 +480,8 @@ class FSDP(nn.Module):
         if any(p.shard.requires_grad for p in unit.params):
             rows = unit.grad_rows(grads, self._reduce_dtype)  # (N S,)
             out = torch.empty(unit.row, dtype=self._reduce_dtype, device=rows.device)  # (S,)
-            self._reductions.append((unit, self._comm.reduce_scatter(out, rows), out, rows))
+            pending = self._comm.reduce_scatter(out, rows, f"unit {unit.name!r}'s gradients")
+            self._reductions.append((unit, pending, out, rows))
             self.stats["reduce_scatters"] += 1
             while len(self._reductions) > 1:  # keep one in flight
                 self._complete_reduction()
@@ -511,7 +525,8 @@ class FSDP(nn.Module):
             ]
             flags = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=device)
             flat = torch.cat([*grads, flags])  # (sum numel + n_params,)
-            dist.all_reduce(flat, group=self.process_group)
+            what = ("all_reduce of the replicated parameters' gradients (%s)", (dtype,))
+            self._comm.comm.all_reduce(flat, dist.ReduceOp.SUM, what).wait()
             has = None if all(p.grad is not None for p in params) else flat[-len(params) :].tolist()
             offset = 0
             for i, p in enumerate(params):
@@ -576,37 +591,7 @@ class FSDP(nn.Module):
         if self._in_backward or self._stack:
             raise RuntimeError(f"FSDP.{what}: not allowed during forward or backward")
 
-    # ----- construction -------------------------------------------------------------------
-
 
 # ----- small helpers --------------------------------------------------------------------------
 def _zero_stats() -> dict[str, int]:
     return {"all_gathers": 0, "prefetches": 0, "reduce_scatters": 0, "peak_gathered_units": 0}
-
-
-def _cast_float(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() else t
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`obj` with `fn` applied to every tensor in nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, list | tuple):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
-    return obj
-
-
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, list | tuple):
-        for o in obj:
-            yield from _tensors_in(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors_in(o)

@@ -12,6 +12,7 @@ after it, so both views agree.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from zero_shard._comm import Comm, check_timeout
 from zero_shard.partition import greedy_partition
 from zero_shard.sync import (
     GatherGroup,
@@ -48,13 +50,20 @@ class ShardedOptimizer(Optimizer):
         param_sync: "broadcast" (each owner broadcasts its parameters; no copies) or
             "allgather" (flat shards exchanged in chunks by all-gather: every rank sends and
             receives at once, at the cost of a pack and an unpack copy). See `sync.py`.
+        timeout: a bound on each collective this optimizer issues: None (default) uses the
+            process group's timeout; a number of seconds or a `datetime.timedelta` makes a
+            collective that some rank does not join raise `zero_shard.CollectiveError` (naming
+            it and this rank) after that long (see `zero_shard._comm`).
         **kwargs: the optimizer's hyperparameters (lr, weight_decay, ...), forwarded to
             `optimizer_cls` as its defaults.
 
-    Parameters are assigned to ranks by `greedy_partition` (balanced by element count, the same
-    on every rank). `step()` runs the local optimizer, then broadcasts each parameter from its
-    owner. `step`, `add_param_group` and `consolidate_state_dict` are collectives: every rank
-    must call them, in the same order.
+    The parameters of every group (at construction and in `add_param_group`) are broadcast
+    from group rank 0 first, as torch's DistributedDataParallel does, so the ranks start from
+    identical values even without a data-parallel wrapper. Parameters are assigned to ranks by
+    `greedy_partition` (balanced by element count, the same on every rank). `step()` runs the
+    local optimizer, then broadcasts each parameter from its owner. The constructor, `step`,
+    `add_param_group` and `consolidate_state_dict` are collectives: every rank must call them,
+    in the same order.
     """
 
     def __init__(
@@ -65,6 +74,7 @@ class ShardedOptimizer(Optimizer):
         *,
         bucket_cap_mb: float = 16.0,
         param_sync: str = "broadcast",
+        timeout: float | datetime.timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
@@ -78,6 +88,7 @@ class ShardedOptimizer(Optimizer):
             raise ValueError(f"param_sync: expected 'broadcast' or 'allgather', got {param_sync!r}")
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb: expected a positive size in MB, got {bucket_cap_mb}")
+        limit = check_timeout(timeout, "ShardedOptimizer")
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         if not params:
             raise ValueError(
@@ -89,10 +100,11 @@ class ShardedOptimizer(Optimizer):
                 "ShardedOptimizer needs an initialized process group: call "
                 "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
             )
-        self._group = process_group
-        self._rank = dist.get_rank(process_group)
+        self._group = process_group if process_group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self._group)
         if self._rank < 0:
             raise ValueError("process_group: this process is not a member of the given group")
+        self._comm = Comm(self._group, limit, "ShardedOptimizer")
         self._world_size = dist.get_world_size(process_group)
         self._backend = str(dist.get_backend(process_group))
         self._comm_device: torch.device | None = None
@@ -166,6 +178,7 @@ class ShardedOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        self._broadcast_from_rank0(group["params"])
         owners = greedy_partition([p.numel() for p in group["params"]], self._loads)
         for p, r in zip(group["params"], owners):
             self._owner[p] = r
@@ -231,10 +244,9 @@ class ShardedOptimizer(Optimizer):
                 [o for o, g in zip(owners, gather) if not g],
                 self._world_size,
                 self._bucket_cap_bytes,
-                self._group,
             )
-        allgather_params(self._gather_plan, self._rank, self._world_size, self._group)
-        broadcast_params(self._plan, self._rank, self._group)
+        allgather_params(self._gather_plan, self._rank, self._world_size, self._comm)
+        broadcast_params(self._plan, self._rank, self._comm)
 
     # ------------------------------------------------------------------ checks
     def _check_devices(self, params: list[torch.Tensor]) -> None:
@@ -262,7 +274,8 @@ class ShardedOptimizer(Optimizer):
         device = self._comm_device or torch.device("cpu")
         mine = torch.tensor([len(params), sum(p.numel() for p in params), h], device=device)
         everyone = [torch.empty_like(mine) for _ in range(self._world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
+        what = ("all_gather of the parameters' fingerprint", ())
+        self._comm.all_gather(everyone, mine, what).wait()
         rows = [tuple(int(v) for v in t.tolist()) for t in everyone]
         if any(r != rows[0] for r in rows):
             desc = ", ".join(
@@ -289,24 +302,35 @@ class ShardedOptimizer(Optimizer):
         index = {p: i for i, p in enumerate(self._all_params())}
         state = {index[local_params[i]]: v for i, v in local_sd["state"].items()}
         device = self._comm_device or torch.device("cpu")
-        dst = self._global_rank(to)
         if self._rank != to:
-            send_object(state, dst, self._group, device)
+            send_object(state, to, self._comm, device)
             self._consolidated = None
             return
         merged = to_cpu(state)
         for src in range(self._world_size):
             if src != to:
-                merged.update(recv_object(self._global_rank(src), self._group, device))
+                merged.update(recv_object(src, self._comm, device))
         self._consolidated = {
             "state": dict(sorted(merged.items())),
             "param_groups": self._packed_groups(),
         }
 
-    def _global_rank(self, group_rank: int) -> int:
-        if self._group is None:
-            return group_rank
-        return dist.get_global_rank(self._group, group_rank)
+    @torch.no_grad()
+    def _broadcast_from_rank0(self, params: list[torch.Tensor]) -> None:
+        """Collective: every rank takes group rank 0's values of `params` (a non-contiguous
+        parameter goes through a contiguous copy)."""
+        if self._world_size == 1:
+            return
+        pending = []
+        for i, p in enumerate(params):
+            data = p.detach()
+            buf = data if data.is_contiguous() else data.contiguous()
+            what = ("broadcast of parameter %d of %d from rank 0", (i, len(params)))
+            pending.append((data, buf, self._comm.broadcast(buf, 0, what)))
+        for data, buf, work in pending:
+            work.wait()
+            if buf is not data:
+                data.copy_(buf)
 
     def _packed_groups(self) -> list[dict[str, Any]]:
         """param_groups with parameters as consecutive indices, as `Optimizer.state_dict`."""

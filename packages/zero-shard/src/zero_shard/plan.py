@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_shard._comm import Comm
 from zero_shard.shard import Collectives, ShardedParam
 from zero_shard.units import Slot, Unit, default_unit_roots
 
@@ -203,7 +204,7 @@ def check_same_on_all_ranks(
     slots: list[tuple[str, nn.Module, str, nn.Parameter]],
     sharded: set[int],
     plan: list[tuple[str, nn.Module, list]],
-    group: dist.ProcessGroup,
+    comm: Comm,
     device: torch.device,
 ) -> None:
     """Collective: raise on every rank (instead of hanging later) when the ranks' models or
@@ -212,9 +213,9 @@ def check_same_on_all_ranks(
     sig = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
     layout = [[k for k, _, _, p in slots if id(p) in sharded], [u[0] for u in plan]]
     mine = [len(sig), zlib.crc32(repr(sig).encode()), zlib.crc32(repr(layout).encode())]
-    world = dist.get_world_size(group)
-    everyone = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.int64, device=device), group=group)
+    everyone = [torch.empty(3, dtype=torch.int64, device=device) for _ in range(comm.world_size)]
+    digest = torch.tensor(mine, dtype=torch.int64, device=device)  # (3,)
+    comm.all_gather(everyone, digest, ("all_gather of the model's structure digest", ())).wait()
     rows = [t.tolist() for t in everyone]
     if any(r[:2] != rows[0][:2] for r in rows):
         counts = ", ".join(f"rank {i}: {r[0]} tensors" for i, r in enumerate(rows))
@@ -230,13 +231,17 @@ def check_same_on_all_ranks(
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Collective: every rank starts from group rank 0's parameters and buffers."""
-    if dist.get_world_size(group) == 1:
+def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
+    """Collective: every rank starts from group rank 0's parameters and buffers (one
+    asynchronous broadcast per tensor, waited for at the end)."""
+    if comm.world_size == 1:
         return
-    src = dist.get_global_rank(group, 0)
-    for t in [*module.parameters(), *module.buffers()]:
+    pending = []
+    for i, t in enumerate([*module.parameters(), *module.buffers()]):
         buf = t.data if t.data.is_contiguous() else t.data.contiguous()
-        dist.broadcast(buf, src=src, group=group)
+        what = ("broadcast of parameter or buffer %d from rank 0", (i,))
+        pending.append((t, buf, comm.broadcast(buf, 0, what)))
+    for t, buf, work in pending:
+        work.wait()
         if buf is not t.data:
             t.data.copy_(buf)

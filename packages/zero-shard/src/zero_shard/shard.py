@@ -8,9 +8,9 @@ buffer with `S = sum(chunk)`, and one all-gather returns `(N, S)`: the columns
 `[offset, offset + chunk)` of that are one parameter's padded flat value, row by row. Gradients
 travel the same layout backwards through one reduce-scatter.
 
-`Collectives` runs `all_gather_into_tensor` / `reduce_scatter_tensor` (`*_single` in newer
-torch) and falls back to the list
-all-gather / an all-reduce plus a slice where the backend lacks the tensor forms (older gloo).
+`Collectives` runs the process group's tensor-form all-gather and reduce-scatter and falls back
+to the list all-gather / an all-reduce plus a slice where the backend lacks the tensor forms
+(older gloo); every call goes through `zero_shard._comm.Comm` (timeout, errors that name it).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from zero_shard._comm import Comm
+from zero_shard._comm import Pending as CommPending
 
 
 def master_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -68,24 +71,20 @@ class ShardedParam:
 
 
 class Pending:
-    """An asynchronous collective; `wait()` blocks (gloo) or orders the stream (NCCL)."""
+    """An asynchronous collective; `wait()` blocks (gloo) or orders the stream (NCCL), then
+    runs `then` (the fallback's copy out)."""
 
-    def __init__(self, work: dist.Work | None, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: CommPending | None, then: Callable[[], None] | None = None) -> None:
         self._work = work
         self._then = then
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._then is not None:
-            self._then()
-            self._then = None
-
-
-# torch 2.13 renamed the tensor forms (the old names warn); 2.11 has only the old ones.
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        work, then = self._work, self._then
+        self._work = self._then = None  # a failed wait is not retried (e.g. by Unit.free)
+        if work is not None:
+            work.wait()
+        if then is not None:
+            then()
 
 
 def _supported(fn: Callable[[], object]) -> bool:
@@ -97,35 +96,39 @@ def _supported(fn: Callable[[], object]) -> bool:
 
 
 class Collectives:
-    """Flat all-gather and reduce-scatter (sum) over `group`, each asynchronous.
+    """Flat all-gather and reduce-scatter (sum) over `comm`'s group, each asynchronous and
+    bounded by `comm`'s timeout.
 
     Construction is a collective (it probes once, on tiny tensors, which tensor forms the
     backend has; the outcome is the same on every rank).
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+    def __init__(self, comm: Comm, device: torch.device) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.world = comm.world_size
         one = torch.zeros(self.world, device=device)  # (N,)
+        probe = ("all-gather probe", ())
         self.tensor_gather = _supported(
-            lambda: _gather_single(torch.empty_like(one), one[:1], group=group)
+            lambda: comm.all_gather_into(torch.empty_like(one), one[:1], probe).wait()
         )
+        probe = ("reduce-scatter probe", ())
         self.tensor_scatter = _supported(
-            lambda: _scatter_single(one[:1].clone(), one.clone(), group=group)
+            lambda: comm.reduce_scatter_into(one[:1].clone(), one.clone(), probe).wait()
         )
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
-        """`out` (N * S,) <- every rank's `inp` (S,), by rank."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Pending:
+        """`out` (N * S,) <- every rank's `inp` (S,), by rank (`what` names it in errors)."""
+        name = ("all-gather of %s", (what,))
         if self.tensor_gather:
-            return Pending(_gather_single(out, inp, group=self.group, async_op=True))
+            return Pending(self.comm.all_gather_into(out, inp, name))
         rows = list(out.view(self.world, -1).unbind(0))  # N x (S,), contiguous views
-        return Pending(dist.all_gather(rows, inp, group=self.group, async_op=True))
+        return Pending(self.comm.all_gather(rows, inp, name))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> Pending:
         """`out` (S,) <- row `rank` of the sum over ranks of `inp` (N * S,)."""
+        name = ("reduce-scatter of %s", (what,))
         if self.tensor_scatter:
-            work = _scatter_single(out, inp, group=self.group, async_op=True)
-            return Pending(work)
-        work = dist.all_reduce(inp, group=self.group, async_op=True)
+            return Pending(self.comm.reduce_scatter_into(out, inp, name))
+        work = self.comm.all_reduce(inp, dist.ReduceOp.SUM, name)
         return Pending(work, lambda: out.copy_(inp.view(self.world, -1)[self.rank]))

@@ -29,18 +29,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from zero_shard._comm import Comm
 
 
 @dataclass(frozen=True)
 class SyncUnit:
-    """One broadcast: `params` from group rank `src` (global rank `global_src`).
+    """One broadcast: `params` from group rank `src`.
 
     `packed` is False for a single parameter broadcast in place, True for a flat bucket.
     """
 
     src: int
-    global_src: int
     params: tuple[torch.Tensor, ...]
     packed: bool
 
@@ -50,16 +50,11 @@ class SyncUnit:
 
 
 def build_plan(
-    params: list[torch.Tensor],
-    owners: list[int],
-    world_size: int,
-    bucket_cap_bytes: int,
-    process_group: dist.ProcessGroup | None,
+    params: list[torch.Tensor], owners: list[int], world_size: int, bucket_cap_bytes: int
 ) -> list[SyncUnit]:
     """The ordered broadcasts that sync `params` (owner of `params[i]` is `owners[i]`)."""
     plan: list[SyncUnit] = []
     for src in range(world_size):
-        global_src = dist.get_global_rank(process_group, src) if process_group is not None else src
         by_kind: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         for p, owner in zip(params, owners):
             if owner == src and p.numel() > 0:
@@ -70,25 +65,23 @@ def build_plan(
             for p in by_kind[key]:
                 nbytes = p.numel() * p.element_size()
                 if nbytes >= bucket_cap_bytes and p.is_contiguous():
-                    plan.append(SyncUnit(src, global_src, (p,), packed=False))
+                    plan.append(SyncUnit(src, (p,), packed=False))
                     continue
                 if bucket and bucket_bytes + nbytes > bucket_cap_bytes:
-                    plan.append(SyncUnit(src, global_src, tuple(bucket), packed=True))
+                    plan.append(SyncUnit(src, tuple(bucket), packed=True))
                     bucket, bucket_bytes = [], 0
                 bucket.append(p)
                 bucket_bytes += nbytes
             if bucket:
-                plan.append(SyncUnit(src, global_src, tuple(bucket), packed=True))
+                plan.append(SyncUnit(src, tuple(bucket), packed=True))
     return plan
 
 
 @torch.no_grad()
-def broadcast_params(
-    plan: list[SyncUnit], rank: int, process_group: dist.ProcessGroup | None
-) -> None:
+def broadcast_params(plan: list[SyncUnit], rank: int, comm: Comm) -> None:
     """Run `plan`: every rank must call this with the same plan (it is a collective)."""
     pending = []
-    for unit in plan:
+    for i, unit in enumerate(plan):
         first = unit.params[0]
         if not unit.packed:
             buf = first.detach()
@@ -96,7 +89,8 @@ def broadcast_params(
             buf = torch.cat([p.detach().reshape(-1) for p in unit.params])  # (numel,)
         else:
             buf = torch.empty(unit.numel, dtype=first.dtype, device=first.device)
-        work = dist.broadcast(buf, src=unit.global_src, group=process_group, async_op=True)
+        what = ("broadcast %d of %d of updated parameters from rank %d", (i, len(plan), unit.src))
+        work = comm.broadcast(buf, unit.src, what)
         pending.append((unit, buf, work))
     for unit, buf, work in pending:
         work.wait()
@@ -168,13 +162,8 @@ def _overlaps(group: GatherGroup, rank: int, lo: int, hi: int):
         i += 1
 
 
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 @torch.no_grad()
-def allgather_params(
-    plan: list[GatherGroup], rank: int, world_size: int, process_group: dist.ProcessGroup | None
-) -> None:
+def allgather_params(plan: list[GatherGroup], rank: int, world_size: int, comm: Comm) -> None:
     """Run the all-gather plan: every rank must call it with the same plan (a collective)."""
     for group in plan:
         c = group.chunk
@@ -185,7 +174,8 @@ def allgather_params(
             for p, src, dst in _overlaps(group, rank, k * c, (k + 1) * c):
                 send[dst].copy_(p.detach().view(-1)[src])
             out = torch.empty(world_size * c, dtype=group.dtype, device=group.device)
-            work = _all_gather_flat(out, send, group=process_group, async_op=True)
+            what = ("all-gather %d of %d of updated parameters (%s)", (k, n_chunks, group.dtype))
+            work = comm.all_gather_into(out, send, what)
             if in_flight is not None:
                 _unpack(group, rank, world_size, *in_flight)
             in_flight = (k, out, work, send)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from zero_shard._comm import Comm
 
 
 @dataclass(frozen=True)
@@ -53,27 +54,27 @@ def to_cpu(obj: Any) -> Any:
     return _fill(skeleton, [t.detach().to("cpu", copy=True) for t in tensors])
 
 
-def send_object(
-    obj: Any, dst: int, process_group: dist.ProcessGroup | None, device: torch.device
-) -> None:
-    """Send `obj` to global rank `dst`, which must call `recv_object` with this rank."""
+def send_object(obj: Any, dst: int, comm: Comm, device: torch.device) -> None:
+    """Send `obj` to group rank `dst`, which must call `recv_object` with this rank."""
     tensors: list[torch.Tensor] = []
     payload = pickle.dumps(_strip(obj, tensors))
     header = torch.tensor([len(payload), len(tensors)], dtype=torch.int64, device=device)
-    dist.send(header, dst=dst, group=process_group)
+    what = ("send of the optimizer state to rank %d (%s)", (dst, "header"))
+    comm.send(header, dst, what).wait()
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)  # (n_bytes,)
-    dist.send(data, dst=dst, group=process_group)
-    for t in tensors:
-        dist.send(t.detach().to(device).contiguous(), dst=dst, group=process_group)
+    comm.send(data, dst, (what[0], (dst, "structure"))).wait()
+    for i, t in enumerate(tensors):
+        comm.send(t.detach().to(device).contiguous(), dst, (what[0], (dst, f"tensor {i}"))).wait()
 
 
-def recv_object(src: int, process_group: dist.ProcessGroup | None, device: torch.device) -> Any:
-    """Receive an object sent by global rank `src` with `send_object`; tensors land on CPU."""
+def recv_object(src: int, comm: Comm, device: torch.device) -> Any:
+    """Receive an object sent by group rank `src` with `send_object`; tensors land on CPU."""
+    what = "receive of the optimizer state from rank %d (%s)"
     header = torch.empty(2, dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=process_group)
+    comm.recv(header, src, (what, (src, "header"))).wait()
     n_bytes, n_tensors = (int(v) for v in header.tolist())
     data = torch.empty(n_bytes, dtype=torch.uint8, device=device)
-    dist.recv(data, src=src, group=process_group)
+    comm.recv(data, src, (what, (src, "structure"))).wait()
     skeleton = pickle.loads(bytes(data.cpu().tolist()))
     slots = _slots(skeleton)
     if len(slots) != n_tensors:
@@ -81,7 +82,7 @@ def recv_object(src: int, process_group: dist.ProcessGroup | None, device: torch
     tensors = []
     for slot in slots:
         buf = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        dist.recv(buf, src=src, group=process_group)
+        comm.recv(buf, src, (what, (src, f"tensor {slot.index}"))).wait()
         tensors.append(buf.cpu())
     return _fill(skeleton, tensors)
 

@@ -85,7 +85,8 @@ class Unit:
         device = self.padded[0].device
         send = torch.cat([p.shard.detach().to(self.dtype).reshape(-1) for p in self.params])
         recv = torch.empty(self.comm.world * self.row, dtype=self.dtype, device=device)
-        self._gather = (self.comm.all_gather(recv, send), recv, send)  # send: (S,), recv: (N S,)
+        pending = self.comm.all_gather(recv, send, f"unit {self.name!r}")
+        self._gather = (pending, recv, send)  # send: (S,), recv: (N S,)
 
     def finish_gather(
         self, around_wait: Callable[[Callable[[], None]], None] | None = None
