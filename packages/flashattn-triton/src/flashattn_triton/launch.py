@@ -49,8 +49,8 @@ from .launch_common import (
 from .launch_plans import _PLANS, _launch_planned, _layout_key, clear_plans, keyed_cache
 from .options import get_options
 
-# What other modules, benchmarks and tests reach through this module: the launchers' entry
-# points, and internals kept here since they moved out of it.
+# The names other modules, benchmarks and tests reach through this module: the launchers'
+# entry points and a few internals of the modules above.
 __all__ = [
     "_PLANS",
     "_backward_scheme",

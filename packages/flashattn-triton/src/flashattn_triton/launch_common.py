@@ -6,7 +6,8 @@ retrying smaller configs where the device lacks the shared memory a config needs
 through ``triton.autotune`` when ``Options.autotune`` is on; ``_stream_args`` adds a
 config's TMA descriptors and loop flags. The forward (``launch``), the backward
 (``launch_backward``) and the packed launchers (``launch_varlen``) import these helpers by
-name, so a call looks each up as a module global, as when they all lived in ``launch``.
+name: a call looks each up as one module global, with no module attribute on top (the
+launchers' host cost is counted in microseconds, see ``launch_plans``).
 """
 
 from __future__ import annotations
