@@ -173,7 +173,7 @@ def capture_launches(
     ``kv_heads``, ``window``: grouped-query heads and a sliding window; ``varlen``: that
     many packed sequences of at most N tokens (B*N tokens in all), through
     ``launch_varlen``."""
-    from flashattn_triton import kernels, launch, launch_varlen
+    from flashattn_triton import kernels, launch, launch_backward, launch_common, launch_varlen
 
     log: list = []
 
@@ -183,12 +183,6 @@ def capture_launches(
     for name in dir(kernels):
         if name.startswith("attn_"):
             setattr(K, name, _Capture(getattr(kernels, name), log))
-    launch._kernels = lambda: K
-    launch.require_runnable = lambda t: None
-    launch.interpreting = lambda: False
-    launch.tma_usable = lambda t: tma
-    launch._descriptor = lambda t, rows, block_d: _MetaDescriptor(t, [1, 1, rows, block_d])
-    launch._rows_descriptor = lambda rows, block: _MetaDescriptor(rows, [1, 2, block])
 
     def packed_rows(lse2, delta):  # meta tensors have no addresses to compare
         n = lse2.shape[-1]
@@ -196,7 +190,20 @@ def capture_launches(
             return None
         return lse2.as_strided((lse2.numel() // n, 2, n), (2 * n, n, 1))
 
-    launch._packed_rows = packed_rows
+    stubs = {
+        "_kernels": lambda: K,
+        "require_runnable": lambda t: None,
+        "interpreting": lambda: False,
+        "tma_usable": lambda t: tma,
+        "_descriptor": lambda t, rows, block_d: _MetaDescriptor(t, [1, 1, rows, block_d]),
+        "_rows_descriptor": lambda rows, block: _MetaDescriptor(rows, [1, 2, block]),
+        "_packed_rows": packed_rows,
+    }
+    # Each launcher module binds the helpers it calls: replace them wherever they are bound.
+    for module in (launch, launch_backward, launch_common, launch_varlen):
+        for name, stub in stubs.items():
+            if hasattr(module, name):
+                setattr(module, name, stub)
     from flashattn_triton.options import set_options
 
     set_options(backward=scheme)

@@ -26,10 +26,11 @@ class _NoLaunch:
 
 
 def stub_launches() -> None:
-    from flashattn_triton import launch
+    from flashattn_triton import launch, launch_backward
 
-    launch._run = lambda *args, **kwargs: None
-    launch.require_runnable = lambda t: None
+    for module in (launch, launch_backward):  # each binds the helpers it calls
+        module._run = lambda *args, **kwargs: None
+        module.require_runnable = lambda t: None
     launch._kernels().attn_bwd_preprocess_kernel = _NoLaunch()
 
 

@@ -9,7 +9,7 @@ table and saved to ``--out`` as JSON:
 2. ``sustained``: steps back to back with no profiler, as ``do_bench`` runs them (an L2 flush
    before each), timed by CUDA events around the step and, for ours, around
    ``launch.forward`` / ``launch.backward`` (regions ``forward``, ``backward``) and each
-   kernel ``launch._run`` starts (regions named by kernel kind: ``fwd``, ``dkdv``, ``dq``).
+   kernel ``_run`` starts (regions named by kernel kind: ``fwd``, ``dkdv``, ``dq``).
 3. ``power`` (``--seconds`` > 0, needs ``nvidia-smi``): the SM clock, the board power and
    whether the software power cap throttles, sampled every 100 ms while each provider runs
    steps for that many seconds.
@@ -161,10 +161,17 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
     steps with an L2 flush before each, as ``triton.testing.do_bench`` runs them."""
     import torch
 
-    from flashattn_triton import launch
+    from flashattn_triton import launch, launch_backward
 
     mark = _Marks()
-    saved = launch.forward, launch.backward, launch._run
+    # (module, name, region): the launchers, and ``_run`` where each calls it
+    patched = [
+        (launch, "forward", "forward"),
+        (launch, "backward", "backward"),
+        (launch, "_run", "run"),
+        (launch_backward, "_run", "run"),
+    ]
+    saved = [getattr(module, name) for module, name, _ in patched]
 
     def wrap(name, fn):
         def wrapped(*a, **kw):
@@ -179,11 +186,10 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
 
     saved_options = get_options()
     if instrument:
-        launch.forward = wrap("forward", saved[0])  # kernel regions: fwd, dkdv, dq, ...
-        launch.backward = wrap("backward", saved[1])
-        launch._run = wrap("run", saved[2])
-        # kernel regions are marked where launch._run dispatches each kernel; replayed
-        # launch plans would skip it
+        for (module, name, region), fn in zip(patched, saved):
+            setattr(module, name, wrap(region, fn))  # kernel regions: fwd, dkdv, dq, ...
+        # kernel regions are marked where _run dispatches each kernel; replayed launch
+        # plans would skip it
         set_options(fast_launch=False)
     try:
         flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
@@ -199,7 +205,8 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
         torch.cuda.synchronize()
         return region_medians(mark.times())
     finally:
-        launch.forward, launch.backward, launch._run = saved
+        for (module, name, _), fn in zip(patched, saved):
+            setattr(module, name, fn)
         set_options(saved_options)
 
 

@@ -181,3 +181,21 @@ def test_unknown_launchers_are_not_launched_directly():
         fastlaunch.launch(kern, (1,), x, y, None, 1, 1.0)
     replay = fastlaunch.Replay.build(rec.records, addresses)
     assert replay.steps[0].direct is None  # not Triton 3.6's CudaLauncher: compiled.run
+
+
+def test_option_changes_drop_every_launchers_per_key_choices(set_options):
+    """The backward's scheme choices and the decode splits are kept by launch-plan key in
+    their own modules; an option change (or ``clear_plans``) drops them with the plans, so
+    no choice made under the old options is reused."""
+    from flashattn_triton import launch, launch_backward, launch_plans
+
+    caches = (launch_backward._BWD_SCHEMES, launch._DECODE_PLANS)
+    for cache in caches:
+        cache[("stale",)] = "a choice under the old options"
+    generation = launch_plans._GENERATION[0]
+    set_options(backward="split")
+    assert not any(caches)
+    assert launch_plans._GENERATION[0] > generation  # keys made before no longer match
+    launch_backward._BWD_SCHEMES[("stale",)] = "again"
+    launch.clear_plans()
+    assert not launch_backward._BWD_SCHEMES

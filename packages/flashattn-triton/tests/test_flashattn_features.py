@@ -23,7 +23,7 @@ from flashattn_testutil import (
 )
 
 import flashattn_triton as fa
-from flashattn_triton import configs, launch, launch_varlen
+from flashattn_triton import configs, launch, launch_common, launch_varlen
 
 # log2(0) = -inf is the intended L of rows that see no key; numpy warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
@@ -160,9 +160,9 @@ def test_features_through_tma_descriptors(packed, monkeypatch):
     tiles = {kind: replace(cfg, tma=True) for kind, cfg in SMALL_TILES.items()}
     monkeypatch.setattr(configs, "OVERRIDES", tiles)
     used = []
-    real = launch._stream_args
+    real = launch_common._stream_args
     monkeypatch.setattr(
-        launch, "_stream_args", lambda kind, *a: used.append(kind) or _tma(real(kind, *a))
+        launch_common, "_stream_args", lambda kind, *a: used.append(kind) or _tma(real(kind, *a))
     )
     if packed:
         _check_varlen("triton", [19, 1, 40], [19, 1, 40], 4, 2, True, (7, -1))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from flashattn_testutil import reference_fwd_bwd, rel_err, run_fwd_bwd, saved_lse
 
 import flashattn_triton
-from flashattn_triton import FlashAttention2Triton, flash_attention, launch
+from flashattn_triton import FlashAttention2Triton, flash_attention, launch, launch_backward
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -120,7 +120,8 @@ def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch, set_options
         seen.add(kind)
         return run(kind, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "_run", spy)
+    for module in (launch, launch_backward):  # the forward's kernels, the backward's
+        monkeypatch.setattr(module, "_run", spy)
     q, k, v, do = _inputs(shape, shape[2], torch.bfloat16)
     _check(q, k, v, do, causal)
     assert seen == kinds
@@ -165,7 +166,8 @@ def test_poisoned_outputs_are_fully_written(monkeypatch):
     def poisoned(t, dtype=None):
         return real(t, dtype).fill_(float("nan"))
 
-    monkeypatch.setattr(launch, "out_like", poisoned)
+    for module in (launch, launch_backward):
+        monkeypatch.setattr(module, "out_like", poisoned)
     for causal in (False, True):
         q, k, v, do = _inputs((2, 3, 257, 64), 257, torch.bfloat16)
         out = run_fwd_bwd(FlashAttention2Triton.apply, q, k, v, do, causal)

@@ -14,7 +14,15 @@ import pytest
 import torch
 from flashattn_testutil import reference_fwd_bwd, rel_err, run_fwd_bwd, saved_lse
 
-from flashattn_triton import FlashAttention2Triton, configs, flash_attention, launch, options
+from flashattn_triton import (
+    FlashAttention2Triton,
+    configs,
+    flash_attention,
+    launch,
+    launch_backward,
+    launch_common,
+    options,
+)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -105,7 +113,8 @@ def test_split_backward_gets_delta_from_the_dq_kernel(
         kinds.append(kind)
         return run(kind, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "_run", spy_run)
+    for module in (launch, launch_backward):  # the forward's kernels, the backward's
+        monkeypatch.setattr(module, "_run", spy_run)
     _check(*_inputs((2,), n_q, n_k, d), causal)
     assert kinds[:3] == ["fwd", "dq", "dkdv"], kinds
     fused = configs.block_d_for(d) <= configs.FUSED_DELTA_MAX_D
@@ -128,7 +137,8 @@ def test_small_grid_path(n_q, n_k, causal, monkeypatch):
     """With one SM every causal grid here is small: the launches say so (tiles adapted by
     configs.for_small_grid) and the results still match the reference; non-causal grids do
     not count as small."""
-    monkeypatch.setattr(launch, "sm_count", lambda t: 1)
+    for module in (launch, launch_backward):
+        monkeypatch.setattr(module, "sm_count", lambda t: 1)
     monkeypatch.setattr(configs, "SMALL_GRID_MIN_SEQ", 1)
     seen = []
     run = launch._run
@@ -137,7 +147,8 @@ def test_small_grid_path(n_q, n_k, causal, monkeypatch):
         seen.append((kind, kwargs.get("small_grid", False)))
         return run(kind, *args, **kwargs)
 
-    monkeypatch.setattr(launch, "_run", spy)
+    for module in (launch, launch_backward):
+        monkeypatch.setattr(module, "_run", spy)
     _check(*_inputs((2,), n_q, n_k, 16), causal)
     kinds = {kind for kind, _ in seen}
     assert kinds == {"fwd", "dkdv", "dq"}  # float32: the split backward
@@ -221,18 +232,18 @@ def test_row_stats_padding(packed):
     the real L kept. Packed, the last two are the halves of one (B, H, 2, rows) buffer."""
     rows = configs.STATS_ROWS
     lse = torch.randn(2, 3, rows)
-    same, lse2, delta, stride = launch._stats_buffers(lse, rows, packed)
+    same, lse2, delta, stride = launch_backward._stats_buffers(lse, rows, packed)
     assert same.data_ptr() == lse.data_ptr()
     assert lse2.shape == delta.shape == lse.shape
     assert stride == (2 * rows if packed else rows) == lse2.stride(1) == delta.stride(1)
     lse = torch.randn(2, 3, 97)
-    padded, lse2, delta, stride = launch._stats_buffers(lse, 97, packed)
+    padded, lse2, delta, stride = launch_backward._stats_buffers(lse, 97, packed)
     assert padded.shape == lse2.shape == delta.shape == (2, 3, rows)
     assert torch.equal(padded[..., :97], lse)
     assert torch.isposinf(padded[..., 97:]).all()
     assert torch.isposinf(lse2[..., 97:]).all()
     assert not delta[..., 97:].any()
-    both = launch._packed_rows(lse2, delta)
+    both = launch_common._packed_rows(lse2, delta)
     if packed:
         assert both.shape == (6, 2, rows)
         lse2.copy_(torch.randn_like(lse2))
@@ -250,11 +261,11 @@ def test_row_stats_padding(packed):
 def test_packed_row_stats_by_pointers(
     scheme, n_q, n_k, causal, small_tiles, monkeypatch, set_options
 ):
-    """Packed L / D rows (``launch._stats_buffers``) read by pointers, not TMA (a dK/dV config
-    without ``tma`` whose statistics were packed anyway): their row strides are twice the
-    unpacked ones, padded (97) or not (256)."""
+    """Packed L / D rows (``launch_backward._stats_buffers``) read by pointers, not TMA (a
+    dK/dV config without ``tma`` whose statistics were packed anyway): their row strides are
+    twice the unpacked ones, padded (97) or not (256)."""
     set_options(backward=scheme)
-    monkeypatch.setattr(launch, "_stats_by_tma", lambda *args: True)
+    monkeypatch.setattr(launch_backward, "_stats_by_tma", lambda *args: True)
     _check(*_inputs((2,), n_q, n_k, 16), causal)
 
 

@@ -4,8 +4,10 @@ torch.compile-friendly custom op.
 Read top-down: ``reference`` (naive attention) -> ``torch_impl`` (FlashAttention2Torch) ->
 ``kernels`` (Triton) -> ``launch`` / ``launch_varlen`` / ``ops`` (custom ops) -> ``autograd``
 (FlashAttention2Triton) -> ``api`` (flash_attention, flash_attention_varlen, FlashAttention).
-``options`` holds the launch switches (``set_options``, ``use_options``), ``fastlaunch`` the
-cached launch plans, ``features`` what grouped-query heads, windows and packing ask of them.
+The launchers build on ``launch_common`` (one kernel's launch), ``launch_backward`` (the
+backward schemes) and ``launch_plans`` (launch-plan keys). ``options`` holds the launch
+switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans,
+``features`` what grouped-query heads, windows and packing ask of them.
 """
 
 from .api import BACKENDS, FlashAttention, flash_attention, flash_attention_varlen

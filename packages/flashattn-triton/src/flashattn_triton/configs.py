@@ -121,9 +121,9 @@ DEFAULTS: dict[str, dict[int, TileConfig]] = {
 FUSED_DELTA_MAX_D = 64
 
 # Rows of the backward's L and D buffers are padded to a multiple of this (L = +inf, D = 0
-# in the padding, ``launch._stats_buffers``) so that the dK/dV loop reads them without masks,
-# whose per-tile cost made the backward at ragged lengths up to 1.22x slower. Query tiles
-# longer than this (no table or candidate has one) keep the masks.
+# in the padding, ``launch_backward._stats_buffers``) so that the dK/dV loop reads them
+# without masks, whose per-tile cost made the backward at ragged lengths up to 1.22x slower.
+# Query tiles longer than this (no table or candidate has one) keep the masks.
 STATS_ROWS = 256
 # The TMA dK/dV kernel also brings each query tile's L (in log2 units) and D by TMA, one bulk
 # copy from their packed buffer instead of a per-thread asynchronous copy of every value a

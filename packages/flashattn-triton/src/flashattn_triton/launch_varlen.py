@@ -14,8 +14,21 @@ from __future__ import annotations
 import torch
 
 from . import configs as C
-from . import launch as L
+from ._device import kernels as _kernels
+from ._device import require_runnable
 from .features import Varlen, feature_args, features
+from .launch_backward import _backward_launches, _stats_buffers
+from .launch_common import (
+    _check_grid,
+    _dot_precision,
+    _interpreter_bf16,
+    _run,
+    _strides,
+    _unit_last_stride,
+    out_like,
+    triton_cdiv,
+)
+from .launch_plans import _launch_planned, _layout_key
 
 
 def _varlen_inputs(q, k, v, cu_q, cu_k) -> tuple[torch.Tensor, ...]:
@@ -43,14 +56,14 @@ def forward_varlen(
     (total, H, d) tensors), cu_q, cu_k int32 (batch + 1,) offsets, max_q, max_k the longest
     sequences -> o (1, H, total_q, d), lse (1, H, total_q) float32. Sequence s is queries
     cu_q[s]:cu_q[s+1] against keys cu_k[s]:cu_k[s+1] (the values are not checked here)."""
-    L.require_runnable(q)
-    if L._interpreter_bf16(q):
+    require_runnable(q)
+    if _interpreter_bf16(q):
         o32, lse = forward_varlen(
             q.float(), k.float(), v.float(), cu_q, cu_k, max_q, max_k, causal, softmax_scale,
             window_left, window_right,
         )  # fmt: skip
-        return L.out_like(q).copy_(o32), lse
-    o = L.out_like(q)
+        return out_like(q).copy_(o32), lse
+    o = out_like(q)
     _, h, total_q, d = q.shape
     batch = cu_q.shape[0] - 1
     lse = torch.empty((1, h, total_q), dtype=torch.float32, device=q.device)
@@ -59,35 +72,35 @@ def forward_varlen(
         return o, lse
     if k.shape[2] == 0 or max_k == 0:  # no key at all: every row is empty
         return o.zero_(), lse.fill_(float("-inf"))
-    q, k, v = (L._unit_last_stride(t) for t in (q, k, v))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     inputs = _varlen_inputs(q, k, v, cu_q, cu_k)
 
     def launch_jit() -> None:
-        kern = L._kernels()
+        kern = _kernels()
         block_d = C.block_d_for(d)
         args = {
             "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
-            **L._strides("q", q, True), **L._strides("k", k, True), **L._strides("v", v, True),
-            **L._strides("o", o, True),
+            **_strides("q", q, True), **_strides("k", k, True), **_strides("v", v, True),
+            **_strides("o", o, True),
             "n_heads": h, "n_q": total_q, "n_k": k.shape[2],
             "qk_scale": softmax_scale * kern.LOG2E, "head_group": batch * h, "GROUPED": False,
             "SEQ_BUCKET": C.seq_bucket(max(max_q, max_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
-            "DOT_PRECISION": L._dot_precision(q.dtype), **feature_args(feat, cu_q, cu_k),
+            "DOT_PRECISION": _dot_precision(q.dtype), **feature_args(feat, cu_q, cu_k),
         }  # fmt: skip
 
         def grid(cfg):
-            return (batch * h, L.triton_cdiv(max_q, cfg.block_m))
+            return (batch * h, triton_cdiv(max_q, cfg.block_m))
 
-        L._check_grid(L.triton_cdiv(max_q, 16), "max_seqlen_q", 16)
-        L._run(
+        _check_grid(triton_cdiv(max_q, 16), "max_seqlen_q", 16)
+        _run(
             "fwd", kern.attn_fwd_kernel, grid, args, max_q, max_k, block_d, q.element_size(),
             ragged=True, features=True,
         )  # fmt: skip
 
     key = None
     if q.is_cuda:
-        key = L._layout_key(inputs, "varlen_fwd", softmax_scale, feat, max_q, max_k)
-    L._launch_planned(key, inputs, (o, lse), launch_jit)
+        key = _layout_key(inputs, "varlen_fwd", softmax_scale, feat, max_q, max_k)
+    _launch_planned(key, inputs, (o, lse), launch_jit)
     return o, lse
 
 
@@ -109,33 +122,33 @@ def backward_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``forward_varlen``: dq, dk, dv shaped like its (1, H, total, d) q, k, v,
     from dO like q, o and lse (1, H, total_q)."""
-    L.require_runnable(q)
-    if L._interpreter_bf16(q):
+    require_runnable(q)
+    if _interpreter_bf16(q):
         grads = backward_varlen(
             do.float(), q.float(), k.float(), v.float(), o.float(), lse, cu_q, cu_k, max_q,
             max_k, causal, softmax_scale, window_left, window_right,
         )  # fmt: skip
-        return tuple(L.out_like(t).copy_(g) for t, g in zip((q, k, v), grads))
-    dq, dk, dv = L.out_like(q), L.out_like(k), L.out_like(v)
+        return tuple(out_like(t).copy_(g) for t, g in zip((q, k, v), grads))
+    dq, dk, dv = out_like(q), out_like(k), out_like(v)
     _, h, total_q, _ = q.shape
     feat = features(h, k.shape[1], causal, window_left, window_right, max_q, max_k)
     if total_q == 0 or k.shape[2] == 0 or max_q == 0 or max_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    do, q, k, v, o = (L._unit_last_stride(t) for t in (do, q, k, v, o))
+    do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
     varlen = Varlen(cu_q, cu_k, cu_q.shape[0] - 1, max_q, max_k)
     inputs = (*_varlen_inputs(q, k, v, cu_q, cu_k), do, o, lse)
     plan = ("split", "dkdv", False, False)
-    lse_c, lse2, delta, stride_rows = L._stats_buffers(lse, total_q, False)
+    lse_c, lse2, delta, stride_rows = _stats_buffers(lse, total_q, False)
 
     def launch_jit() -> None:
-        L._backward_launches(
+        _backward_launches(
             do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv, dq, causal,
             softmax_scale, plan, None, feat, varlen,
         )  # fmt: skip
 
     key = None
     if q.is_cuda:
-        key = L._layout_key(inputs, "varlen_bwd", softmax_scale, feat, max_q, max_k)
+        key = _layout_key(inputs, "varlen_bwd", softmax_scale, feat, max_q, max_k)
     outputs = (dq, dk, dv, lse2, delta) + ((lse_c,) if lse_c is not lse else ())
-    L._launch_planned(key, inputs, outputs, launch_jit)
+    _launch_planned(key, inputs, outputs, launch_jit)
     return dq, dk, dv

@@ -1,0 +1,340 @@
+"""The backward launcher: scheme choice, row-statistics buffers and the kernels' launches.
+
+Backward schemes (``Options.backward``): ``split`` = a dQ kernel looping over key tiles
+(for d <= 64 it also computes D = rowsum(dO * O) for its rows), then a dK/dV kernel looping
+over query tiles (no atomics, P recomputed twice; on Hopper, for d = 128 and TMA-readable
+layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids or with
+2048 keys or more the dQ kernel that of ``gluon_dq``);
+``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
+``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
+(default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
+batch 1 with few heads and long sequences), split otherwise. On small causal grids the split
+kernels also halve their grid-axis tiles (``configs.for_small_grid``).
+
+Calls with features (grouped-query heads, windows, packed sequences) always take the split
+backward with the Triton kernels (the Gluon, fused and atomic ones lack them); the packed
+launcher (``launch_varlen.backward_varlen``) shares ``_stats_buffers`` and
+``_backward_launches``. ``backward`` keeps its scheme choice per launch-plan key
+(``_BWD_SCHEMES``, emptied with the plans). ``launch.backward`` is this ``backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import configs as C
+from . import fastlaunch
+from ._device import head_group_args, require_runnable, sm_count, tma_usable
+from ._device import kernels as _kernels
+from .features import PLAIN, Features, Varlen, feature_args, features
+from .launch_common import (
+    _bhn_strides,
+    _check_grid,
+    _dot_precision,
+    _interpreter_bf16,
+    _run,
+    _small_grid,
+    _strides,
+    _unit_last_stride,
+    out_like,
+    triton_cdiv,
+)
+from .launch_plans import _launch_planned, _layout_key, keyed_cache
+from .options import get_options
+
+
+def _gluon_dkdv(*args, **kwargs) -> bool:
+    """``gluon_dkdv.try_dkdv`` (imported on first CUDA backward: it imports Triton's Gluon)."""
+    from . import gluon_dkdv
+
+    return gluon_dkdv.try_dkdv(*args, **kwargs)
+
+
+def _gluon_dq():
+    """The ``gluon_dq`` module (imported on first CUDA backward, like ``_gluon_dkdv``)."""
+    from . import gluon_dq
+
+    return gluon_dq
+
+
+def _gluon_reads_stats(q: torch.Tensor) -> bool:
+    """Whether a Gluon kernel may read this backward's row statistics (CUDA, a head dim in a
+    Gluon DEFAULTS table): they then stay in separate contiguous buffers, as its row TMA
+    needs."""
+    if not q.is_cuda:
+        return False
+    from . import gluon_dkdv, gluon_dq
+
+    return q.shape[-1] in gluon_dkdv.DEFAULTS or q.shape[-1] in gluon_dq.DEFAULTS
+
+
+def _stats_by_tma(
+    q: torch.Tensor,
+    kind: str | None,
+    n_q: int,
+    n_k: int,
+    block_d: int,
+    elem: int,
+    small: bool,
+    features: bool = False,
+) -> bool:
+    """Whether the Triton dK/dV kernel (``kind`` 'dkdv' or 'atomic') will bring L and D by
+    TMA, so that ``_stats_buffers`` packs them: configs.STATS_TMA, its default config asks
+    for TMA and q allows it, and no Gluon kernel may read them. (Packed rows read by pointers
+    cost registers instead: d = 32, 72 B of stack against 56.)"""
+    opts = get_options()
+    if kind is None or not C.STATS_TMA or opts.autotune or _gluon_reads_stats(q):
+        return False
+    cfg = C.default_config(
+        kind, n_q, n_k, block_d, elem, small, tile_configs=opts.tile_configs, features=features
+    )
+    return cfg.tma and tma_usable(q)
+
+
+def _stats_buffers(
+    lse: torch.Tensor, n_q: int, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The backward's (B, H, rows) float32 row statistics: L (natural log), buffers for L in
+    log2 units and for D (written by the kernel that computes D), and the row stride of the
+    last two. L is lse itself (made contiguous) where n_q is a multiple of
+    configs.STATS_ROWS, else a copy padded to one (L = +inf, D = 0 in the padding).
+
+    ``packed``: the last two are the [..., 0, :] and [..., 1, :] views of one (B, H, 2, rows)
+    buffer (stride 2 * rows), so that the dK/dV kernel brings a query tile's L and D by one
+    TMA copy; else two contiguous buffers (stride rows)."""
+    lse = lse.contiguous()
+    rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
+    if rows == n_q:  # the common case, kept to one allocation
+        if packed:
+            lse2, delta = lse.new_empty((*lse.shape[:-1], 2, rows)).unbind(-2)
+            return lse, lse2, delta, 2 * rows
+        lse2, delta = lse.new_empty((2, *lse.shape)).unbind(0)
+        return lse, lse2, delta, rows
+    padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
+    padded[..., :n_q] = lse
+    lse = padded
+    if not packed:
+        return lse, torch.full_like(lse, float("inf")), lse.new_zeros(lse.shape), rows
+    both = lse.new_empty((*lse.shape[:-1], 2, rows))
+    lse2, delta = both.unbind(-2)
+    lse2[..., n_q:] = float("inf")
+    delta[..., n_q:] = 0.0
+    return lse, lse2, delta, 2 * rows
+
+
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    only: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients dq, dk, dv (shaped like q, k, v) from dO (B, H, Nq, d) and the saved o, lse
+    (k, v with fewer heads and the window as in ``forward``).
+
+    ``only`` (benchmarks): run just that kernel kind ('dkdv', 'dq', 'fused', 'atomic') to
+    time it alone; the other outputs are then left unwritten.
+    """
+    require_runnable(q)
+    if _interpreter_bf16(q):
+        grads = backward(
+            do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale,
+            window_left, window_right,
+        )  # fmt: skip
+        return tuple(out_like(t).copy_(g) for t, g in zip((q, k, v), grads))
+    dq, dk, dv = out_like(q), out_like(k), out_like(v)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    feat = None
+    if window_left != -1 or window_right != -1 or k.shape[1] != h:
+        feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
+    if b * h == 0 or n_q == 0 or n_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    # A non-contiguous dO (e.g. the stride-0 ones of o.sum().backward()) is copied once:
+    # the kernels need unit-stride rows to vectorize their loads.
+    do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
+    inputs = (q, k, v, do, o, lse)
+    key = None
+    if q.is_cuda and only is None:
+        key = _layout_key(inputs, "bwd", causal, softmax_scale, feat)
+    plan = _BWD_SCHEMES.get(key) if key is not None else None
+    if plan is None:
+        plan = _backward_scheme(q, k, causal, feat)
+        if key is not None:
+            if len(_BWD_SCHEMES) >= 4096:
+                _BWD_SCHEMES.clear()
+            _BWD_SCHEMES[key] = plan
+    scheme, _, _, packed = plan
+    lse_c, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
+    if scheme == "atomic":
+        dq_acc = torch.zeros((b, h, n_q, C.block_d_for(d)), dtype=torch.float32, device=q.device)
+
+    def launch_jit() -> None:
+        _backward_launches(
+            do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv,
+            dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only, feat,
+        )  # fmt: skip
+
+    if scheme == "atomic":  # accumulates into dq_acc: never replayed
+        key = None
+    outputs = (dq, dk, dv, lse2, delta) + ((lse_c,) if lse_c is not lse else ())
+    _launch_planned(key, inputs, outputs, launch_jit)
+    if scheme == "atomic":
+        dq.copy_(dq_acc[..., :d])
+    return dq, dk, dv
+
+
+# Backward scheme choices by launch-plan key, dropped with the plans.
+_BWD_SCHEMES: dict[tuple, tuple[str, str | None, bool, bool]] = keyed_cache()
+
+
+def _backward_scheme(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, feat: Features | None = None
+) -> tuple[str, str | None, bool, bool]:
+    """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics).
+    Calls with features (``Features``) take the split backward on full-size tiles."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    block_d, elem = C.block_d_for(d), q.element_size()
+    _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
+    if feat is not None:
+        packed = _stats_by_tma(q, "dkdv", n_q, n_k, block_d, elem, False, features=True)
+        return "split", "dkdv", False, packed
+    n_sms = sm_count(q)
+    setting = get_options().backward
+    scheme = C.resolve_backward_scheme(setting, causal, b * h, n_k, block_d, elem, n_sms)
+    kind = {"split": "dkdv", "atomic": "atomic"}.get(scheme)  # the dK/dV kernel's, if Triton's
+    small_dkdv = _small_grid(causal, b * h, n_k, n_sms)
+    packed = _stats_by_tma(q, kind, n_q, n_k, block_d, elem, small_dkdv)
+    return scheme, kind, small_dkdv, packed
+
+
+def _backward_launches(
+    do, q, k, v, o, lse, lse2, delta, stride_rows, dq, dk, dv, dq_target,
+    causal: bool, softmax_scale: float, plan: tuple, only: str | None,
+    feat: Features | None = None, varlen: Varlen | None = None,
+) -> None:  # fmt: skip
+    """The backward's kernels through Triton's dispatch (``backward`` allocated every
+    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic scheme). ``feat``,
+    ``varlen``: the Triton dQ and dK/dV kernels with those features (split scheme only)."""
+    scheme, kind, small_dkdv, packed = plan
+    b, h, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    kern = _kernels()
+    block_d = C.block_d_for(d)
+    elem = q.element_size()
+    n_sms = sm_count(q)
+    plain = feat is None and varlen is None
+    # Grid rows and tile-fitting lengths: per (batch, head) and the lengths, or for packed
+    # sequences per (sequence, head) and the longest ones.
+    bh, bh_kv, len_q, len_k = b * h, b * h_kv, n_q, n_k
+    if varlen is not None:
+        bh, bh_kv, len_q, len_k = varlen.batch * h, varlen.batch * h_kv, varlen.max_q, varlen.max_k
+    ragged = varlen is not None
+    extra = {} if plain else feature_args(feat, *(varlen[:2] if ragged else ()))
+
+    def preprocess() -> None:  # D = rowsum(dO * O), and L in log2 units
+        pre_block = 64
+        fastlaunch.launch(
+            kern.attn_bwd_preprocess_kernel, (b * h, triton_cdiv(n_q, pre_block)),
+            o, do, delta, lse, lse2, *_bhn_strides(o), *_bhn_strides(do), h, n_q,
+            lse.shape[-1], stride_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
+        )  # fmt: skip
+
+    # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
+    # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
+    # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).
+    dq_first = scheme == "split" and only in (None, "dq")
+    fuse_delta = dq_first and block_d <= C.FUSED_DELTA_MAX_D
+    if not fuse_delta and only is None:
+        preprocess()
+    elif not fuse_delta:  # one kernel timed alone: D's values do not matter, L's do
+        delta.zero_()
+        lse2.copy_(lse * kern.LOG2E).masked_fill_(lse == float("-inf"), float("inf"))
+    common = {
+        "Q": q, "K": k, "V": v, "DO": do, "LSE": lse, "DELTA": delta,
+        **_strides("q", q, ragged), **_strides("k", k, ragged), **_strides("v", v, ragged),
+        **_strides("do", do, ragged),
+        "n_heads": h, "n_q": n_q, "n_k": n_k, "stride_stats": lse.shape[-1],
+        "qk_scale": softmax_scale * kern.LOG2E, "sm_scale": softmax_scale,
+        "SEQ_BUCKET": C.seq_bucket(max(len_q, len_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+        "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+    }  # fmt: skip
+    dkdv_out = {
+        "DK": dk, "DV": dv, "DQ": dq_target,
+        **_strides("dk", dk, ragged), **_strides("dv", dv, ragged),
+        **_strides("dq", dq_target, ragged),
+        "PADDED_STATS": lse.shape[-1] != n_q, "PACKED_STATS": packed,
+    }  # fmt: skip
+    if scheme == "fused":
+
+        def grid_fused(cfg):
+            n_tiles = max(triton_cdiv(n_k, cfg.block_n), triton_cdiv(n_q, cfg.block_n))
+            return (b * h, n_tiles)
+
+        _run(
+            "fused", kern.attn_bwd_fused_kernel, grid_fused,
+            {**common, **dkdv_out, "stride_rows": stride_rows},
+            n_q, n_k, block_d, elem,
+        )  # fmt: skip
+        return
+
+    if dq_first:
+        # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
+        gluon_dq_ran = False
+        if plain and q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
+            if fuse_delta:
+                preprocess()  # the Gluon kernel reads D
+            gluon_dq_ran = _gluon_dq().run_default(
+                q, k, v, do, lse, delta, dq, causal, softmax_scale
+            )
+        if not gluon_dq_ran:  # (after a failed Gluon compile it recomputes D: the same)
+
+            def grid_queries(cfg):
+                return (bh, triton_cdiv(len_q, cfg.block_m))
+
+            dq_args = {
+                **common, "LSE2": lse2, "stride_rows": stride_rows, "DQ": dq,
+                **_strides("dq", dq, ragged), "Out": o, **_strides("o", o, ragged),
+                "FUSE_DELTA": fuse_delta, **PLAIN, **extra,
+            }  # fmt: skip
+            if ragged:
+                dq_args.update(head_group=bh, GROUPED=False)
+            else:
+                dq_args.update(head_group_args(k, bh, n_k, block_d))
+            _run(
+                "dq", kern.attn_bwd_dq_kernel, grid_queries, dq_args, len_q, len_k, block_d,
+                elem, small_grid=plain and _small_grid(causal, bh, n_q, n_sms), ragged=ragged,
+                features=not plain,
+            )  # fmt: skip
+
+    def grid_keys(cfg):
+        return (bh_kv, triton_cdiv(len_k, cfg.block_n))
+
+    # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
+    gluon_ran = (
+        plain
+        and kind == "dkdv"
+        and only in (None, kind)
+        and q.is_cuda
+        and _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, softmax_scale, lse_log2=True)
+    )
+    if only in (None, kind) and not gluon_ran:
+        dkdv_args = {
+            **common, **dkdv_out, "LSE": lse2, "LSE_LOG2": True,
+            "ATOMIC_DQ": scheme == "atomic", "n_heads": h_kv, **PLAIN, **extra,
+        }  # fmt: skip
+        if ragged:
+            dkdv_args.update(head_group=bh_kv, GROUPED=False)
+        else:
+            dkdv_args.update(head_group_args(q, bh_kv, n_q * (h // h_kv), block_d))
+        _run(
+            kind, kern.attn_bwd_dkdv_kernel, grid_keys, dkdv_args, len_q, len_k, block_d,
+            elem, small_grid=small_dkdv, ragged=ragged, features=not plain,
+        )  # fmt: skip
