@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,18 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet", "--device", "cpu"]
 FAST = ["--warmup", "1", "--steps", "2"]
+README = Path(__file__).parents[1] / "README.md"
+# the README's CPU command
+CPU_TP2 = [*TINY[:6], *FAST, "--nprocs", "2", "--tp", "2", "--device", "cpu"]
+
+
+def _readme_tp_commands() -> list[list[str]]:
+    """Every `python -m perf_tools.bench ... --tp ...` line of the README, as argv."""
+    out = []
+    for line in README.read_text().splitlines():
+        if line.startswith("python -m perf_tools.bench ") and " --tp " in line:
+            out.append(shlex.split(line)[3:])
+    return out
 
 
 def _tiny():
@@ -42,8 +56,10 @@ def _rows(path):
 
 
 def test_tp2_on_two_ranks_writes_a_row(tmp_path):
+    """The README's CPU command, with output files."""
+    assert CPU_TP2 in _readme_tp_commands()
     out, table = tmp_path / "t.json", tmp_path / "t.csv"
-    argv = [*TINY, *FAST, "--nprocs", "2", "--tp", "2", "--peak-tflops", "1"]
+    argv = [*CPU_TP2, "--quiet", "--peak-tflops", "1"]
     assert bench.main([*argv, "--json", str(out), "--csv", str(table)]) == 0
     (r,) = _rows(out)
     assert r["status"] == "ok", r
@@ -153,6 +169,20 @@ def test_bad_tp_flags_fail_before_any_rank_starts(argv, needles, capsys, monkeyp
     err = capsys.readouterr().err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+def test_readme_tp_commands_parse(monkeypatch):
+    """Every --tp command of the README passes the flag checks (heads, batch, mesh); the GPU
+    ones checked as on a CPU (nothing is built or spawned)."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    commands = _readme_tp_commands()
+    assert len(commands) >= 4
+    for argv in commands:
+        argv = [a for a in argv if a not in ("--device", "cpu")]
+        args = bench.parse_args([*argv, "--device", "cpu"])
+        assert args.tp == 2, argv
+        assert bench.specs_from_args(args), argv
 
 
 def test_heads_advice_names_shapes_that_split():
@@ -280,3 +310,32 @@ def test_aggregate_puts_the_prediction_beside_the_measurement():
         dataclasses.replace(job, mode="fwd-bwd"), [_rank_result(0, "H100 SXM")] * 2
     )
     assert "pred_step_ms" not in fwd_bwd  # the planner predicts training steps
+
+
+# ----------------------------------------------------------------------------- 2 GPUs
+
+
+@pytest.mark.nccl
+def test_two_gpus_tp2_beside_fsdp2(tmp_path):
+    """The same global batch (2 x 64 tokens) as TP=2 and as FSDP=2 over NCCL, bf16."""
+    import torch
+
+    from perf_tools import hardware
+
+    base = ["--size", "tiny", "--context", "64", "--quiet", *FAST, "--device", "cuda"]
+    base += ["--nprocs", "2", "--precision", "bf16"]
+    tp_out, fsdp_out = tmp_path / "tp.json", tmp_path / "fsdp.json"
+    assert bench.main([*base, "--batch", "2", "--tp", "2", "--json", str(tp_out)]) == 0
+    assert bench.main([*base, "--batch", "1", "--fsdp", "torch", "--json", str(fsdp_out)]) == 0
+    (tp,), (fsdp,) = _rows(tp_out), _rows(fsdp_out)
+    assert (tp["tp"], tp["dp"], fsdp["tp"], fsdp["dp"]) == (2, 1, 1, 2)
+    known = hardware.device_key(torch.device("cuda", 0)) in ("H100 SXM", "H200 SXM")
+    for r in (tp, fsdp):
+        assert r["status"] == "ok", r
+        assert r["device"] == "nccl: 2 x cuda"
+        assert r["global_batch"] == 2
+        assert r["peak_mem_gib"] > 0
+        assert r["fwd_ms"] > 0  # CUDA-event phases
+        if known:
+            assert r["pred_step_ms"] > 0
+            assert r["pred_mem_gib"] > 0
