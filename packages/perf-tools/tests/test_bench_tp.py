@@ -97,6 +97,7 @@ def test_sequence_parallel_bf16_fused_loss_checkpointed(tmp_path):
     assert r["params_per_rank_M"] * 1e6 == pytest.approx(_local_params(2, 1))
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores: 12-20 s
 def test_2d_mesh_on_four_ranks(tmp_path):
     """--nprocs 4 --tp 2 --fsdp torch: 2 data-parallel groups of 2 TP ranks."""
     out = tmp_path / "m.json"
