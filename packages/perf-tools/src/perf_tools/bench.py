@@ -11,7 +11,10 @@ Multi-GPU mode (`--nprocs N --fsdp ours|torch`, see `perf_tools.bench_dist`): ev
 trains on N ranks (spawned here, or under torchrun), the model sharded by zero_shard.FSDP or
 torch's fully_shard; `--batch` is per rank. Rows report the slowest rank's step time (median
 over steps), tokens/s over all ranks, MFU and peak memory per GPU, and for `--fsdp ours` how
-long the compute waited for the all-gathers (`gather_wait_ms`, `units_waited`).
+long the compute waited for the all-gathers (`gather_wait_ms`, `units_waited`). `--tp K`
+(`perf_tools.bench_tp`): tensor parallel over K ranks, with `--fsdp torch` data parallel over
+N / K (2-D); `--batch` is then per data-parallel group. Train rows on a known GPU add the
+planner's prediction (`pred_step_ms`, `pred_mem_gib`; `perf_tools.bench_predict`).
 
 This module is the command line (flags, the sweep's cells, the table); the cells are measured
 by `perf_tools.cells` (one process) or `perf_tools.bench_dist` (N ranks) through the harness.
@@ -23,6 +26,8 @@ Examples:
   python -m perf_tools.bench --size 2.7B --mode train --steps 3 --memory-snapshot mem.pickle
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
+  python -m perf_tools.bench --size xl --num-heads 20 --nprocs 2 --tp 2 --precision bf16
+  python -m perf_tools.bench --size 2.7B --nprocs 4 --tp 2 --fsdp torch --sequence-parallel
   python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \\
       --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \\
       --attention sdpa --warmup 1 --steps 3
@@ -51,6 +56,7 @@ from perf_tools.bench_dist import (
     set_tf32,
     torch_fully_shard,
 )
+from perf_tools.bench_tp import add_tp_args, check_tp_args
 from perf_tools.cells import HF, OURS, BenchOptions, BenchSpec, run_sweep
 from perf_tools.model_args import (
     GPU_DEFAULT_SIZES,
@@ -91,6 +97,9 @@ TABLE_COLUMNS = [
     "context",
     "nprocs",
     "fsdp",
+    "tp",
+    "dp",
+    "seq_parallel",
     "act_ckpt",
     "fused_loss",
     "blas",
@@ -107,6 +116,8 @@ TABLE_COLUMNS = [
     "tflops",
     "mfu_pct",
     "peak_mem_gib",
+    "pred_step_ms",
+    "pred_mem_gib",
     "gather_wait_ms",
     "units_waited",
     "warmup_s",
@@ -116,6 +127,7 @@ TABLE_COLUMNS = [
 OPTIONAL_CONFIG_COLUMNS = {
     "act_ckpt": "none",
     "fused_loss": False,
+    "seq_parallel": False,
     "blas": "default",
     "matmul": "default",
 }
@@ -191,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="multi-GPU mode: kill a cell's ranks after this long (default 1800)",
     )
+    add_tp_args(m)
     t = p.add_argument_group("timing")
     t.add_argument(
         "--batch",
@@ -286,18 +299,21 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     args.fsdps = _cli.flatten(args.fsdp)
     args.backend = "nccl" if args.device.type == "cuda" else "gloo"
     torchrun = _dist.under_torchrun()
-    if args.fsdps is None:
+    if args.fsdps is None and args.tp == 1:
+        if args.sequence_parallel:
+            parser.error("argument --sequence-parallel: needs --tp K with K > 1")
         if args.nprocs is not None:
             parser.error(
                 "argument --nprocs: the multi-GPU mode trains a sharded model; add "
-                "--fsdp ours or --fsdp torch"
+                "--fsdp ours or --fsdp torch (or --tp N: tensor parallel)"
             )
         return
     if args.matmuls != ["default"]:
         parser.error("argument --matmul: the multi-GPU mode runs the default matmul only")
+    via = "--fsdp" if args.fsdps else "--tp"  # the flag that asked for the multi-GPU mode
     if args.nprocs is None and not torchrun:
         parser.error(
-            "argument --fsdp: needs --nprocs N (ranks to spawn), or run the command under torchrun"
+            f"argument {via}: needs --nprocs N (ranks to spawn), or run the command under torchrun"
         )
     if torchrun:
         world = int(os.environ["WORLD_SIZE"])
@@ -307,11 +323,12 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
                 "leave --nprocs out under torchrun"
             )
         args.nprocs = world
+    check_tp_args(parser, args)  # pure TP (no --fsdp) sets args.fsdps = ["none"]
     if args.mode is None:
         args.modes = ["train"]
     if "forward" in args.modes:
         parser.error(
-            "argument --fsdp: the multi-GPU mode times fwd-bwd and train steps; drop --mode forward"
+            f"argument {via}: the multi-GPU mode times fwd-bwd and train steps; drop --mode forward"
         )
     for flag, used in (
         ("--compile", args.compile != "off"),
@@ -322,7 +339,7 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         ("--profile", args.profile is not None),
     ):
         if used:
-            parser.error(f"argument {flag}: not available in the multi-GPU mode (--fsdp)")
+            parser.error(f"argument {flag}: not available in the multi-GPU mode ({via})")
     if args.backend == "nccl":
         have = torch.cuda.device_count()
         if not torchrun and args.nprocs > have:
@@ -439,6 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend=args.backend,
         timeout_s=args.timeout_s,
         blas=args.blas,
+        tp=args.tp,
+        sequence_parallel=args.sequence_parallel,
     )
     specs = specs_from_args(args)
     if args.fsdps and _dist.under_torchrun():
@@ -483,10 +502,11 @@ def _title(opts: BenchOptions, rows: Sequence[dict[str, Any]]) -> str:
     mfu = any(r.get("mfu_pct") is not None for r in rows)
     if opts.nprocs is not None:
         per_gpu = "TFLOP/s, MFU, memory per GPU" if mfu else "TFLOP/s, memory per GPU"
+        per = "rank" if opts.tp == 1 else f"data-parallel group (tp {opts.tp})"
         return (
             f"perf_tools.bench on {opts.nprocs} x {dev} ({opts.backend}): batch {opts.batch} "
-            f"per rank, {opts.warmup} warm-up + {opts.steps} measured steps (median ms per step "
-            f"of the slowest rank; tokens/s of all ranks; {per_gpu})"
+            f"per {per}, {opts.warmup} warm-up + {opts.steps} measured steps (median ms per "
+            f"step of the slowest rank; tokens/s of the global batch; {per_gpu})"
         )
     what = "ms per step; MFU against the peak TFLOP/s" if mfu else "ms per step"
     return (

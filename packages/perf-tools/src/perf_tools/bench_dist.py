@@ -16,13 +16,18 @@ and trains on its own random batch (`--batch` sequences per rank):
   torch  torch.distributed.fsdp.fully_shard on every block, then on the root, with
          MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16; lm_core AdamW
          over the (DTensor) parameters. Gradients are reduced inside backward (no sync phase).
+  --tp K tensor parallel over K ranks, data parallel (fully_shard) over N / K with --fsdp
+         torch: `perf_tools.bench_tp` (lm_core's trainer engine); `--batch` is then per
+         data-parallel group, shared by the K ranks of a TP group.
 
 No autocast in this mode: the wrapper's compute dtype is the precision (bf16 weights,
-activations and matmuls; fp32 master weights, gradients and optimizer state).
+activations and matmuls; fp32 master weights, gradients and optimizer state); pure TP (no
+wrapper) runs bf16 under autocast. Train rows also get the planner's prediction
+(`perf_tools.bench_predict`).
 
 Per cell: warm-up steps, then measured steps, each ending with a device synchronize. A step's
 time is the slowest rank's (a collective step ends when every rank is done); the row shows the
-median over the measured steps and derives tokens/s (all ranks' tokens), TFLOP/s and MFU per
+median over the measured steps and derives tokens/s (the global batch's), TFLOP/s and MFU per
 GPU (FLOPs of the global batch / N / step time / peak) from that median; peak memory is the
 largest `max_memory_allocated` over the ranks. With `--fsdp ours` every wait of a unit for its
 all-gather is timed (`FSDP.record_gather_waits`: CUDA events on the compute stream): per step
@@ -55,8 +60,16 @@ import torch.distributed as dist
 from torch import nn
 
 from perf_tools import _dist, hardware, harness, timing
+from perf_tools.bench_predict import fsdp_memory_estimate, planner_columns
+from perf_tools.bench_tp import wrap_tp
 from perf_tools.cells import BenchOptions, BenchSpec, cell_row
-from perf_tools.models import build_model, count_params, random_batch, resolve_config
+from perf_tools.models import (
+    build_model,
+    count_local_params,
+    count_params,
+    random_batch,
+    resolve_config,
+)
 from perf_tools.steps import PhaseTimer, make_step
 
 FSDP_KINDS = ("ours", "torch")
@@ -85,6 +98,10 @@ class DistJob:
     quiet: bool = True
     tf32: bool = False  # TF32 matmuls; each spawned rank sets the flag (it is per process)
     blas: str = "default"  # CUDA BLAS library, likewise set by each rank
+    # tensor parallel over groups of tp ranks (perf_tools.bench_tp); with fsdp "none" the
+    # world is one TP group (pure TP), with "torch" the mesh is 2-D
+    tp: int = 1
+    sequence_parallel: bool = False
 
 
 def torch_fully_shard() -> tuple[Callable[..., Any], type]:
@@ -110,69 +127,6 @@ def torch_fully_shard() -> tuple[Callable[..., Any], type]:
         ) from None
 
 
-# ----------------------------------------------------------------------------- memory model
-
-
-def fsdp_memory_estimate(
-    config: Any,
-    *,
-    world: int,
-    batch: int,
-    context: int,
-    group_size: int,
-    compute_bytes: int = 2,
-) -> dict[str, float]:
-    """Bytes per GPU of a training step of lm_core's model under zero_shard.FSDP, lm_core
-    AdamW and the fused loss (`--fsdp ours --fused-loss --mode train`), batch per rank.
-
-    P_s sharded parameters (every Linear / Embedding weight), P_r replicated (the norms),
-    N ranks, b = `compute_bytes` (2 for bf16), a = batch * context * d_model * b (one block
-    input), k = `group_size` blocks per checkpointed group (0: none):
-      params  4 P_s / N + 4 P_r      fp32 shards and norms
-      grads   4 P_s / N + 4 P_r      created during backward (None during forward)
-      optim   8 P_s / N + 8 P_r      AdamW's two fp32 moments
-      activations  (activation_memory(L, k, r) + 2) * a   stored block inputs and the last
-                   group's activations (r = lm_core's single-dtype block ratio: no autocast
-                   under FSDP), plus the final norm's input and output
-      head    V D (b + 4 + b) + C V b + a   at the LM head, end of forward: the gathered
-              weight, the fused loss's fp32 dW accumulator (b < 4) and its result in b bytes,
-              one logits chunk of C = default_chunk_size rows, dh
-    end_of_forward = params + optim + activations + head; end_of_backward = params + grads +
-    optim + 3 V D b (the embedding gathered, its gradient, the reduce-scatter input); peak =
-    their maximum, `upper_bound` = everything at once. Not counted: the CUDA context, NCCL
-    buffers and allocator fragmentation (`peak_reserved_gib` shows the latter).
-    """
-    from lm_core.activation_ckpt import activation_memory, block_activation_ratio
-    from lm_core.fused_loss import default_chunk_size
-
-    d, f, n_layers, vocab = config.d_model, config.d_ff, config.num_layers, config.vocab_size
-    replicated = 2 * d * n_layers + d
-    sharded = 2 * vocab * d + n_layers * (4 * d * d + 3 * d * f)
-    b = compute_bytes
-    params = 4 * sharded / world + 4 * replicated
-    grads = params
-    optim = 2 * params
-    a = batch * context * d * b
-    stored = activation_memory(n_layers, group_size, block_activation_ratio(config))
-    activations = (stored + 2) * a
-    tokens = batch * context
-    head = vocab * d * (b + (4 if b < 4 else 0) + b)
-    head += default_chunk_size(tokens, d, vocab) * vocab * b + a
-    end_fwd = params + optim + activations + head
-    end_bwd = params + grads + optim + 3 * vocab * d * b
-    return {
-        "params": params,
-        "grads": grads,
-        "optim": optim,
-        "activations": activations,
-        "head": head,
-        "end_of_forward": end_fwd,
-        "end_of_backward": end_bwd,
-        "peak": max(end_fwd, end_bwd),
-        "upper_bound": params + grads + optim + activations + head,
-    }
-
-
 # ----------------------------------------------------------------------------- rank side
 
 
@@ -182,7 +136,7 @@ def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, 
     model = build_model(config, device)
     model.train()
     k = 0
-    if job.act_ckpt != "none":
+    if job.act_ckpt != "none" and job.tp == 1:  # TP checkpoints after sharding (bench_tp)
         from lm_core.activation_ckpt import (
             apply_activation_checkpointing,
             block_activation_ratio,
@@ -253,7 +207,22 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, k = _build(job, config, device)
     n_params = count_params(model)
-    runner, sync, fsdp = _wrap(job, model)
+    if job.tp > 1:
+        fsdp = None
+        runner, sync, k = wrap_tp(
+            model,
+            config,
+            rank=rank,
+            world=dist.get_world_size(),
+            device=device,
+            tp=job.tp,
+            sequence_parallel=job.sequence_parallel,
+            fsdp=job.fsdp == "torch",
+            bf16=job.precision == "bf16",
+            act_ckpt=job.act_ckpt,
+        )
+    else:
+        runner, sync, fsdp = _wrap(job, model)
     timing.synchronize(device)
     build_s = time.perf_counter() - t0
     optimizer = None
@@ -261,8 +230,9 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         optimizer = AdamW(
             list(runner.parameters()), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
         )
-    # every rank its own tokens, as data parallelism has
-    x, y = random_batch(job.batch, job.context, config.vocab_size, device, job.seed + rank)
+    # every data-parallel group its own tokens (the ranks of a TP group share them)
+    dp_rank = rank // job.tp
+    x, y = random_batch(job.batch, job.context, config.vocab_size, device, job.seed + dp_rank)
     timer = PhaseTimer(device)
     step = make_step(
         runner,
@@ -270,7 +240,8 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         inputs=x,
         targets=y,
         loss_fn=None if job.fused_loss else cross_entropy,
-        precision="fp32",  # the wrapper casts: no autocast on top
+        # the FSDP wrapper casts: no autocast on top; pure TP has no wrapper: autocast
+        precision=job.precision if job.fsdp == "none" else "fp32",
         optimizer=optimizer,
         timer=timer,
         sync=sync,
@@ -287,7 +258,7 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         timing.reset_peak_memory(device)
         waits.clear()
 
-    label = None if job.quiet or rank != 0 else f"{job.size} {job.fsdp} FSDP rank 0"
+    label = None if job.quiet or rank != 0 else f"{job.size} {job.fsdp} FSDP tp {job.tp} rank 0"
     result = timing.time_steps(
         step,
         warmup=job.warmup,
@@ -309,6 +280,7 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         ),
         "waits": waits,
         "params": n_params,
+        "local_params": count_local_params(runner),
         "build_s": build_s,
         "act_ckpt_k": k,
         "config": dataclasses.asdict(config),
@@ -318,6 +290,7 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         if peak is None:
             peak = hardware.peak_tflops(job.precision, device)
         out["peak_tflops"] = peak
+        out["gpu"] = hardware.device_key(device)  # the planner's hardware (bench_predict)
     del step, optimizer, runner, model
     return out
 
@@ -360,12 +333,13 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
     if any(r.get("status") == "OOM" for r in per_rank):
         return {"status": "OOM"}
     world = len(per_rank)
+    global_batch = job.batch * (world // job.tp)  # --batch is per data-parallel group
     steps = _dist.slowest_per_step([r["samples"] for r in per_rank])
     stats = timing.Stats.of(steps).scaled(1e3)
     median_s = stats.median / 1e3
     r0 = per_rank[0]
     config = ModelConfig(**r0["config"])
-    flops = step_flops(config, job.batch * world, job.context, job.mode)  # the global batch
+    flops = step_flops(config, global_batch, job.context, job.mode)
     per_gpu = flops / world
     peak = r0.get("peak_tflops")
     mfu = hardware.mfu(per_gpu, median_s, peak)
@@ -388,7 +362,7 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
         "bwd_ms": phase("backward"),
         "sync_ms": phase("sync"),
         "opt_ms": phase("optimizer"),
-        "tokens_per_s": job.batch * world * job.context / median_s,
+        "tokens_per_s": global_batch * job.context / median_s,
         "tflops": per_gpu / median_s / 1e12,
         "mfu_pct": None if mfu is None else 100.0 * mfu,
         "peak_tflops": peak,
@@ -398,6 +372,7 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
         "warmup_s": max(r["warmup_s"] for r in per_rank),
         "first_step_s": _first_step(per_rank),
         "params_M": r0["params"] / 1e6,
+        "params_per_rank_M": max(r["local_params"] for r in per_rank) / 1e6,
         "build_s": max(r["build_s"] for r in per_rank),
         "act_ckpt_k": r0["act_ckpt_k"],
         "d_model": config.d_model,
@@ -407,6 +382,20 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
         "vocab_size": config.vocab_size,
         "attention": config.attention,
     }
+    if job.mode == "train":
+        row.update(
+            planner_columns(
+                config,
+                nprocs=world,
+                tp=job.tp,
+                batch=job.batch,
+                context=job.context,
+                precision=job.precision,
+                act_ckpt=job.act_ckpt,
+                gpu=r0.get("gpu"),
+                peak_tflops=peak,
+            )
+        )
     if job.fsdp == "ours":
         row.update(_wait_columns([r["waits"] for r in per_rank]))
         if job.fused_loss and job.mode == "train":
@@ -537,6 +526,8 @@ def dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
         quiet=not opts.progress,
         tf32=bool(torch.backends.cuda.matmul.allow_tf32),
         blas=opts.blas,
+        tp=opts.tp,
+        sequence_parallel=opts.sequence_parallel,
     )
 
 

@@ -96,6 +96,8 @@ class BenchOptions:
     backend: str = "gloo"  # multi-GPU mode: nccl (GPUs) or gloo (CPU)
     timeout_s: float = 1800.0  # multi-GPU mode: limit per cell
     blas: str = "default"  # CUDA BLAS library (recorded; set process-wide by set_blas)
+    tp: int = 1  # multi-GPU mode: tensor-parallel degree (perf_tools.bench_tp)
+    sequence_parallel: bool = False  # multi-GPU mode with tp > 1
 
 
 def _loss_fn(impl: str) -> Any:
@@ -400,7 +402,10 @@ def cell_row(
         "device": str(opts.device),
     }
     if spec.fsdp is not None:
-        row.update(nprocs=opts.nprocs, fsdp=spec.fsdp, global_batch=opts.batch * opts.nprocs)
+        assert opts.nprocs is not None
+        dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
+        row.update(nprocs=opts.nprocs, fsdp=spec.fsdp, global_batch=opts.batch * dp)
+        row.update(tp=opts.tp, dp=dp, mesh=f"{dp}x{opts.tp}", seq_parallel=opts.sequence_parallel)
         row["device"] = f"{opts.backend}: {opts.nprocs} x {opts.device.type}"
     row.update(info)
     row["attention"] = row.get("attention") or spec.attention or "default"

@@ -87,6 +87,13 @@ def count_params(model: nn.Module) -> int:
     return total
 
 
+def count_local_params(model: nn.Module) -> int:
+    """Parameter elements this rank holds: a DTensor's local shard (TP, fully_shard), a plain
+    tensor (a zero_shard.FSDP shard, a replicated weight) in full."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in unique)
+
+
 def random_batch(
     batch: int, seq: int, vocab: int, device: torch.device | str, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -245,9 +245,11 @@ def _micro_batches(sequences: float, micro_batch: int | None) -> list[int]:
     return out
 
 
-def _row(
+def predict(
     layout: Layout, work: Workload, hw: Hardware, micro_batch: int, ckpt: bool
 ) -> dict[str, Any]:
+    """One configuration's predicted row: `micro_batch` sequences per data-parallel group and
+    micro-step, activation checkpointing of every block or none (`evaluate` picks them)."""
     n = layout.devices
     sequences = work.sequences / layout.dp
     micro_steps = math.ceil(sequences / micro_batch - 1e-9)
@@ -298,7 +300,7 @@ def evaluate(
     and micro-step; `micro_batch` fixes it) with and without activation checkpointing, the
     fastest overlapped step that fits; when none fits, the smallest-memory one (fits False)."""
     options = [
-        _row(layout, work, hw, mb, ckpt)
+        predict(layout, work, hw, mb, ckpt)
         for mb in _micro_batches(work.sequences / layout.dp, micro_batch)
         for ckpt in (False, True)
     ]
