@@ -8,9 +8,10 @@ file or in Python).
 
 Derived values: `optim.min_lr` (max_lr / 10), `optim.cosine_steps` (training.steps),
 `model.context_length` and `model.vocab_size` (the preset's, or the vocabulary of the `--data`
-sidecar written by `lm_core.tokenize encode`), `data.eot_id` (the sidecar's),
-`logging.metrics` (log_dir or out_dir / metrics.jsonl) and a normalized
-`training.activation_checkpointing`. A resolved config resolves to itself.
+sidecar written by `lm_core.tokenize encode`), `data.eot_id` (the sidecar's) and a normalized
+`training.activation_checkpointing`. The metrics log's path stays derived
+(`TrainConfig.metrics_path`), so a resolved config moved to another `out_dir` logs there. A
+resolved config resolves to itself.
 """
 
 from __future__ import annotations
@@ -101,10 +102,6 @@ def resolve_config(
             "data.eot_id",
             f"{n('data.eot_id')} must be a token id in [0, {model.vocab_size}), got {eot}",
         )
-    if c.logging.metrics is None and c.logging.log_dir is not None:
-        c.logging.metrics = c.logging.log_dir / "metrics.jsonl"
-    if c.logging.metrics is None and c.checkpoint.out_dir is not None:
-        c.logging.metrics = c.checkpoint.out_dir / "metrics.jsonl"
     if check_run_dir:
         _check_run_dir(c, n)
     return c
@@ -310,7 +307,7 @@ def _check_run_dir(c: TrainConfig, n: KeyNames) -> None:
     if ck.overwrite:
         return
     ckpt = ck.out_dir / CHECKPOINT_NAME if ck.out_dir is not None else None
-    existing = existing_run_files(ckpt, c.logging.metrics)
+    existing = existing_run_files(ckpt, c.metrics_path)
     where = (
         n.setting("checkpoint.out_dir", ck.out_dir)
         if ck.out_dir is not None

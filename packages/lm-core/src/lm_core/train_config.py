@@ -192,7 +192,7 @@ class LoggingOptions:
     """logging: metrics log, progress bar, TensorBoard, MFU."""
 
     every: int = _opt(10, "steps between log lines", flag="--log-every")
-    metrics: Path | None = _opt(None, "metrics JSONL [out_dir/metrics.jsonl]")
+    metrics: Path | None = _opt(None, "metrics JSONL [log_dir/, else out_dir/metrics.jsonl]")
     progress: bool = _opt(True, "progress bar (tqdm)")
     log_dir: Path | None = _opt(
         None, "TensorBoard events (if tensorboard is installed) and metrics.jsonl"
@@ -245,6 +245,15 @@ class TrainConfig:
             if f.name != "size" and getattr(opts, f.name) is not None
         }
         return get_config(opts.size, **overrides)
+
+    @property
+    def metrics_path(self) -> Path | None:
+        """Where the metrics log goes: logging.metrics, else log_dir / metrics.jsonl, else
+        out_dir / metrics.jsonl, else nowhere (None)."""
+        for where in (self.logging.log_dir, self.checkpoint.out_dir):
+            if self.logging.metrics is None and where is not None:
+                return where / "metrics.jsonl"
+        return self.logging.metrics
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}}: plain Python values (paths as str, None kept)."""

@@ -231,7 +231,7 @@ class _Log:
                 self.bar = tqdm(total=steps, initial=start, desc="train", unit="step")
             except ImportError:
                 pass
-        metrics, overwrite = config.logging.metrics, config.checkpoint.overwrite
+        metrics, overwrite = config.metrics_path, config.checkpoint.overwrite
         if metrics is not None:
             metrics.parent.mkdir(parents=True, exist_ok=True)
             if config.checkpoint.resume is not None and not overwrite:
