@@ -8,6 +8,7 @@ import re
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -237,6 +238,21 @@ def test_run_checks_configs_built_in_python():
     config.optim = {"max_lr": 1e-3}  # type: ignore[assignment]
     with pytest.raises(ConfigError, match="optim: expected a OptimOptions"):
         run(config)
+
+
+def test_values_assigned_in_python_are_converted_like_toml_values(tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(5000) % 256)
+    config = TrainConfig()
+    config.data.path = str(tokens)  # type: ignore[assignment]  # a str where a Path is expected
+    config.optim.max_lr = 1  # an int where a float is expected
+    resolved = resolve_config(config)
+    assert resolved.data.path == tokens
+    assert isinstance(resolved.optim.max_lr, float)
+    assert config.data.path == str(tokens)  # the caller's config is left alone
+    config.optim.max_lr = True  # a bool is no number
+    with pytest.raises(ConfigError, match=r"optim\.max_lr: expected a number, got True"):
+        resolve_config(config)
 
 
 def test_dump_config_writes_the_merged_options(tmp_path, capsys):

@@ -16,7 +16,6 @@ resolved config resolves to itself.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +63,7 @@ def resolve_config(
     another run that this one would overwrite.
     """
     n = names or KeyNames()
-    config.check_types()
-    c = copy.deepcopy(config)  # the caller's config is left alone
+    c = config.checked()  # a copy: the caller's config is left alone
     _check_ranges(c, n)
     try:
         c.training.activation_checkpointing = parse_every(c.training.activation_checkpointing)

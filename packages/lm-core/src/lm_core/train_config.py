@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -250,10 +251,10 @@ class TrainConfig:
     def metrics_path(self) -> Path | None:
         """Where the metrics log goes: logging.metrics, else log_dir / metrics.jsonl, else
         out_dir / metrics.jsonl, else nowhere (None)."""
-        for where in (self.logging.log_dir, self.checkpoint.out_dir):
-            if self.logging.metrics is None and where is not None:
-                return where / "metrics.jsonl"
-        return self.logging.metrics
+        if self.logging.metrics is not None:
+            return self.logging.metrics
+        folder = self.logging.log_dir or self.checkpoint.out_dir
+        return folder / "metrics.jsonl" if folder is not None else None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """{section: {key: value}}: plain Python values (paths as str, None kept)."""
@@ -304,7 +305,8 @@ class TrainConfig:
         self, overrides: dict[str, Any], source: str | Path | None = None
     ) -> TrainConfig:
         """A copy with dotted keys replaced (`{"optim.max_lr": 3e-3}`), each value checked
-        against its field's type (ConfigError naming the key; `source` prefixes the message)."""
+        against its field's type and converted (ConfigError naming the key; `source`
+        prefixes the message)."""
         prefix = f"{source}: " if source is not None else ""
         new = copy.deepcopy(self)
         for key, value in overrides.items():
@@ -318,16 +320,15 @@ class TrainConfig:
             setattr(getattr(new, section), name, checked)
         return new
 
-    def check_types(self) -> None:
-        """Raise ConfigError naming the first field whose value has the wrong type (fields
-        assigned in Python are not checked until here: `run` calls it)."""
+    def checked(self) -> TrainConfig:
+        """A copy with every value checked against its field's type and converted (a str
+        to a Path, an int to a float): fields assigned in Python are checked here (`run`
+        calls it). Raises ConfigError naming the first wrong field."""
         for section, cls in SECTIONS.items():
-            if not isinstance(getattr(self, section), cls):
-                raise ConfigError(
-                    section, f"{section}: expected a {cls.__name__}, got {getattr(self, section)!r}"
-                )
-        for key, f, value in iter_options(self):
-            _checked(key, _hints(SECTIONS[key.partition(".")[0]])[f.name], value, "")
+            value = getattr(self, section)
+            if not isinstance(value, cls):
+                raise ConfigError(section, f"{section}: expected a {cls.__name__}, got {value!r}")
+        return self.with_overrides({key: value for key, _, value in iter_options(self)})
 
 
 SECTIONS: dict[str, type] = {
@@ -409,6 +410,7 @@ class KeyNames:
         return f"{key} = {_toml_value(_plain(value))}"
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
