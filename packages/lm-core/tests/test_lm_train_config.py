@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lm_core import TrainConfig, read_checkpoint, save_checkpoint
+from lm_core.data import TokenFileMeta, write_token_meta
 from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES
 from lm_core.train import build_parser, main, parse_args, run
 from lm_core.train_checks import resolve_config
@@ -253,6 +254,21 @@ def test_values_assigned_in_python_are_converted_like_toml_values(tmp_path):
     config.optim.max_lr = True  # a bool is no number
     with pytest.raises(ConfigError, match=r"optim\.max_lr: expected a number, got True"):
         resolve_config(config)
+
+
+def test_a_resolved_config_resolves_to_itself_with_a_sidecar(tmp_path):
+    """The sidecar fills model.vocab_size and data.eot_id; resolving that again (a config
+    rebuilt from a checkpoint's record) must not refuse the eot id it filled in."""
+    data = tmp_path / "train.bin"
+    (np.arange(500) % 300).astype("uint16").tofile(data)
+    write_token_meta(data, TokenFileMeta("uint16", 300, 7, 500))
+    resolved = resolve_config(TrainConfig.from_dict({"data": {"path": str(data)}}))
+    assert (resolved.model.vocab_size, resolved.data.eot_id) == (300, 7)
+    assert resolve_config(resolved) == resolved
+    with pytest.raises(ConfigError, match=r"data\.eot_id = 3: .* says the end-of-text id is 7"):
+        resolve_config(resolved.with_overrides({"data.eot_id": 3}))
+    with pytest.raises(ConfigError, match=r"data\.eot_id is only used with data\.pack_documents"):
+        resolve_config(TrainConfig.from_dict({"data": {"eot_id": 7}}))  # no sidecar
 
 
 def test_dump_config_writes_the_merged_options(tmp_path, capsys):
