@@ -8,6 +8,7 @@ EXPECTED = {
     "AdamW",
     "MODEL_SIZES",
     "ModelConfig",
+    "TrainConfig",
     "TransformerLM",
     "annotate",
     "annotations_enabled",
@@ -48,4 +49,5 @@ def test_module_paths_named_in_the_spec():
     from lm_core.model import MODEL_SIZES, ModelConfig, TransformerLM, get_config  # noqa: F401
     from lm_core.optim import AdamW, clip_grad_norm, cosine_lr  # noqa: F401
     from lm_core.parallel import apply_tensor_parallel  # noqa: F401
-    from lm_core.train import main  # noqa: F401
+    from lm_core.train import main, run  # noqa: F401
+    from lm_core.train_config import TrainConfig  # noqa: F401

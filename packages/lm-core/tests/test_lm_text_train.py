@@ -217,11 +217,11 @@ def test_sidecar_and_monitor_flags_are_validated(tmp_path, extra, flag, capsys):
 
 def test_sidecar_vocab_applies_and_explicit_larger_vocab_wins(tmp_path):
     train = _bin(tmp_path / "train.bin", 300, 7)
-    args = parse_args(["--data", str(train)])
-    assert args.model_config.vocab_size == 300
-    assert args.eot_id == 7
-    args = parse_args(["--data", str(train), "--vocab-size", "512"])
-    assert args.model_config.vocab_size == 512
+    config = parse_args(["--data", str(train)])
+    assert config.model_config.vocab_size == 300
+    assert config.data.eot_id == 7
+    config = parse_args(["--data", str(train), "--vocab-size", "512"])
+    assert config.model_config.vocab_size == 512
     assert parse_args([]).model_config.vocab_size == 256  # no data: the preset's
 
 

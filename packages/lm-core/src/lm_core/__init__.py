@@ -1,6 +1,6 @@
 """A fast, readable Transformer language model and its training primitives (RMSNorm, RoPE,
 SwiGLU, AdamW, checkpoints, activation checkpointing, a fused LM-head + cross-entropy, trainer
-CLI `python -m lm_core.train`).
+CLI `python -m lm_core.train` and its typed `TrainConfig`).
 """
 
 from lm_core.activation_ckpt import apply_activation_checkpointing
@@ -14,6 +14,7 @@ from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
+from lm_core.train_config import TrainConfig
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "MODEL_SIZES",
     "AdamW",
     "ModelConfig",
+    "TrainConfig",
     "TransformerLM",
     "__version__",
     "annotate",

@@ -26,6 +26,7 @@ from lm_core.config import ATTENTION_BACKENDS, ModelConfig
 from lm_core.generation import Decoder, cast_weights, check_sampling
 from lm_core.model import TransformerLM
 from lm_core.tokenizer import EOT_TOKEN, TextTokenizer
+from lm_core.train_config import recorded_option
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -80,7 +81,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def load_model(args: argparse.Namespace) -> tuple[TransformerLM, dict[str, Any]]:
-    """The checkpoint's model on --device in --dtype, and the run's recorded flags."""
+    """The checkpoint's model on --device in --dtype, and what its run recorded: its
+    `sample.tokenizer` and `data.eot_id` (None where not recorded)."""
     payload = read_checkpoint(args.checkpoint)
     if payload["config"] is None:
         raise ValueError(f"--checkpoint: {args.checkpoint} stores no model config")
@@ -92,15 +94,17 @@ def load_model(args: argparse.Namespace) -> tuple[TransformerLM, dict[str, Any]]
     state = checked_model_state(payload, args.checkpoint, config, model.state_dict())
     model.load_state_dict(state)
     cast_weights(model, DTYPES[args.dtype])
-    run_args = payload.get("extra", {}).get("args", {}) or {}
-    return model, run_args
+    extra = payload.get("extra") or {}
+    run = {key: recorded_option(extra, key) for key in ("sample.tokenizer", "data.eot_id")}
+    return model, run
 
 
-def load_tokenizer(args: argparse.Namespace, run_args: dict[str, Any], vocab: int) -> TextTokenizer:
-    """--tokenizer, or the run's; checked against the model's vocabulary and eot id."""
+def load_tokenizer(args: argparse.Namespace, run: dict[str, Any], vocab: int) -> TextTokenizer:
+    """--tokenizer, or the run's; checked against the model's vocabulary and eot id. `run`:
+    the run's `sample.tokenizer` and `data.eot_id` (`load_model`)."""
     path = args.tokenizer
     if path is None:
-        recorded = run_args.get("tokenizer")
+        recorded = run.get("sample.tokenizer")
         if not recorded:
             raise ValueError("--tokenizer: required (the checkpoint's run names no tokenizer)")
         path = Path(recorded)
@@ -111,7 +115,7 @@ def load_tokenizer(args: argparse.Namespace, run_args: dict[str, Any], vocab: in
         raise ValueError(
             f"--tokenizer: {path} has {tokenizer.vocab_size} ids, the model only {vocab}"
         )
-    trained_eot = run_args.get("eot_id")
+    trained_eot = run.get("data.eot_id")
     if trained_eot is not None and tokenizer.eot_id != trained_eot:
         raise ValueError(
             f"--tokenizer: {path} gives {args.eot_token} id {tokenizer.eot_id}, but the run's "
@@ -145,9 +149,9 @@ class _TextStream:
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
-    model, run_args = load_model(args)
+    model, run = load_model(args)
     config = model.config
-    tokenizer = load_tokenizer(args, run_args, config.vocab_size)
+    tokenizer = load_tokenizer(args, run, config.vocab_size)
     eot = None if args.ignore_eot else tokenizer.eot_id
     prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.require_eot()]
     room = config.context_length - len(prompt)

@@ -2,6 +2,8 @@
 
 Examples:
     python -m lm_core.train --size tiny --steps 200                       # CPU, synthetic data
+    python -m lm_core.train --config run.toml --max-lr 3e-3    # a TOML file; flags override it
+    python -m lm_core.train --config run.toml --dump-config -  # print the merged config, exit
     python -m lm_core.train --size small --data train.bin --pack-documents --eot-id 0 \
         --num-kv-heads 4 --sliding-window 256 --attention flash-triton --bf16
     python -m lm_core.train --size small --data train.bin --val-data val.bin --bf16 --compile \
@@ -13,329 +15,192 @@ Examples:
     torchrun --nproc_per_node 4 -m lm_core.train --size 2.7B --bf16 --tp 2 --fsdp torch \
         --sequence-parallel --fused-loss --batch-size 8 --context-length 1024
 
+Every option is a field of `lm_core.train_config.TrainConfig` (`--max-lr` is `optim.max_lr`);
+the flags are built from its fields, so `--help`, TOML files and Python name the same options.
 `--batch-size` is the global number of sequences per micro-step, split evenly over ranks;
-each optimizer step sees batch-size x grad-accum-steps sequences. The logic lives in
-`lm_core.trainer.train(args)`; `main(argv)` parses and runs it (tests call it in-process).
+each optimizer step sees batch-size x grad-accum-steps sequences.
+
+In Python: `run(TrainConfig(...))` validates and trains, returning the `TrainResult`;
+`main(argv)` does what the command does (tests call it in-process).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from lm_core.activation_ckpt import parse_every
-from lm_core.config import ATTENTION_BACKENDS, MATMUL_BACKENDS, MODEL_SIZES, get_config
-from lm_core.distributed import DDP_CHOICES, FSDP_CHOICES, FSDP_OURS_NO_COMPILE
-from lm_core.run_dir import CHECKPOINT_NAME, existing_run_files, same_file
-from lm_core.train_monitor import add_monitor_args, check_monitor_args
+from lm_core.train_checks import resolve_config
+from lm_core.train_config import (
+    SECTIONS,
+    ConfigError,
+    KeyNames,
+    TrainConfig,
+    flag_of,
+    read_toml,
+)
+
+if TYPE_CHECKING:
+    from lm_core.trainer import TrainResult
+
+_CONFIG_DEST = "config"
+_DUMP_DEST = "dump_config"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The trainer's argument parser, flags grouped by concern."""
+    """The trainer's argument parser: one flag per `TrainConfig` field, grouped by section.
+
+    Flags that are not given are absent from the parsed namespace (`argparse.SUPPRESS`), so
+    only those given override the `--config` file."""
     p = argparse.ArgumentParser(
         prog="python -m lm_core.train",
-        description="Train a TransformerLM (single device or torchrun).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a TransformerLM (single device or torchrun). Options come from "
+        "their defaults, then a --config TOML file, then the flags given.",
+        argument_default=argparse.SUPPRESS,
     )
-    g = p.add_argument_group("model")
-    g.add_argument("--size", default="tiny", choices=list(MODEL_SIZES), help="preset")
-    g.add_argument("--vocab-size", type=int, help="override the preset's vocab_size")
-    g.add_argument("--context-length", type=int, help="sequence length trained on (and max)")
-    g.add_argument("--d-model", type=int, help="override d_model")
-    g.add_argument("--num-layers", type=int, help="override num_layers")
-    g.add_argument("--num-heads", type=int, help="override num_heads")
-    g.add_argument("--d-ff", type=int, help="override d_ff")
-    g.add_argument("--rope-theta", type=float, help="override rope_theta")
-    g.add_argument("--attention", choices=list(ATTENTION_BACKENDS), help="attention backend")
-    g.add_argument(
-        "--num-kv-heads", type=int, help="k/v heads, dividing --num-heads (grouped-query)"
+    p.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        dest=_CONFIG_DEST,
+        help="TOML file of options by section ([optim] max_lr = 3e-3); flags override it",
     )
-    g.add_argument(
-        "--sliding-window", type=int, help="attend to the last N tokens only (and itself)"
+    p.add_argument(
+        "--dump-config",
+        metavar="FILE",
+        dest=_DUMP_DEST,
+        help="write the options of this command (file and flags merged, checked) as TOML to "
+        "FILE ('-': stdout) and exit without training",
     )
-    g.add_argument(
-        "--matmul",
-        choices=list(MATMUL_BACKENDS),
-        help="fp32 linear layers: default (torch) or tf32x3 (fp32-accurate, TF32 tensor cores; "
-        "fastest with --compile and CUDA graphs)",
-    )
-
-    g = p.add_argument_group("data")
-    g.add_argument("--data", type=Path, help="training tokens (.npy, or raw .bin of --data-dtype)")
-    g.add_argument("--val-data", type=Path, help="validation tokens (same formats)")
-    g.add_argument(
-        "--data-dtype", help="dtype of raw .bin token files [their JSON sidecar's, else uint16]"
-    )
-    g.add_argument(
-        "--synthetic",
-        default="pattern",
-        choices=["pattern", "random"],
-        help="synthetic tokens when --data is not given (pattern: learnable; random: benchmark)",
-    )
-    g.add_argument("--synthetic-tokens", type=int, default=200_000, help="synthetic stream size")
-    g.add_argument(
-        "--pack-documents",
-        action="store_true",
-        help="attend within documents only: each window is split at every --eot-id token "
-        "(lm_core.data.document_offsets) and the model gets the offsets (cu_seqlens)",
-    )
-    g.add_argument("--eot-id", type=int, help="end-of-text token id (with --pack-documents)")
-
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=100, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=8, help="global sequences per micro-step")
-    g.add_argument("--grad-accum-steps", type=int, default=1, help="micro-steps per step")
-    g.add_argument("--max-lr", type=float, default=1e-3, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, help="final learning rate [default: max-lr / 10]")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup steps")
-    g.add_argument("--cosine-steps", type=int, help="step where cosine decay ends [--steps]")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max grad L2 norm (0: off)")
-
-    g = p.add_argument_group("precision and compilation")
-    g.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32)")
-    g.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model")
-
-    g = p.add_argument_group("memory")
-    g.add_argument(
-        "--activation-checkpointing",
-        default="none",
-        metavar="{none,sqrt,optimal,K}",
-        help="checkpoint groups of K consecutive blocks; sqrt: K = ceil(sqrt(layers)); "
-        "optimal: the K that minimizes stored activations (lm_core.activation_ckpt)",
-    )
-    g.add_argument(
-        "--fused-loss",
-        action="store_true",
-        help="fused LM head + cross-entropy: no (batch, seq, vocab) logits in memory",
-    )
-
-    g = p.add_argument_group("distributed (run under torchrun)")
-    g.add_argument("--ddp", default="none", choices=list(DDP_CHOICES), help="gradient sync")
-    g.add_argument("--bucket-size-mb", type=float, default=25.0, help="bucketed/torch DDP")
-    g.add_argument("--zero", action="store_true", help="shard optimizer state (zero_shard)")
-    g.add_argument(
-        "--fsdp",
-        default="none",
-        choices=list(FSDP_CHOICES),
-        help="shard weights, gradients and optimizer state: ours = zero_shard.FSDP, "
-        "torch = torch's fully_shard (per block, then the root); excludes --ddp and --zero",
-    )
-    g.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor parallel degree: shard attention heads and the SwiGLU over groups of N "
-        "consecutive ranks (lm_core.parallel); with --fsdp torch, 2-D on a (ranks/N, N) mesh",
-    )
-    g.add_argument(
-        "--sequence-parallel",
-        action="store_true",
-        help="with --tp: norms and the residual stream split along the sequence",
-    )
-    g.add_argument("--dist-backend", default="auto", choices=["auto", "nccl", "gloo"])
-
-    g = p.add_argument_group("evaluation, checkpoints, logging")
-    g.add_argument("--out-dir", type=Path, help="checkpoint.pt and metrics.jsonl go here")
-    g.add_argument("--metrics", type=Path, help="metrics JSONL [out-dir/metrics.jsonl]")
-    g.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: end)")
-    g.add_argument("--resume", type=Path, help="checkpoint to resume from")
-    g.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start over in an --out-dir that holds a run: its checkpoint is replaced at the "
-        "first save, its metrics log restarts (without it the trainer refuses)",
-    )
-    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: off)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
-    g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    add_monitor_args(p)
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section, (cls.__doc__ or "").partition(": ")[2])
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            _add_option(group, f"{section}.{f.name}", hints[f.name], f)
     return p
 
 
-_POSITIVE = ("steps", "batch_size", "grad_accum_steps", "synthetic_tokens", "log_every")
-_NON_NEGATIVE = ("warmup_steps", "ckpt_every", "eval_every", "grad_clip", "weight_decay", "seed")
-_MODEL_FLAGS = {
-    "vocab_size": "vocab_size",
-    "context_length": "context_length",
-    "d_model": "d_model",
-    "num_layers": "num_layers",
-    "num_heads": "num_heads",
-    "d_ff": "d_ff",
-    "rope_theta": "rope_theta",
-    "attention": "attention",
-    "matmul": "matmul",
-    "num_kv_heads": "num_kv_heads",
-    "sliding_window": "sliding_window",
-}
+def _add_option(group: Any, key: str, hint: Any, f: Any) -> None:
+    """The flag of one field: its type converts the string, Literal types and `choices`
+    restrict it, bools get `--x` / `--no-x`."""
+    members = [hint]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [h for h in typing.get_args(hint) if h is not type(None)]
+    base = members[0] if len(members) == 1 else str  # str | int: parsed later (parse_every)
+    doc = f.metadata["doc"].replace("%", "%%")
+    if isinstance(f.default, bool):
+        doc += " [default: on]" if f.default else ""
+    elif f.default is not None:
+        doc += f" [default: {f.default}]"
+    kwargs: dict[str, Any] = {"dest": key, "help": doc}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(base) is typing.Literal:
+        kwargs["choices"] = list(typing.get_args(base))
+    else:
+        kwargs["type"] = base
+        if "choices" in f.metadata:
+            kwargs["choices"] = list(f.metadata["choices"])
+        if "metavar" in f.metadata:
+            kwargs["metavar"] = f.metadata["metavar"]
+    group.add_argument(flag_of(key), **kwargs)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _merged(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[TrainConfig, KeyNames, argparse.Namespace]:
+    """The options of `argv`: defaults, then the --config file, then the flags given; type
+    errors exit through `parser.error`. Also returns how errors should name each option."""
+    ns = parser.parse_args(argv)
+    given = {k: v for k, v in vars(ns).items() if k not in (_CONFIG_DEST, _DUMP_DEST)}
+    config, from_file = TrainConfig(), frozenset()
+    path = getattr(ns, _CONFIG_DEST, None)
+    try:
+        if path is not None:
+            raw = read_toml(path)
+            config = TrainConfig.from_dict(raw, source=path)
+            keys = {f"{s}.{k}" for s, table in raw.items() for k in table}
+            from_file = frozenset(keys - set(given))
+        config = config.with_overrides(given)
+    except ConfigError as exc:  # the message names the file and the key
+        parser.error(str(exc))
+    return config, KeyNames(flags=True, from_file=from_file), ns
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; an invalid value exits with an argparse error naming the flag.
+def _checked(
+    parser: argparse.ArgumentParser,
+    config: TrainConfig,
+    names: KeyNames,
+    ns: argparse.Namespace,
+    check_run_dir: bool = True,
+) -> TrainConfig:
+    """`resolve_config`, its ConfigError as a parser error (exit 2) naming the option; the
+    message starts with the --config file when the option came from there."""
+    try:
+        return resolve_config(config, names, check_run_dir=check_run_dir)
+    except ConfigError as exc:
+        source = getattr(ns, _CONFIG_DEST, None)
+        prefix = f"{source}: " if exc.key in names.from_file else ""
+        parser.error(f"{prefix}{exc}")
 
-    Adds `args.model_config` (the ModelConfig) and fills defaults that depend on other flags.
-    """
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """The resolved `TrainConfig` of a command line (`lm_core.train_checks.resolve_config`);
+    an invalid option exits with status 2 and a message naming the flag (or, for a value from
+    the --config file, the file and the key)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    for name in _POSITIVE:
-        if getattr(args, name) <= 0:
-            parser.error(f"{_flag(name)} must be positive, got {getattr(args, name)}")
-    for name in _NON_NEGATIVE:
-        if getattr(args, name) < 0:
-            parser.error(f"{_flag(name)} must be >= 0, got {getattr(args, name)}")
-    if args.eval_batches <= 0:
-        parser.error(f"--eval-batches must be positive, got {args.eval_batches}")
-    if args.max_lr < 0:
-        parser.error(f"--max-lr must be >= 0, got {args.max_lr}")
-    if args.min_lr is None:
-        args.min_lr = args.max_lr / 10
-    if args.min_lr < 0:
-        parser.error(f"--min-lr must be >= 0, got {args.min_lr}")
-    if args.cosine_steps is None:
-        args.cosine_steps = args.steps
-    if not 0 <= args.warmup_steps <= args.cosine_steps:
-        parser.error(
-            f"--warmup-steps ({args.warmup_steps}) must be <= --cosine-steps ({args.cosine_steps})"
-        )
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(args, name) < 1:
-            parser.error(f"{_flag(name)} must be in [0, 1), got {getattr(args, name)}")
-    if args.adam_eps < 0:
-        parser.error(f"--adam-eps must be >= 0, got {args.adam_eps}")
-    if args.bucket_size_mb <= 0:
-        parser.error(f"--bucket-size-mb must be positive, got {args.bucket_size_mb}")
-    try:
-        args.activation_checkpointing = parse_every(args.activation_checkpointing)
-    except (ValueError, TypeError) as exc:
-        parser.error(f"--activation-checkpointing: {exc}")
-    if args.fsdp != "none":
-        if args.ddp != "none":
-            parser.error(
-                f"--fsdp {args.fsdp} synchronizes gradients itself: it excludes --ddp "
-                f"(got --ddp {args.ddp})"
-            )
-        if args.zero:
-            parser.error(f"--zero: --fsdp {args.fsdp} already shards the optimizer state")
-        if args.compile and args.fsdp == "ours":
-            parser.error(f"--compile is not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}")
-    _check_tp(parser, args)
-    if args.pack_documents and args.tp > 1:
-        parser.error("--pack-documents is not supported with --tp yet")
-    if args.eot_id is not None and not args.pack_documents:
-        parser.error("--eot-id is only used with --pack-documents")
-    if args.zero and args.ddp == "none":
-        parser.error("--zero shards optimizer state across ranks: it needs a --ddp wrapper")
-    if args.eval_every and args.val_data is None and args.data is not None:
-        parser.error("--eval-every needs --val-data when training on --data")
-    for name in ("data", "val_data", "resume"):
-        path = getattr(args, name)
-        if path is not None and not path.is_file():
-            parser.error(f"{_flag(name)}: file not found: {path}")
-    check_monitor_args(parser, args)  # the --data sidecar may set --vocab-size and the eot id
-    if args.pack_documents and args.eot_id is None:
-        parser.error(
-            "--pack-documents needs --eot-id (the token that separates documents), or --data "
-            "with a sidecar naming it (`python -m lm_core.tokenize encode`)"
-        )
-    overrides = {
-        field: getattr(args, flag)
-        for flag, field in _MODEL_FLAGS.items()
-        if getattr(args, flag) is not None
-    }
-    try:
-        args.model_config = get_config(args.size, **overrides)
-    except (ValueError, TypeError) as exc:
-        parser.error(f"model flags: {exc}")
-    if args.context_length is None:
-        args.context_length = args.model_config.context_length
-    if args.tp > 1:
-        from lm_core.parallel import check_tensor_parallel
-
-        try:
-            check_tensor_parallel(
-                args.model_config,
-                args.tp,
-                sequence_parallel=args.sequence_parallel,
-                seq_len=args.context_length,
-            )
-        except ValueError as exc:
-            parser.error(f"--tp: {exc}")
-    if args.eot_id is not None and not 0 <= args.eot_id < args.model_config.vocab_size:
-        parser.error(
-            f"--eot-id must be a token id in [0, {args.model_config.vocab_size}), got {args.eot_id}"
-        )
-    if args.metrics is None and args.out_dir is not None:
-        args.metrics = args.out_dir / "metrics.jsonl"
-    message = _existing_run_message(args)
-    if message:
-        parser.error(message)
-    return args
+    config, names, ns = _merged(parser, argv)
+    return _checked(parser, config, names, ns)
 
 
-def _check_tp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--tp combines with --fsdp torch only (torch's engine on the other mesh axis)."""
-    if args.tp < 1:
-        parser.error(f"--tp must be positive, got {args.tp}")
-    if args.sequence_parallel and args.tp == 1:
-        parser.error("--sequence-parallel needs --tp N with N > 1")
-    if args.tp == 1:
-        return
-    if args.ddp != "none" or args.zero:
-        parser.error(
-            f"--tp {args.tp}: combine tensor parallelism with --fsdp torch (DTensor "
-            "parameters), not --ddp/--zero"
-        )
-    if args.fsdp == "ours":
-        parser.error(
-            f"--tp {args.tp}: zero_shard.FSDP does not take DTensor parameters; use --fsdp torch"
-        )
+def run(config: TrainConfig) -> TrainResult:
+    """Train as `config` says: what `python -m lm_core.train` does, from Python.
 
+    The config is checked first as the command line's is (`resolve_config`: a ConfigError,
+    a ValueError, names the option by its key, e.g. `optim.max_lr`); `config` itself is not
+    modified. Under torchrun call it on every rank. Returns the `lm_core.trainer.TrainResult`:
+    `step` (steps completed), `final_loss`, `history` (the logged records), `evals`, the
+    trained `model` and `optimizer`.
 
-def _existing_run_message(args: argparse.Namespace) -> str | None:
-    """Why this run would destroy an earlier run's files, or None when it would not."""
-    if args.overwrite:
-        return None
-    ckpt = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
-    existing = existing_run_files(ckpt, args.metrics)
-    where = f"--out-dir {args.out_dir}" if args.out_dir is not None else "--metrics"
-    if args.resume is not None:  # the log is continued; the checkpoint must be this run's
-        if ckpt in existing and not same_file(ckpt, args.resume):
-            return (
-                f"{where} holds another run's {CHECKPOINT_NAME}, not the --resume checkpoint "
-                f"{args.resume}; the first save would replace it: choose another --out-dir, "
-                "or pass --overwrite to replace that run's files"
-            )
-        return None
-    if not existing:
-        return None
-    names = ", ".join(str(p) for p in existing)
-    resume = ckpt if ckpt in existing else "CHECKPOINT"
-    return (
-        f"{where} already holds a training run ({names}); refusing to start a new run over "
-        f"it. Pass --resume {resume} to continue that run, or --overwrite to start over "
-        "(its checkpoint is replaced at the first save and its metrics log restarts)"
-    )
-
-
-def main(argv: Sequence[str] | None = None):  # returns lm_core.trainer.TrainResult
-    """Parse `argv` (default: sys.argv[1:]) and train; returns the `TrainResult`."""
+    Example:
+        from lm_core.train import run
+        from lm_core.train_config import TrainConfig
+        config = TrainConfig.from_toml("run.toml")
+        config.training.steps = 50
+        result = run(config)
+        print(result.step, result.final_loss)
+    """
     from lm_core.trainer import train
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    return train(args)
+    return train(config)
+
+
+def main(argv: Sequence[str] | None = None) -> TrainResult | None:
+    """Parse `argv` (default: sys.argv[1:]) and train; returns the `TrainResult` (None after
+    --dump-config, which writes the merged options and trains nothing)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    config, names, ns = _merged(parser, argv)
+    dump = getattr(ns, _DUMP_DEST, None)
+    if dump is not None:  # an existing run in --out-dir is no reason to refuse a dump
+        _checked(parser, config, names, ns, check_run_dir=False)
+        _write_text(dump, config.to_toml())
+        return None
+    return run(_checked(parser, config, names, ns))
+
+
+def _write_text(target: str, text: str) -> None:
+    if target == "-":
+        sys.stdout.write(text)
+        return
+    from lm_core.ckpt_io import atomic_write
+
+    atomic_write(Path(target), lambda f: f.write(text.encode()))
 
 
 def cli() -> None:

@@ -10,7 +10,6 @@ resumed run draws the same batches as an uninterrupted one.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -53,6 +52,8 @@ from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
 from lm_core.run_dir import CHECKPOINT_NAME, continue_metrics
+from lm_core.train_checks import resolve_config
+from lm_core.train_config import RUN_RECORD, TrainConfig
 from lm_core.train_monitor import Monitor
 
 
@@ -90,27 +91,25 @@ class Data:
     generator: torch.Generator
 
 
-def load_data(args: argparse.Namespace) -> Data:
-    """Token files from --data/--val-data, or a synthetic stream (validation: another seed)."""
-    vocab = args.model_config.vocab_size
-    if args.data is not None:
-        train = load_tokens(args.data, args.data_dtype)
-        val = load_tokens(args.val_data, args.data_dtype) if args.val_data else None
+def load_data(config: TrainConfig) -> Data:
+    """Token files of `config.data`, or a synthetic stream (validation: another seed)."""
+    d, seed = config.data, config.training.seed
+    if d.path is not None:
+        train = load_tokens(d.path, d.dtype)
+        val = load_tokens(d.val_path, d.dtype) if d.val_path else None
     else:
-        n = args.synthetic_tokens
-        train = synthetic_tokens(n, vocab, args.synthetic, seed=args.seed)
+        n, kind, vocab = d.synthetic_tokens, d.synthetic, config.model_config.vocab_size
+        train = synthetic_tokens(n, vocab, kind, seed=seed)
         # The pattern's cycle depends only on the seed, so validation shares it (it measures
         # whether the pattern was learned); random tokens get an independent stream.
-        val_seed = args.seed if args.synthetic == "pattern" else args.seed + 1
-        val = synthetic_tokens(
-            max(n // 10, args.context_length + 1), vocab, args.synthetic, val_seed
-        )
-    generator = torch.Generator().manual_seed(args.seed)
+        val_seed = seed if kind == "pattern" else seed + 1
+        val = synthetic_tokens(max(n // 10, config.model.context_length + 1), vocab, kind, val_seed)
+    generator = torch.Generator().manual_seed(seed)
     return Data(train=train, val=val, generator=generator)
 
 
-def _autocast(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
-    if args.bf16:
+def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if config.training.bf16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -119,44 +118,44 @@ def _loss(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    args: argparse.Namespace,
+    config: TrainConfig,
     env: DistEnv,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean loss (0-dim fp32) of one batch: through the fused LM head + cross-entropy with
-    --fused-loss (model(x, y)), else logits (B, T, V) then cross_entropy. `cu_seqlens`:
-    packed documents (--pack-documents)."""
+    training.fused_loss (model(x, y)), else logits (B, T, V) then cross_entropy.
+    `cu_seqlens`: packed documents (data.pack_documents)."""
     packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    with _autocast(args, env.device):
-        if args.fused_loss:
+    with _autocast(config, env.device):
+        if config.training.fused_loss:
             return model(x, y, **packing)
         logits = model(x, **packing)  # (B, T, V)
     return cross_entropy(logits, y)
 
 
 def _step_starts(
-    tokens: np.ndarray, args: argparse.Namespace, micro_steps: int, generator: torch.Generator
+    tokens: np.ndarray, config: TrainConfig, micro_steps: int, generator: torch.Generator
 ) -> np.ndarray:
     """Window starts of one optimizer step, identical on every rank: int64 (micro, batch).
 
     All micro-batches are drawn at once, so accumulating k micro-batches of b sequences sees
     exactly the windows of one batch of k*b."""
-    starts = sample_starts(
-        len(tokens), micro_steps * args.batch_size, args.context_length, generator
-    )
-    return starts.reshape(micro_steps, args.batch_size)  # (micro, batch)
+    batch = config.training.batch_size
+    starts = sample_starts(len(tokens), micro_steps * batch, config.model.context_length, generator)
+    return starts.reshape(micro_steps, batch)  # (micro, batch)
 
 
 def _rank_batch(
-    tokens: np.ndarray, starts: np.ndarray, args: argparse.Namespace, env: DistEnv
+    tokens: np.ndarray, starts: np.ndarray, config: TrainConfig, env: DistEnv
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """This rank's rows of a global batch of starts (B,): (x, y) int64 (B / world, T), and
-    with --pack-documents the documents' offsets in x (found on the host, then copied)."""
-    mine = starts[env.rows(args.batch_size)]
-    if not args.pack_documents:
-        return (*gather_windows(tokens, mine, args.context_length, env.device), None)
-    x, y = gather_windows(tokens, mine, args.context_length, "cpu")
-    cu_seqlens, _ = document_offsets(x, args.eot_id)
+    with data.pack_documents the documents' offsets in x (found on the host, then copied)."""
+    mine = starts[env.rows(config.training.batch_size)]
+    seq = config.model.context_length
+    if not config.data.pack_documents:
+        return (*gather_windows(tokens, mine, seq, env.device), None)
+    x, y = gather_windows(tokens, mine, seq, "cpu")
+    cu_seqlens, _ = document_offsets(x, config.data.eot_id)
     return to_device(x, env.device), to_device(y, env.device), to_device(cu_seqlens, env.device)
 
 
@@ -164,29 +163,29 @@ def train_step(
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer,
     data: Data,
-    args: argparse.Namespace,
+    config: TrainConfig,
     env: DistEnv,
     lr: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over grad_accum_steps micro-batches.
+    """One optimizer step over training.grad_accum_steps micro-batches.
 
     Returns (this rank's mean loss, grad norm before clipping or None), as device tensors:
     nothing here waits for the device.
     """
-    accum = args.grad_accum_steps
+    accum = config.training.grad_accum_steps
     loss_sum = torch.zeros((), device=env.device)
-    starts = _step_starts(data.train, args, accum, data.generator)  # (accum, batch)
+    starts = _step_starts(data.train, config, accum, data.generator)  # (accum, batch)
     for micro in range(accum):
-        x, y, cu_seqlens = _rank_batch(data.train, starts[micro], args, env)
+        x, y, cu_seqlens = _rank_batch(data.train, starts[micro], config, env)
         last = micro == accum - 1
         with contextlib.nullcontext() if last else pm.no_sync():
-            loss = _loss(pm.module, x, y, args, env, cu_seqlens)
+            loss = _loss(pm.module, x, y, config, env, cu_seqlens)
             (loss / accum).backward()
         loss_sum += loss.detach()
     pm.finish_sync()
     grad_norm = None
-    if args.grad_clip > 0:
-        grad_norm = pm.clip_grad_norm(args.grad_clip)  # global norm (sharded: collective)
+    if config.optim.grad_clip > 0:  # global norm (sharded: a collective)
+        grad_norm = pm.clip_grad_norm(config.optim.grad_clip)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -195,47 +194,49 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Data, args: argparse.Namespace, env: DistEnv) -> float:
-    """Mean loss over --eval-batches global batches of the validation stream.
+def evaluate(model: nn.Module, data: Data, config: TrainConfig, env: DistEnv) -> float:
+    """Mean loss over eval.batches global batches of the validation stream.
 
     A fresh generator with a fixed seed draws the same windows at every evaluation, so the
     values are comparable across steps (and across world sizes).
     """
     assert data.val is not None
-    generator = torch.Generator().manual_seed(args.seed + 12345)
+    batches = config.eval.batches
+    generator = torch.Generator().manual_seed(config.training.seed + 12345)
     total = torch.zeros((), device=env.device)
-    starts = _step_starts(data.val, args, args.eval_batches, generator)  # (batches, batch)
+    starts = _step_starts(data.val, config, batches, generator)  # (batches, batch)
     for batch_starts in starts:
-        x, y, cu_seqlens = _rank_batch(data.val, batch_starts, args, env)
-        total += _loss(model, x, y, args, env, cu_seqlens)
-    return all_reduce_mean(total / args.eval_batches, env).item()
+        x, y, cu_seqlens = _rank_batch(data.val, batch_starts, config, env)
+        total += _loss(model, x, y, config, env, cu_seqlens)
+    return all_reduce_mean(total / batches, env).item()
 
 
 class _Log:
     """Progress bar (tqdm if installed) and metrics JSONL, on rank 0 only."""
 
-    def __init__(self, args: argparse.Namespace, env: DistEnv, start: int) -> None:
-        """The metrics log starts anew only with --overwrite; a resumed run continues it
-        (lines of steps after `start` dropped: they are logged again), any other run appends
-        (`lm_core.train.parse_args` refused to start over an existing log)."""
+    def __init__(self, config: TrainConfig, env: DistEnv, start: int) -> None:
+        """The metrics log starts anew only with checkpoint.overwrite; a resumed run continues
+        it (lines of steps after `start` dropped: they are logged again), any other run appends
+        (`resolve_config` refused to start over an existing log)."""
         self.enabled = env.is_main
         self.bar = None
         self.file = None
         if not self.enabled:
             return
-        if not args.no_progress:
+        if config.logging.progress:
             try:
                 from tqdm.auto import tqdm
 
-                self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step")
+                steps = config.training.steps
+                self.bar = tqdm(total=steps, initial=start, desc="train", unit="step")
             except ImportError:
                 pass
-        if args.metrics is not None:
-            args.metrics.parent.mkdir(parents=True, exist_ok=True)
-            overwrite = getattr(args, "overwrite", False)
-            if args.resume is not None and not overwrite:
-                continue_metrics(args.metrics, start)
-            self.file = open(args.metrics, "w" if overwrite else "a")  # noqa: SIM115
+        metrics, overwrite = config.metrics_path, config.checkpoint.overwrite
+        if metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            if config.checkpoint.resume is not None and not overwrite:
+                continue_metrics(metrics, start)
+            self.file = open(metrics, "w" if overwrite else "a")  # noqa: SIM115
 
     def record(self, entry: dict[str, Any]) -> None:
         if not self.enabled:
@@ -274,7 +275,7 @@ def _save(
     optimizer: torch.optim.Optimizer,
     step: int,
     data: Data,
-    args: argparse.Namespace,
+    config: TrainConfig,
     env: DistEnv,
 ) -> None:
     """Checkpoint from rank 0: the full model and optimizer states, as one process training
@@ -283,9 +284,10 @@ def _save(
     model_state = pm.full_state_dict()
     optimizer_state = pm.full_optimizer_state_dict(optimizer)
     if env.is_main:
-        extra = {"data_generator": data.generator.get_state(), "args": _args_record(args)}
+        # the run's options, for lm_core.generate (its tokenizer, the data's end-of-text id)
+        extra = {"data_generator": data.generator.get_state(), RUN_RECORD: config.to_dict()}
         save_checkpoint(
-            path, model_state, optimizer_state, step, config=args.model_config, extra=extra
+            path, model_state, optimizer_state, step, config=config.model_config, extra=extra
         )
     if env.world_size > 1:
         torch.distributed.barrier()
@@ -310,7 +312,7 @@ def _resume(
     pm: ParallelModel,
     optimizer: torch.optim.Optimizer,
     data: Data,
-    args: argparse.Namespace,
+    config: TrainConfig,
     param_shapes: list[tuple[int, ...]],
 ) -> int:
     """Restore model, optimizer, RNG and data-generator state from a checkpoint of any world
@@ -318,12 +320,16 @@ def _resume(
     Model and optimizer state are checked against the model (full shapes `param_shapes`, in
     parameter order) before either is loaded."""
     payload = read_checkpoint(path)
-    state = checked_model_state(payload, path, args.model_config, pm.full_shapes())
+    state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
     start = payload["step"]
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
-    if start > args.steps:
-        raise ValueError(f"--resume: checkpoint is at step {start}, beyond --steps {args.steps}")
+    steps = config.training.steps
+    if start > steps:
+        raise ValueError(
+            f"checkpoint.resume (--resume): checkpoint is at step {start}, beyond "
+            f"training.steps (--steps) {steps}"
+        )
     if payload["optimizer"] is None:
         raise ValueError(f"checkpoint {path} holds no optimizer state")
     check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
@@ -341,95 +347,97 @@ def _resume(
     return start
 
 
-def _args_record(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        k: (str(v) if isinstance(v, Path) else v)
-        for k, v in vars(args).items()
-        if isinstance(v, str | int | float | bool | Path | type(None))
-    }
-
-
-def train(args: argparse.Namespace) -> TrainResult:
-    """Run training as configured by `lm_core.train.parse_args`; returns a TrainResult."""
-    env = setup_distributed(args.ddp, args.device, args.dist_backend, fsdp=args.fsdp, tp=args.tp)
+def train(config: TrainConfig) -> TrainResult:
+    """Check `config` (`resolve_config`: ConfigError naming the option), then train as it
+    says; returns a TrainResult. `lm_core.train.run` is the documented entry point."""
+    config = resolve_config(config)
+    p = config.parallel
+    env = setup_distributed(p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
     try:
-        return _train(args, env)
+        return _train(config, env)
     finally:
         teardown_distributed(env)
 
 
-def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
-    if args.batch_size % env.dp_size != 0:
-        raise ValueError(
-            f"--batch-size {args.batch_size} must be divisible by the number of data-parallel "
-            f"replicas ({env.dp_size} = ranks / --tp)"
-        )
-    if args.tf32 and env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.manual_seed(args.seed)
-    data = load_data(args)
-    with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
-        model = TransformerLM(args.model_config)
-    param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
-    # activation checkpointing, then compile, then data-parallel / FSDP wrappers (wrap_model)
-    ratio = block_activation_ratio(args.model_config, autocast=args.bf16)
-    if args.tp > 1:  # tensor parallel, checkpointing, compile, FSDP (lm_core.tp_engine)
+def _wrap(model: TransformerLM, config: TrainConfig, env: DistEnv) -> ParallelModel:
+    """Activation checkpointing, then compile, then data-parallel / FSDP wrappers
+    (`wrap_model`); with parallel.tp > 1 tensor parallel first (`lm_core.tp_engine`)."""
+    t, p = config.training, config.parallel
+    ratio = block_activation_ratio(model.config, autocast=t.bf16)
+    if p.tp > 1:
         from lm_core.tp_engine import TensorParallel
 
-        pm: ParallelModel = TensorParallel(
+        return TensorParallel(
             model,
             env,
-            tp=args.tp,
-            sequence_parallel=args.sequence_parallel,
-            fsdp=args.fsdp == "torch",
-            bf16=args.bf16,
-            compile=args.compile,
-            activation_checkpointing=args.activation_checkpointing,
+            tp=p.tp,
+            sequence_parallel=p.sequence_parallel,
+            fsdp=p.fsdp == "torch",
+            bf16=t.bf16,
+            compile=t.compile,
+            activation_checkpointing=t.activation_checkpointing,
             activation_ratio=ratio,
         )
-    else:
-        apply_activation_checkpointing(model, args.activation_checkpointing, activation_ratio=ratio)
-        pm = wrap_model(
-            model,
-            args.ddp,
-            env,
-            compile=args.compile,
-            bucket_size_mb=args.bucket_size_mb,
-            fsdp=args.fsdp,
-            bf16=args.bf16,
+    apply_activation_checkpointing(model, t.activation_checkpointing, activation_ratio=ratio)
+    return wrap_model(
+        model,
+        p.ddp,
+        env,
+        compile=t.compile,
+        bucket_size_mb=p.bucket_size_mb,
+        fsdp=p.fsdp,
+        bf16=t.bf16,
+    )
+
+
+def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
+    t, o = config.training, config.optim
+    if t.batch_size % env.dp_size != 0:
+        raise ValueError(
+            f"--batch-size (training.batch_size) {t.batch_size} must be divisible by the "
+            f"number of data-parallel replicas ({env.dp_size} = ranks / --tp)"
         )
+    if t.tf32 and env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(t.seed)
+    data = load_data(config)
+    with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
+        model = TransformerLM(config.model_config)
+    param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
+    pm = _wrap(model, config, env)
     optimizer = build_optimizer(
         pm.parameters(),  # under --fsdp: this rank's shards (and the replicated norms)
         AdamW,
-        args.zero,
-        lr=args.max_lr,
-        betas=(args.beta1, args.beta2),
-        eps=args.adam_eps,
-        weight_decay=args.weight_decay,
+        config.parallel.zero,
+        lr=o.max_lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
     )
     start = 0
-    if args.resume is not None:
-        start = _resume(args.resume, pm, optimizer, data, args, param_shapes)
+    if config.checkpoint.resume is not None:
+        start = _resume(config.checkpoint.resume, pm, optimizer, data, config, param_shapes)
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
-    monitor = Monitor(args, env, model)  # first: it checks --tokenizer before files open
-    log = _Log(args, env, start)
-    tokens_per_step = args.batch_size * args.grad_accum_steps * args.context_length
-    ckpt_path = args.out_dir / CHECKPOINT_NAME if args.out_dir is not None else None
+    monitor = Monitor(config, env, model)  # first: it checks the tokenizer before files open
+    log = _Log(config, env, start)
+    tokens_per_step = t.batch_size * t.grad_accum_steps * config.model.context_length
+    out_dir, ckpt_every = config.checkpoint.out_dir, config.checkpoint.every
+    ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
     loss_acc = torch.zeros((), device=env.device)
     acc_steps = 0
     t_last = time.perf_counter()
     t0 = t_last
     try:
-        for step in range(start, args.steps):
-            lr = cosine_lr(step, args.max_lr, args.min_lr, args.warmup_steps, args.cosine_steps)
-            loss, grad_norm = train_step(pm, optimizer, data, args, env, lr)
+        for step in range(start, t.steps):
+            lr = cosine_lr(step, o.max_lr, o.min_lr, o.warmup_steps, o.cosine_steps)
+            loss, grad_norm = train_step(pm, optimizer, data, config, env, lr)
             loss_acc += loss
             acc_steps += 1
             done = step + 1
             result.step = done
             log.advance()
-            if done % args.log_every == 0 or done == args.steps:
+            if done % config.logging.every == 0 or done == t.steps:
                 mean_loss = all_reduce_mean(loss_acc / acc_steps, env).item()  # syncs
                 now = time.perf_counter()
                 entry = {
@@ -449,8 +457,9 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
                 loss_acc.zero_()
                 acc_steps = 0
                 t_last = time.perf_counter()
-            if args.eval_every and data.val is not None and done % args.eval_every == 0:
-                val = evaluate(pm.module, data, args, env)
+            eval_every = config.eval.every
+            if eval_every and data.val is not None and done % eval_every == 0:
+                val = evaluate(pm.module, data, config, env)
                 record = monitor.log({"step": done, "val_loss": val})  # + val_ppl
                 result.evals.append(record)
                 log.record(record)
@@ -458,11 +467,11 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
             if monitor.sample_due(done):
                 monitor.sample(done)
                 t_last = time.perf_counter()
-            if ckpt_path is not None and args.ckpt_every and done % args.ckpt_every == 0:
-                _save(ckpt_path, pm, optimizer, done, data, args, env)
+            if ckpt_path is not None and ckpt_every and done % ckpt_every == 0:
+                _save(ckpt_path, pm, optimizer, done, data, config, env)
                 t_last = time.perf_counter()
-        if ckpt_path is not None and (not args.ckpt_every or result.step % args.ckpt_every):
-            _save(ckpt_path, pm, optimizer, result.step, data, args, env)
+        if ckpt_path is not None and (not ckpt_every or result.step % ckpt_every):
+            _save(ckpt_path, pm, optimizer, result.step, data, config, env)
     finally:
         log.close()
         monitor.close()
