@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from ddpkit_faults import TIMEOUT_S, WRAPPERS, RankResult, run_case
+from ddpkit_faults import TIMEOUT_S, UNEVEN_TIMEOUT_S, WRAPPERS, RankResult, run_case
 
 CASES = [
     "raise",
@@ -71,7 +71,8 @@ def test_fault(case: str, run: int) -> None:
         assert bound in r0["error"], r0
     elif case in ("skip", "uneven"):  # rank 1 ran fewer steps: rank 0's next has no partner
         _names_the_collective(r0, 0)
-        assert f"timeout {TIMEOUT_S:g} s" in r0["error"], r0
+        bound = UNEVEN_TIMEOUT_S if case == "uneven" else TIMEOUT_S
+        assert f"timeout {bound:g} s" in r0["error"], r0
         assert results[1].code == 0
         assert "error" not in r1, r1
         if case == "uneven":
