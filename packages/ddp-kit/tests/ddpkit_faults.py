@@ -43,8 +43,8 @@ from pathlib import Path
 
 WRAPPERS = ("naive", "flat", "individual", "bucketed")
 TIMEOUT_S = 3.0  # the wrappers' per-collective timeout in the fault cases
-# uneven: the fault comes after two normal steps; a tighter bound tripped once in 20 runs on a
-# loaded 2-core machine, in the first step
+# uneven: the fault comes after two normal steps; 3 s tripped now and then in the first step on a
+# loaded 2-core machine
 UNEVEN_TIMEOUT_S = 6.0
 CALM_TIMEOUT_S = 60.0  # in the cases without a fault (a busy machine must not trip them)
 PG_TIMEOUT_S = 120.0  # the process group's own timeout (stall-pg: PG_SHORT_S)
