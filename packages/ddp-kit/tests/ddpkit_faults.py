@@ -13,6 +13,14 @@ Cases (rank 1 misbehaves at step 1 of 4 unless said otherwise):
   skip      rank 1 catches its exception and goes on to the next step (one step fewer), then
             leaves (destroy_process_group, exit); rank 0's last step has no partner
   unused    no fault: only rank 0 uses a branch, default arguments (find_unused_parameters off)
+  uneven    rank 1 has 2 batches, rank 0 has 4, no Join: rank 1 does other work for longer
+            than the timeout, then leaves; rank 0's third step has no partner
+  join      the same uneven data inside torch's Join([model]): no fault, both finish
+  join-stall  inside Join, rank 1 (2 batches) stalls at step 1 past the timeout while
+            rank 0 (4) still trains
+  join-stall-joined  inside Join, rank 0 (2 batches) has joined and rank 1 (4) stalls at
+            step 3: rank 0 waits in Join's own count (torch's call), bounded by the process
+            group's timeout (PG_SHORT_S)
   exit      no fault: a last step and logged metrics, destroy_process_group() with the
             wrapper alive, then a plain exit (ddpkit_exit_script.py)
   exit-no-destroy  the same without destroy_process_group()
@@ -23,6 +31,7 @@ A case prefixed "nccl-" runs on NCCL (rank r on cuda:r) instead of gloo.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import subprocess
@@ -34,6 +43,9 @@ from pathlib import Path
 
 WRAPPERS = ("naive", "flat", "individual", "bucketed")
 TIMEOUT_S = 3.0  # the wrappers' per-collective timeout in the fault cases
+# uneven: the fault comes after two normal steps; 3 s tripped now and then in the first step on a
+# loaded 2-core machine
+UNEVEN_TIMEOUT_S = 6.0
 CALM_TIMEOUT_S = 60.0  # in the cases without a fault (a busy machine must not trip them)
 PG_TIMEOUT_S = 120.0  # the process group's own timeout (stall-pg: PG_SHORT_S)
 PG_SHORT_S = 4.0
@@ -117,9 +129,32 @@ def make_wrapper(ddp_kit, kind: str, model, timeout):
     return cls(model, timeout=timeout)
 
 
+def _steps(case: str, rank: int) -> int:
+    """Batches of `rank` in `case` (uneven in the uneven and join cases)."""
+    if case in ("uneven", "join", "join-stall"):
+        return STEPS if rank == 0 else STEPS - 2
+    if case == "join-stall-joined":
+        return STEPS - 2 if rank == 0 else STEPS
+    return STEPS
+
+
+def _stall_s(case: str, rank: int, step: int) -> float:
+    """How long rank `rank` stops before `step` (longer than the bound it must trip)."""
+    if rank != 1:
+        return 0.0
+    if case in ("stall", "join-stall") and step == 1:
+        return 1.5 * TIMEOUT_S + 1
+    if case == "stall-pg" and step == 1:
+        return 1.5 * PG_SHORT_S + 1
+    if case == "join-stall-joined" and step == 3:
+        return 1.5 * PG_SHORT_S + 1
+    return 0.0
+
+
 def _rank_main(case: str, kind: str, rank: int, world: int, store: str) -> dict:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms import Join
 
     import ddp_kit
 
@@ -128,7 +163,7 @@ def _rank_main(case: str, kind: str, rank: int, world: int, store: str) -> dict:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    pg_timeout = PG_SHORT_S if case == "stall-pg" else PG_TIMEOUT_S
+    pg_timeout = PG_SHORT_S if case in ("stall-pg", "join-stall-joined") else PG_TIMEOUT_S
     dist.init_process_group(
         backend,
         init_method=f"file://{store}",
@@ -138,38 +173,47 @@ def _rank_main(case: str, kind: str, rank: int, world: int, store: str) -> dict:
     )
     torch.manual_seed(rank)  # different initial weights: the wrapper broadcasts rank 0's
     model = make_model(torch, with_branch=True).to(device)
-    calm = case == "unused"
+    calm = case in ("unused", "join")
     timeout = None if case == "stall-pg" else CALM_TIMEOUT_S if calm else TIMEOUT_S
+    if case == "uneven":
+        timeout = UNEVEN_TIMEOUT_S
     ddp = make_wrapper(ddp_kit, kind, model, timeout)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     report: dict = {"rank": rank, "steps": 0}
-    step = 0
+    step, steps = 0, _steps(case, rank)
+    joined = Join([ddp]) if case.startswith("join") else contextlib.nullcontext()
     try:
-        while step < STEPS:
-            gen = torch.Generator().manual_seed(100 * step + rank)
-            x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
-            x, y = x.to(device), y.to(device)
-            if rank == 1 and step == 1:
-                if case == "raise":
-                    raise ValueError("injected fault on rank 1")
-                if case in ("stall", "stall-pg"):  # longer than the peer's timeout
-                    time.sleep(1.5 * (PG_SHORT_S if case == "stall-pg" else TIMEOUT_S) + 1)
-                if case == "skip":
-                    step += 1  # "caught" an exception: this step is lost on rank 1 only
-                    continue
-            use_branch = rank == 0 if case == "unused" else True
-            loss = torch.nn.functional.mse_loss(ddp(x, use_branch=use_branch), y)
-            opt.zero_grad()
-            loss.backward()
-            ddp.finish_gradient_synchronization()
-            opt.step()
-            step += 1
-            report["steps"] = step
+        with joined:
+            while step < steps:
+                gen = torch.Generator().manual_seed(100 * step + rank)
+                x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 3, generator=gen)
+                x, y = x.to(device), y.to(device)
+                time.sleep(_stall_s(case, rank, step))
+                if rank == 1 and step == 1:
+                    if case == "raise":
+                        raise ValueError("injected fault on rank 1")
+                    if case == "skip":
+                        step += 1  # "caught" an exception: this step is lost on rank 1 only
+                        continue
+                use_branch = rank == 0 if case == "unused" else True
+                loss = torch.nn.functional.mse_loss(ddp(x, use_branch=use_branch), y)
+                opt.zero_grad()
+                loss.backward()
+                ddp.finish_gradient_synchronization()
+                opt.step()
+                step += 1
+                report["steps"] = step
     except ddp_kit.CollectiveError as exc:
         report["error"] = str(exc)
         report["seconds"] = round(time.monotonic() - _T0, 2)
         return report  # the group is unusable now: end the process (plain exit)
-    if case == "skip":
+    except RuntimeError as exc:  # torch's own calls (Join's count) raise plain RuntimeError
+        report["torch_error"] = str(exc).splitlines()[0]
+        report["seconds"] = round(time.monotonic() - _T0, 2)
+        return report
+    if case == "uneven" and rank == 1:
+        time.sleep(UNEVEN_TIMEOUT_S + 2)  # other work after the loop, past rank 0's timeout
+    if case in ("skip", "uneven"):
         dist.destroy_process_group()
         return report
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # (P,)

@@ -12,9 +12,21 @@ from __future__ import annotations
 import os
 
 import pytest
-from ddpkit_faults import TIMEOUT_S, WRAPPERS, RankResult, run_case
+from ddpkit_faults import TIMEOUT_S, UNEVEN_TIMEOUT_S, WRAPPERS, RankResult, run_case
 
-CASES = ["raise", "stall", "stall-pg", "skip", "unused", "exit", "exit-no-destroy"]
+CASES = [
+    "raise",
+    "stall",
+    "stall-pg",
+    "skip",
+    "unused",
+    "uneven",
+    "join",
+    "join-stall",
+    "join-stall-joined",
+    "exit",
+    "exit-no-destroy",
+]
 
 
 def _runs(case: str) -> int:
@@ -57,15 +69,30 @@ def test_fault(case: str, run: int) -> None:
             _names_the_collective(report, rank)
         bound = f"timeout {TIMEOUT_S:g} s" if case == "stall" else "the process group's timeout"
         assert bound in r0["error"], r0
-    elif case == "skip":  # rank 1 ran one step fewer: rank 0's last step has no partner
+    elif case in ("skip", "uneven"):  # rank 1 ran fewer steps: rank 0's next has no partner
         _names_the_collective(r0, 0)
+        bound = UNEVEN_TIMEOUT_S if case == "uneven" else TIMEOUT_S
+        assert f"timeout {bound:g} s" in r0["error"], r0
         assert results[1].code == 0
         assert "error" not in r1, r1
-    else:  # unused, exit, exit-no-destroy: no fault, so the right result and a clean exit
+        if case == "uneven":
+            assert (r0["steps"], r1["steps"]) == (2, 2), (r0, r1)
+    elif case == "join-stall":  # rank 0 still trains: its own (bounded) calls time out
+        for rank, report in enumerate((r0, r1)):
+            assert f"rank {rank} of 2" in report.get("error", ""), report
+            assert "all_reduce" in report["error"], report
+        assert f"timeout {TIMEOUT_S:g} s" in r0["error"], r0
+    elif case == "join-stall-joined":  # rank 0 waits in Join's count: the group's timeout
+        assert r0["steps"] == 2, r0
+        assert "Timed out" in r0["torch_error"], r0
+        assert "rank 1 of 2" in r1.get("error", ""), r1
+    else:  # unused, join, exit, exit-no-destroy: no fault: the right result, a clean exit
         for rank, r in enumerate(results):
             assert r.code == 0, f"rank {rank} exited with {r.code}:\n{r.stderr[-3000:]}"
         for report in (r0, r1):
             assert report.get("ranks_equal"), report
+            if case == "join":  # rank 1 ran out after 2 of rank 0's 4 steps
+                assert report["steps"] == (4 if report["rank"] == 0 else 2), report
             if case == "unused":  # rank 1 never used the branch: it gets the average anyway
                 assert report["branch_grad"], report
 

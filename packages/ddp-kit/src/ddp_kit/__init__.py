@@ -7,6 +7,9 @@ torch.distributed.
     model.finish_gradient_synchronization()         # collective: every rank
     optimizer.step()
 
+Ranks with different numbers of batches: train inside
+`torch.distributed.algorithms.Join([model])` (every wrapper is a torch `Joinable`).
+
 See `ddp_kit.wrappers` for the four strategies, `ddp_kit.base` for the shared contract and
 `ddp_kit.launch.spawn` to run a function in N local processes.
 """

@@ -1,7 +1,7 @@
 """Argument checks and the construction-time collectives every wrapper shares.
 
 `resolve_group` and `validate_bucket_size` are local (no communication). `check_same_structure`
-and `broadcast_from_rank0` are collectives (through the owner's `Comm`, so bounded by its
+and the broadcasts are collectives (through the owner's `Comm`, so bounded by its
 timeout): every rank of the group must call them in the same order, which the wrappers'
 constructors do.
 """
@@ -156,9 +156,14 @@ def _describe_mismatch(sigs: list[object]) -> str:
     return "parameters/buffers differ across ranks"
 
 
-@torch.no_grad()
 def broadcast_from_rank0(tensors: Iterable[torch.Tensor], comm: Comm, what: str) -> None:
-    """Collective: copy group rank 0's `tensors` into every rank's (`what` names them in
+    """Collective: copy group rank 0's `tensors` into every rank's (see `broadcast_from`)."""
+    broadcast_from(tensors, comm, what, src=0)
+
+
+@torch.no_grad()
+def broadcast_from(tensors: Iterable[torch.Tensor], comm: Comm, what: str, src: int) -> None:
+    """Collective: copy group rank `src`'s `tensors` into every rank's (`what` names them in
     errors, e.g. "buffer").
 
     One asynchronous broadcast per tensor (in the given order, the same on every rank once
@@ -169,7 +174,7 @@ def broadcast_from_rank0(tensors: Iterable[torch.Tensor], comm: Comm, what: str)
     for i, t in enumerate(tensors):
         data = t.data
         buf = data if data.is_contiguous() else data.contiguous()
-        pending.append((data, buf, comm.broadcast(buf, 0, ("broadcast of %s %d", (what, i)))))
+        pending.append((data, buf, comm.broadcast(buf, src, ("broadcast of %s %d", (what, i)))))
     for data, buf, work in pending:
         work.wait()
         if buf is not data:

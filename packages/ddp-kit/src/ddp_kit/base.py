@@ -13,6 +13,9 @@ Life of a step (every rank runs the same one):
 Under `no_sync()` the hooks only keep gradients in bucket storage; nothing is communicated and
 the next synchronized backward reduces the accumulated sums.
 
+Uneven inputs: the wrapper is a torch `Joinable`; inside `Join([model])` a rank that ran out of
+data shadows the others' steps (see `ddp_kit._join`).
+
 Why every rank makes the same calls whatever its backward reached: buckets are sent in one
 fixed launch order (by expected completion: the bucket whose earliest-registered parameter is
 registered latest goes first), every bucket is sent every step (absent gradients as zeros), and
@@ -35,9 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddp_kit._checks import (
     ProcessGroup,
+    broadcast_from,
     broadcast_from_rank0,
     check_same_structure,
     comm_device,
@@ -45,7 +50,8 @@ from ddp_kit._checks import (
     module_tensors,
     resolve_group,
 )
-from ddp_kit._comm import Comm, check_timeout
+from ddp_kit._comm import Comm, _DistError, check_timeout
+from ddp_kit._join import JoinState, WrapperJoinHook, divide_flag
 from ddp_kit.buckets import GradBucket, ParamInfo
 
 # module -> its live wrapper, so that a second wrapper (whose hooks would also fire) is refused.
@@ -54,12 +60,14 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[DataParallelBase]] = (
 )
 
 
-class DataParallelBase(nn.Module):
+class DataParallelBase(nn.Module, Joinable):
     """Wraps `module` for data-parallel training; subclasses choose `_plan` and `_overlap`.
 
     Collective calls: the constructor, every synchronized backward, `finish_gradient_
     synchronization()` and `sync_buffers()` communicate, so every rank of the group must make
-    them, in the same order. `no_sync()` backwards and `forward` do not communicate.
+    them, in the same order. `no_sync()` backwards and `forward` do not communicate. For ranks
+    with different numbers of batches, train inside `torch.distributed.algorithms.Join([model])`
+    (the wrapper is a `Joinable`; see `join_hook`).
 
     Args:
         module: the model (any nn.Module), already on this rank's device.
@@ -87,6 +95,7 @@ class DataParallelBase(nn.Module):
         timeout: float | datetime.timedelta | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         owner = type(self).__name__
         if not isinstance(module, nn.Module):
             raise TypeError(f"{owner}: module: expected a torch.nn.Module, got {type(module)}")
@@ -147,6 +156,7 @@ class DataParallelBase(nn.Module):
         self._launched: list[GradBucket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._join_state = JoinState()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params
         ]
@@ -231,23 +241,64 @@ class DataParallelBase(nn.Module):
                     if not bucket.launched and bucket.pending > 0:
                         bucket.complete()
                 self._launch_ready()
+            divisor = self._divisor()
             for bucket in self._launched:
                 bucket.handle.wait()
                 if not self._averages_in_collective(bucket) and self.world_size > 1:
-                    bucket.reduced.div_(self.world_size)
+                    bucket.reduced.div_(divisor)
             self._assign_missing()
         finally:
-            for bucket in self._buckets:
-                bucket.reset()
-            self._launched = []
-            self._next_launch = 0
-            self._sync_backward_seen = False
-            self._nosync_backward_seen = False
+            self._reset_step()
         self._finish_calls += 1
 
     def sync_buffers(self) -> None:
-        """Collective: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank."""
+        """Collective: copy rank 0's buffers (e.g. BatchNorm running stats) to every rank.
+
+        Not inside a `Join` block (RuntimeError): a rank that has run out of data could not
+        match it. Join's exit copies the last-joining rank's buffers to every rank.
+        """
+        if self._join_active():
+            raise RuntimeError(
+                f"{type(self).__name__}.sync_buffers() inside a Join block: a rank that has run "
+                "out of data cannot match it. Call it after the block (leaving Join copies the "
+                "last rank's parameters and buffers to every rank)."
+            )
         broadcast_from_rank0(self.module.buffers(), self._comm, "buffer")
+
+    # ----- uneven inputs: torch's Joinable interface ---------------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook `torch.distributed.algorithms.Join` runs on a rank that has run out of
+        data (called by Join's constructor, on every rank; local).
+
+        While some rank still trains, the hook makes the same collectives as one synchronized
+        step with zero gradients from this rank, and leaves the averaged gradient in this
+        rank's `.grad`; when all ranks are done, every rank takes the parameters and buffers
+        of the last rank to finish. Keyword (forwarded from `Join(..., **kwargs)`):
+        `divide_by_initial_world_size` (bool, default True): divide the summed gradients by
+        the initial world size, so every sample weighs the same (as torch DDP); False divides
+        by the number of ranks still training (one more small all-reduce per step).
+        Pass the wrapper first to Join (`Join([model, optimizer])`): the first joinable
+        announces each step, and the wrapper's step starts with its gradient collectives.
+        """
+        owner = type(self).__name__
+        divide = divide_flag(owner, kwargs)
+        if self._sync_backward_seen:
+            raise RuntimeError(
+                f"{owner}: entering Join between a synchronized backward and its "
+                "finish_gradient_synchronization(); enter it between steps"
+            )
+        self._join_state = JoinState(open=True, divide_by_initial_world_size=divide)
+        return WrapperJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """Device of Join's own control tensors (this rank's device)."""
+        return self._device
+
+    @property
+    def join_process_group(self) -> ProcessGroup:
+        """The group Join counts the ranks still training over: the wrapper's group."""
+        return self.process_group
 
     def close(self) -> None:
         """Remove the hooks so the module can be used bare or wrapped again (local)."""
@@ -293,6 +344,8 @@ class DataParallelBase(nn.Module):
             self._next_launch += 1
 
     def _launch(self, bucket: GradBucket) -> None:
+        if not self._launched:
+            self._begin_step_collectives()
         bucket.launched = True
         tensor = bucket.tensor_for_reduction()
         if bucket.flags is not None:  # sent last: every other bucket's `missing` is final
@@ -327,8 +380,99 @@ class DataParallelBase(nn.Module):
                 bucket.assign_missing(used[base : base + len(bucket.params)])
 
     def _averages_in_collective(self, bucket: GradBucket) -> bool:
-        # NCCL averages in the collective itself; gloo sums and we divide once per bucket.
-        return self._nccl and bucket.device.type == "cuda"
+        # NCCL averages in the collective itself; gloo sums and we divide once per bucket (so
+        # does NCCL when the divisor is the number of ranks still training).
+        return self._nccl and bucket.device.type == "cuda" and not self._counts_ranks()
+
+    def _reset_step(self) -> None:
+        """Forget the per-step state (after a finish, or a step that failed to start)."""
+        for bucket in self._buckets:
+            bucket.reset()
+        self._launched = []
+        self._next_launch = 0
+        self._sync_backward_seen = False
+        self._nosync_backward_seen = False
+        self._join_state.clear_step()
+
+    # ----- uneven inputs (see ddp_kit._join) ----------------------------------------------
+    def _join_active(self) -> bool:
+        return self._join_state.open and self._join_config.enable
+
+    def _counts_ranks(self) -> bool:
+        """The average divides by the ranks still training, counted every step."""
+        return self._join_active() and not self._join_state.divide_by_initial_world_size
+
+    def _begin_step_collectives(self) -> None:
+        """Inside Join, before a step's first bucket: announce the step (ranks still
+        training) and launch the count of ranks still training (when it is the divisor)."""
+        state = self._join_state
+        if not self._join_active():
+            return
+        try:
+            if not state.joined:
+                if not self._join_config.is_first_joinable:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: pass the wrapper first to Join "
+                        "(Join([model, optimizer])): the first joinable announces each step, "
+                        "and the wrapper's gradient collectives come first in a step"
+                    )
+                # With throw_on_early_termination this raises RuntimeError on every rank still
+                # training once some rank has run out of data.
+                what = ("Join's all_reduce announcing this rank's step", ())
+                try:
+                    state.notify_work = Join.notify_join_context(self)
+                except _DistError as exc:  # torch's call: name it as ours are named
+                    raise self._comm.error(what, exc) from exc
+            if not state.divide_by_initial_world_size:
+                mine = 0.0 if state.joined else 1.0
+                state.count = torch.full((1,), mine, dtype=torch.float32, device=self._device)
+                state.count_handle = self._comm.all_reduce(
+                    state.count,
+                    dist.ReduceOp.SUM,
+                    ("all_reduce of the number of ranks still training (Join)", ()),
+                )
+        except BaseException:
+            self._reset_step()  # the step never started: the wrapper stays usable
+            raise
+
+    def _divisor(self) -> int | torch.Tensor:
+        """What the summed gradients are divided by: the world size, or (0-dim, so that
+        every bucket keeps its dtype) the number of ranks still training."""
+        state = self._join_state
+        if state.notify_work is not None:
+            what = ("Join's all_reduce announcing this rank's step", ())
+            self._comm.wait_work(state.notify_work, what)
+            state.notify_work = None
+        if state.count_handle is None or state.count is None:
+            return self.world_size
+        state.count_handle.wait()
+        return state.count[0]
+
+    def _shadow_step(self) -> None:
+        """Join's main hook on a rank that has run out of data: one synchronized step with
+        no local gradient (zeros and usage flags 0 in every bucket, in launch order)."""
+        if not self._params:
+            return
+        if self._sync_backward_seen:
+            raise RuntimeError(
+                f"{type(self).__name__}: this rank left its Join block after a synchronized "
+                "backward without finish_gradient_synchronization(); finish every step"
+            )
+        self._join_state.joined = True
+        for p in self._params:
+            p.grad = None  # contributes nothing; a no_sync() remainder is dropped (as torch)
+        self._sync_backward_seen = True
+        self.finish_gradient_synchronization()
+
+    def _finish_join(self, is_last_joiner: bool) -> None:
+        """Join's post hook, on every rank: take the last joiner's parameters and buffers
+        (the highest rank among those that joined in the last round)."""
+        self._join_state = JoinState()
+        mine = self.rank if is_last_joiner else -1
+        src = torch.tensor([mine], dtype=torch.int64, device=self._device)  # (1,)
+        what = ("all_reduce choosing the last rank to join (Join)", ())
+        self._comm.all_reduce(src, dist.ReduceOp.MAX, what).wait()
+        broadcast_from(module_tensors(self.module), self._comm, "parameter or buffer", int(src))
 
     def _finish_error(self) -> str:
         name = f"{type(self).__name__}.finish_gradient_synchronization()"
