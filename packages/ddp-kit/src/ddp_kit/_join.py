@@ -29,14 +29,23 @@ Join's own per-round count, which torch issues under the process group's timeout
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
 if TYPE_CHECKING:
     from ddp_kit._comm import Pending
-    from ddp_kit.base import DataParallelBase
+
+
+class _Shadowing(Protocol):
+    """What the hook needs of a wrapper (`DataParallelBase`; named structurally so that this
+    module does not import the one that imports it)."""
+
+    def _shadow_step(self) -> None: ...
+
+    def _finish_join(self, is_last_joiner: bool) -> None: ...
+
 
 DIVIDE_KWARG = "divide_by_initial_world_size"
 
@@ -71,7 +80,7 @@ def divide_flag(owner: str, kwargs: dict[str, Any]) -> bool:
 class WrapperJoinHook(JoinHook):
     """Shadows a ddp_kit wrapper's step on a rank that has run out of data."""
 
-    def __init__(self, wrapper: DataParallelBase) -> None:
+    def __init__(self, wrapper: _Shadowing) -> None:
         super().__init__()
         self._wrapper = wrapper
 
