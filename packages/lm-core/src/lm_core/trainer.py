@@ -45,6 +45,7 @@ from lm_core.distributed import (
     ParallelModel,
     all_reduce_mean,
     build_optimizer,
+    model_init_device,
     setup_distributed,
     teardown_distributed,
     wrap_model,
@@ -369,7 +370,9 @@ def _train(args: argparse.Namespace, env: DistEnv) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)
     data = load_data(args)
-    with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
+    # initialize on the device (xl on a CPU takes minutes); under --fsdp on the meta device,
+    # the wrapper materializes this rank's shards only
+    with torch.device(model_init_device(env, args.fsdp, args.tp)):
         model = TransformerLM(args.model_config)
     param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
     # activation checkpointing, then compile, then data-parallel / FSDP wrappers (wrap_model)
