@@ -37,6 +37,13 @@ def _meta(cls: type[nn.Module], **kwargs) -> nn.Module:
         return cls(**kwargs)
 
 
+def _built(cls, device: torch.device, *args) -> nn.Module:
+    """The full build on `device` (its generator draws the init, as FSDP's materialization
+    on that device does)."""
+    with torch.device(device):
+        return cls(*args)
+
+
 def _seed_rank0(rank: int, seed: int) -> None:
     """Rank 0 gets `seed`, the others another one: FSDP must use rank 0's generator."""
     torch.manual_seed(seed if rank == 0 else seed + 1000 + rank)
@@ -63,7 +70,7 @@ def scenario_meta_equals_full_build(rank: int, world: int, device: torch.device)
     after the full build, replicated parameters keep their identity, only the current unit is
     ever held at full size, and the wrapper trains like a built module."""
     torch.manual_seed(11)
-    full = StackLM().to(device)
+    full = _built(StackLM, device)
     after_full = torch.rand(4, device=device)
     model = _meta(StackLM)
     norm_weight = model.norm.weight
@@ -108,7 +115,7 @@ def scenario_meta_tied_and_roots(rank: int, world: int, device: torch.device) ->
     in registration order; the tied weight is initialized by each root holding it, the last
     (the head's) wins: bitwise the same calls on a full model."""
     torch.manual_seed(5)
-    ref = ToyLM().to(device)
+    ref = _built(ToyLM, device)
     torch.manual_seed(5)
     roots = [ref.emb]
     for block in ref.layers:
@@ -130,7 +137,7 @@ def scenario_meta_lm_core(rank: int, world: int, device: torch.device) -> None:
     and three AdamW steps equal single-process training from the full build."""
     lm_core, config = _lm_config()
     torch.manual_seed(3)
-    full = lm_core.TransformerLM(config).to(device)
+    full = _built(lm_core.TransformerLM, device, config)
     _seed_rank0(rank, 3)
     with torch.device("meta"):
         model = lm_core.TransformerLM(config)
@@ -209,6 +216,6 @@ def scenario_meta_init_fn_and_errors(rank: int, world: int, device: torch.device
         FSDP(StackLM().to(device), device=other)
     # the refusals left nothing half-done: a fresh meta build still materializes exactly
     torch.manual_seed(2)
-    full = StackLM().to(device)
+    full = _built(StackLM, device)
     torch.manual_seed(2)
     _assert_bitwise(FSDP(_meta(StackLM), device=device).gather_full_params(), full.state_dict())

@@ -98,8 +98,9 @@ class FSDP(nn.Module):
     """Wrap `module` so that its Linear/Embedding weights are sharded across the ranks.
 
     Args:
-        module: the model (any `nn.Module`), the same on every rank, already on this rank's
-            device (CUDA for NCCL). Rank 0's parameters and buffers are broadcast first.
+        module: the model (any `nn.Module`), the same on every rank, either on this rank's
+            device (CUDA for NCCL; rank 0's parameters and buffers are broadcast first) or
+            wholly on the meta device (materialized here, see below).
         compute_dtype: dtype of the gathered weights, of the forward and backward math and of
             the all-gathers (e.g. `torch.bfloat16`); replicated parameters and floating inputs
             are cast to it too. None: the parameters' own dtype.
