@@ -25,6 +25,8 @@ def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, A
                 "weights": {k: v.detach().cpu() for k, v in result.full_state_dict().items()},
                 "losses": [h["loss"] for h in result.history],
                 "step": result.step,
+                # collective counts of zero_shard.FSDP (--fsdp ours), since construction
+                "stats": dict(getattr(getattr(result.parallel, "fsdp", None), "stats", {})),
             }
         )
     return out

@@ -21,6 +21,7 @@ spawn = pytest.importorskip("ddp_kit.launch").spawn
 LONG = [*BASE, "--steps", "8", "--cosine-steps", "8"]
 FUSED_AC = ["--fused-loss", "--activation-checkpointing", "1"]
 ACCUM = ["--batch-size", "4", "--grad-accum-steps", "2"]
+FROZEN = ["--steps", "1", "--max-lr", "0", "--min-lr", "0"]  # AdamW at lr 0: weights unchanged
 
 
 def _relative_error(weights, ref, init) -> float:
@@ -46,6 +47,7 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
     pytest.importorskip("zero_shard")
     ckpt = tmp_path / "a" / "checkpoint.pt"
     runs = {
+        "init": [*BASE, "--fsdp", "ours", *FROZEN],
         "fp32": [*BASE, "--fsdp", "ours"],
         "fused+ac": [*BASE, "--fsdp", "ours", *FUSED_AC],
         "bf16": [*BASE, "--fsdp", "ours", "--bf16"],
@@ -57,6 +59,11 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
     r0, _ = spawn(_worker(), 2, args=(list(runs.values()),), timeout_s=600)
     res = dict(zip(runs, r0))
 
+    # The model is built on the meta device and materialized shard by shard: bitwise the
+    # full build for the seed.
+    init = _initial_weights()
+    for key, value in init.items():
+        assert torch.equal(res["init"]["weights"][key], value), key
     ref, ref_losses = _single([])
     _assert_same(res["fp32"]["weights"], ref, "fp32")
     assert res["fp32"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
@@ -67,13 +74,16 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
     assert res["fused+ac"]["losses"] == pytest.approx(fused_losses, rel=1e-5)
     accum_ref, _ = _single(ACCUM)
     _assert_same(res["accum"]["weights"], accum_ref, "accum")
+    # the first micro-step runs under no_sync(): one reduce-scatter per unit (embedding, 2
+    # blocks, head) per step, against one per unit per micro-step without it
+    assert res["accum"]["stats"]["reduce_scatters"] == 4 * 4
+    assert res["fp32"]["stats"]["reduce_scatters"] == 4 * 4
 
     # bf16: weights gathered and gradients reduce-scattered in bf16 on top of autocast. AdamW
     # turns rounding of small gradients into step-sized changes, so elementwise bounds say
     # little; instead the error against fp32 training, relative to how far training moved
     # the weights, must stay within 2x that of single-process bf16 autocast training
     # (measured: 0.049 against 0.046; a missed sync or wrong scale gives ~1).
-    init = _initial_weights()
     bf16_ref, _ = _single(["--bf16"])
     bound = _relative_error(bf16_ref, ref, init)
     assert _relative_error(res["bf16"]["weights"], ref, init) <= 2 * bound
@@ -106,6 +116,7 @@ def test_fsdp_torch_equals_one_process_and_resumes_exactly(tmp_path):
     # tensors); this test checks it there and `nccl` below on GPUs.
     ckpt = tmp_path / "t" / "checkpoint.pt"
     runs = {
+        "init": [*BASE, "--fsdp", "torch", *FROZEN],
         "fp32": [*BASE, "--fsdp", "torch"],
         "fused+ac": [*BASE, "--fsdp", "torch", *FUSED_AC],
         "bf16": [*BASE, "--fsdp", "torch", "--bf16"],
@@ -117,6 +128,11 @@ def test_fsdp_torch_equals_one_process_and_resumes_exactly(tmp_path):
     r0, _ = spawn(_worker(), 2, args=(list(runs.values()),), timeout_s=600)
     res = dict(zip(runs, r0))
 
+    # meta build, fully_shard, to_empty, then each init root on full tensors: bitwise the
+    # full build (reset_parameters on the DTensors would not be; see lm_core.fsdp)
+    init = _initial_weights()
+    for key, value in init.items():
+        assert torch.equal(res["init"]["weights"][key], value), key
     ref, ref_losses = _single([])
     _assert_same(res["fp32"]["weights"], ref, "fp32")
     assert res["fp32"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
@@ -126,7 +142,6 @@ def test_fsdp_torch_equals_one_process_and_resumes_exactly(tmp_path):
     _assert_same(res["accum"]["weights"], accum_ref, "accum")
     # bf16 parameters, fp32 reduction (MixedPrecisionPolicy) under autocast: the bound of the
     # `ours` test (measured: 0.049 against 0.046)
-    init = _initial_weights()
     bf16_ref, _ = _single(["--bf16"])
     bound = _relative_error(bf16_ref, ref, init)
     assert _relative_error(res["bf16"]["weights"], ref, init) <= 2 * bound

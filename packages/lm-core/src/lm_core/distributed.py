@@ -115,6 +115,13 @@ def setup_distributed(
     )
 
 
+def model_init_device(env: DistEnv, fsdp: str, tp: int = 1) -> torch.device:
+    """Where the trainer builds the model: the meta device under `--fsdp` without `--tp` (the
+    wrapper then materializes only this rank's shards, bitwise as the full build for the
+    seed; `lm_core.fsdp`), else this rank's device."""
+    return torch.device("meta") if fsdp != "none" and tp == 1 else env.device
+
+
 def teardown_distributed(env: DistEnv) -> None:
     """Destroy the process group if `setup_distributed` created it."""
     if env.owns_group and dist.is_initialized():

@@ -12,6 +12,17 @@ Two engines behind one interface (`lm_core.engine.ParallelModel`):
   `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` under bf16. Parameters become
   DTensors; the optimizer steps them directly.
 
+Both take a model built on the meta device (the trainer builds it so under --fsdp): each
+rank materializes only its shards, initialized bitwise as the full build for the seed (rank
+0's generator state), one init root at a time (the embedding, each block, the final norm,
+the head: `TransformerLM.reset_parameters()`'s order). Ours does it inside
+`zero_shard.FSDP`; for torch's, `materialize_fully_sharded` runs after `fully_shard` and
+`to_empty()`: each root's `reset_parameters()` fills full-size plain tensors, and every rank
+copies its DTensor shard out of them. (Calling `reset_parameters()` on the DTensors
+directly, torch's recipe, is not the full build: DTensor random ops on a CPU mesh are not the
+full tensor's numbers, and an in-place init of a split along the sharded dim, as the fused
+qkv and w13 inits do, writes to a temporary and leaves the parameter uninitialized.)
+
 Checkpoints hold full (unsharded) states in the layout of single-process training, so a
 checkpoint from any engine and world size loads into any other:
 - model: `gather_full_params()` (ours) or `get_model_state_dict(full_state_dict=True)`
@@ -40,17 +51,23 @@ from lm_core.engine import DistEnv, ParallelModel, optional_import
 class ZeroShardFSDP(ParallelModel):
     """`--fsdp ours`: the whole model under one `zero_shard.FSDP` (see the module docstring).
 
-    Gradient accumulation: every backward reduce-scatters its gradients (zero_shard has no
-    `no_sync`); they add up in the shards' `.grad` until `finish_sync()`.
+    Gradient accumulation: non-final micro-steps run under `FSDP.no_sync()` (gradients
+    accumulate unsharded in a local fp32 buffer per unit; the last micro-step reduce-scatters
+    each unit once).
     """
 
     def __init__(self, model: nn.Module, env: DistEnv, *, bf16: bool = False) -> None:
         zero_shard = optional_import("zero_shard", "zero")
         before = dict(model.named_parameters())
         self._shapes = {k: v.shape for k, v in model.state_dict().items()}
-        wrapped = zero_shard.FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
+        meta = any(p.is_meta for p in model.parameters())  # materialized by FSDP
+        wrapped = zero_shard.FSDP(
+            model,
+            compute_dtype=torch.bfloat16 if bf16 else None,
+            device=env.device if meta else None,
+        )
         super().__init__(
-            wrapped, wrapped.finish_gradient_synchronization, contextlib.nullcontext, env.rank
+            wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync, env.rank
         )
         self.fsdp = wrapped
         self.world_size = env.world_size
@@ -179,7 +196,8 @@ def _state_dict_api() -> Any:
 class TorchFSDP(ParallelModel):
     """`--fsdp torch`: `fully_shard` per block, then the root (see the module docstring).
 
-    Rank 0's parameters and buffers are broadcast first (as every other wrapper does).
+    A built model: rank 0's parameters and buffers are broadcast first (as every other
+    wrapper does); a meta-device one: materialized after sharding (`materialize_fully_sharded`).
     Gradient accumulation: non-final micro-steps run with `set_requires_gradient_sync(False)`
     (gradients stay unsharded and accumulate; one reduce-scatter in the last micro-step).
     """
@@ -188,9 +206,11 @@ class TorchFSDP(ParallelModel):
         self, model: nn.Module, env: DistEnv, *, bf16: bool = False, compile: bool = False
     ) -> None:
         fully_shard, policy_cls = torch_fsdp_api()
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t.data, src=0)
+        meta = any(p.is_meta for p in model.parameters())
+        if not meta:
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    dist.broadcast(t.data, src=0)
         blocks = getattr(model, "layers", None)
         if not isinstance(blocks, nn.ModuleList):
             raise TypeError(
@@ -206,6 +226,8 @@ class TorchFSDP(ParallelModel):
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        if meta:
+            materialize_fully_sharded(model, env.device)
         super().__init__(model, _nothing, self._no_sync, env.rank)
         self._keys = [k for k, _ in model.named_parameters()]  # optimizer index -> name
 
@@ -276,3 +298,77 @@ class TorchFSDP(ParallelModel):
 
 def _nothing() -> None:
     return None
+
+
+def init_roots(model: nn.Module) -> list[nn.Module]:
+    """The topmost modules below `model` that define `reset_parameters()`, in registration
+    order (TransformerLM: token_embeddings, each block, ln_final, lm_head); ValueError when a
+    module holding a parameter or buffer lies under none of them."""
+    roots: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if callable(getattr(child, "reset_parameters", None)):
+                roots.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    covered = {id(m) for root in roots for m in root.modules()}
+    for name, m in model.named_modules():
+        tensors = [t for t in [*m._parameters.values(), *m._buffers.values()] if t is not None]
+        if tensors and id(m) not in covered:
+            raise ValueError(
+                f"meta-device init: {name or '<root>'!r} holds tensors that no child's "
+                "reset_parameters() initializes"
+            )
+    return roots
+
+
+@torch.no_grad()
+def materialize_fully_sharded(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-device model sharded by `fully_shard` memory on `device` and the values of
+    the full build, one init root at a time (collective: every rank calls it).
+
+    Rank 0's generator state of `device` is set on every rank; `model.to_empty()` allocates
+    the DTensor shards and the buffers; then for each root of `init_roots(model)` its DTensor
+    parameters are replaced by full-size plain tensors, `reset_parameters()` fills them (and
+    the root's buffers), and each rank copies its shard out. Peak: one root at full size."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    _sync_rng_from_rank0(device)
+    model.to_empty(device=device)
+    for root in init_roots(model):
+        full: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}  # tied: one full tensor
+        slots = []
+        for m in root.modules():
+            for name, p in m._parameters.items():
+                if isinstance(p, DTensor):
+                    if id(p) not in full:
+                        t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                        full[id(p)] = (nn.Parameter(t, requires_grad=p.requires_grad), p)
+                    slots.append((m, name, p))
+                    m._parameters[name] = full[id(p)][0]
+        try:
+            root.reset_parameters()  # type: ignore[operator]
+        finally:
+            for m, name, p in slots:
+                m._parameters[name] = p
+        for value, p in full.values():
+            try:  # every rank cuts its own shard out of its (identical) full tensor
+                piece = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+            except TypeError:  # torch without src_data_rank: rank 0's, scattered
+                piece = distribute_tensor(value, p.device_mesh, p.placements)
+            p.to_local().copy_(piece.to_local())
+
+
+def _sync_rng_from_rank0(device: torch.device) -> None:
+    """Set rank 0's state of `device`'s default generator on every rank."""
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    buf = state.to(device)  # NCCL moves CUDA tensors only
+    dist.broadcast(buf, src=0)
+    if cuda:
+        torch.cuda.set_rng_state(buf.cpu(), device)
+    else:
+        torch.set_rng_state(buf.cpu())

@@ -42,7 +42,15 @@ from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
 
-__all__ = ["MODEL_SIZES", "LMHead", "ModelConfig", "RMSNorm", "TransformerLM", "get_config"]
+__all__ = [
+    "MODEL_SIZES",
+    "LMHead",
+    "ModelConfig",
+    "RMSNorm",
+    "TokenEmbedding",
+    "TransformerLM",
+    "get_config",
+]
 
 
 def _is_compiling() -> bool:
@@ -73,6 +81,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 input
         out = F.rms_norm(x.to(compute), (x.shape[-1],), self.weight.to(compute), self.eps)
@@ -87,11 +99,26 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, context_length: int, theta: float) -> None:
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.outer(torch.arange(context_length, dtype=torch.float64), inv_freq)
-        # (T_max, Dh/2) each; fp32, recomputed at construction, not saved in checkpoints.
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        # (T_max, Dh/2) each; fp32, computed by reset_parameters (at construction, and again
+        # after `to_empty()` or a sharded materialization), not saved in checkpoints.
+        half = head_dim // 2
+        self.register_buffer("cos", torch.empty(context_length, half), persistent=False)
+        self.register_buffer("sin", torch.empty(context_length, half), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute the cos/sin tables in place (no parameters; on the tables' device)."""
+        if self.cos.is_meta:
+            return
+        device = self.cos.device
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+        inv_freq = self.theta ** (-exponents / self.head_dim)  # (Dh/2,)
+        positions = torch.arange(self.cos.shape[0], dtype=torch.float64, device=device)
+        angles = torch.outer(positions, inv_freq)  # (T_max, Dh/2)
+        self.cos.copy_(angles.cos().float())
+        self.sin.copy_(angles.sin().float())
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate x of shape (B, T, ..., Dh) by position along dim 1; same shape and dtype.
@@ -128,11 +155,13 @@ class CausalSelfAttention(nn.Module):
         self.attn_fn = get_attention(config.attention)
 
     def reset_parameters(self) -> None:
+        """Course init of q, k, v (each its own std) and the output projection; RoPE tables."""
         d = self.output_proj.in_features
         kv = self.num_kv_heads * self.head_dim
         for part in self.qkv_proj.weight.data.split((d, kv, kv), dim=0):  # q (D, D), k, v
             _trunc_normal_(part, _linear_std(d, part.shape[0]))
         _trunc_normal_(self.output_proj.weight.data, _linear_std(d, d))
+        self.rope.reset_parameters()
 
     def forward(
         self,
@@ -194,6 +223,13 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(config.d_model)
         self.ffn = SwiGLU(config.d_model, config.d_ff, config.matmul)
 
+    def reset_parameters(self) -> None:
+        """Norms at one, attention and feed-forward by their course init (this order)."""
+        self.ln1.reset_parameters()
+        self.attn.reset_parameters()
+        self.ln2.reset_parameters()
+        self.ffn.reset_parameters()
+
     def forward(
         self,
         x: torch.Tensor,
@@ -216,6 +252,17 @@ class TransformerBlock(nn.Module):
         return x
 
 
+class TokenEmbedding(nn.Embedding):
+    """`nn.Embedding(vocab_size, d_model)` with the course init: token ids (...) -> (..., D).
+
+    `weight` (V, D), its state-dict key and `isinstance(emb, nn.Embedding)` are those of a
+    plain Embedding; only `reset_parameters` differs (normal truncated at 3 std, std 1)."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        _trunc_normal_(self.weight, 1.0)
+
+
 class LMHead(Linear):
     """The output projection, and with targets the fused LM head + cross-entropy.
 
@@ -230,6 +277,11 @@ class LMHead(Linear):
 
     def __init__(self, d_model: int, vocab_size: int, matmul: str = "default") -> None:
         super().__init__(d_model, vocab_size, bias=False, matmul=matmul)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Course init: truncated normal, std sqrt(2 / (D + V))."""
+        _trunc_normal_(self.weight, _linear_std(self.in_features, self.out_features))
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """h (..., D) -> logits (..., V); with targets (...) int ids: the mean loss (0-dim)."""
@@ -253,24 +305,32 @@ class TransformerLM(nn.Module):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"TransformerLM: config must be a ModelConfig, got {type(config)}")
         self.config = config
-        self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
-        self.ln_final = RMSNorm(config.d_model)
-        self.lm_head = LMHead(config.d_model, config.vocab_size, config.matmul)
-        self.reset_parameters()
+        device = torch.empty(0).device  # where tensors go now (a `torch.device(...)` context)
+        # The modules are built on the meta device, then given memory and initialized by
+        # reset_parameters alone: the random numbers drawn after `torch.manual_seed(s)` are
+        # exactly those of reset_parameters, so a sharded materialization of a meta-device
+        # build (zero_shard.FSDP, lm_core.fsdp) reproduces this model bitwise.
+        with torch.device("meta"):
+            self.token_embeddings = TokenEmbedding(config.vocab_size, config.d_model)
+            self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+            self.ln_final = RMSNorm(config.d_model)
+            self.lm_head = LMHead(config.d_model, config.vocab_size, config.matmul)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Course initialization: truncated normals (std 1 for embeddings), norms at one."""
-        _trunc_normal_(self.token_embeddings.weight, 1.0)
+        """Course initialization (truncated normals, std 1 for the embedding, norms at one)
+        and the RoPE tables, by each child's own `reset_parameters()` in registration order:
+        token_embeddings, every block, ln_final, lm_head. A wrapper that initializes one
+        child at a time in this order (zero_shard.FSDP over a meta-device model) draws the
+        same random numbers."""
+        self.token_embeddings.reset_parameters()
         for block in self.layers:
-            block.ln1.weight.fill_(1.0)
-            block.ln2.weight.fill_(1.0)
-            block.attn.reset_parameters()
-            block.ffn.reset_parameters()
-        self.ln_final.weight.fill_(1.0)
-        d, v = self.config.d_model, self.config.vocab_size
-        _trunc_normal_(self.lm_head.weight, _linear_std(d, v))
+            block.reset_parameters()
+        self.ln_final.reset_parameters()
+        self.lm_head.reset_parameters()
 
     def forward(
         self,

@@ -44,6 +44,7 @@ from lm_core.distributed import (
     ParallelModel,
     all_reduce_mean,
     build_optimizer,
+    model_init_device,
     setup_distributed,
     teardown_distributed,
     wrap_model,
@@ -402,7 +403,9 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(t.seed)
     data = load_data(config)
-    with torch.device(env.device):  # initialize on the device: xl on a CPU takes minutes
+    # initialize on the device (xl on a CPU takes minutes); under --fsdp on the meta device,
+    # the wrapper materializes this rank's shards only
+    with torch.device(model_init_device(env, config.parallel.fsdp, config.parallel.tp)):
         model = TransformerLM(config.model_config)
     param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
     pm = _wrap(model, config, env)

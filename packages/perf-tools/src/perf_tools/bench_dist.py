@@ -7,14 +7,16 @@ cell inherits another one's memory; or, under `torchrun` (`run_torchrun_sweep`),
 torchrun started (every cell in turn). The rank side (`run_rank`) builds, wraps and times; the
 parent side (`aggregate`) turns every rank's measurements into the row.
 
-Each rank builds the model directly on its device, applies activation checkpointing, wraps it
-and trains on its own random batch (`--batch` sequences per rank):
+Each rank builds the model on the meta device, applies activation checkpointing, wraps it
+(the wrapper materializes only this rank's shards on its device, as the full build for the
+seed would be) and trains on its own random batch (`--batch` sequences per rank):
 
   ours   zero_shard.FSDP(model, compute_dtype=bf16 for --precision bf16, else None); lm_core
          AdamW over fsdp.parameters() (the fp32 shards and the replicated norms); the step is
          zero_grad, forward, backward, finish_gradient_synchronization() ("sync"), AdamW.
   torch  torch.distributed.fsdp.fully_shard on every block, then on the root, with
-         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16; lm_core AdamW
+         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16, then
+         lm_core.fsdp.materialize_fully_sharded (the shards of the full build); lm_core AdamW
          over the (DTensor) parameters. Gradients are reduced inside backward (no sync phase).
   --tp K tensor parallel over K ranks, data parallel (fully_shard) over N / K with --fsdp
          torch: `perf_tools.bench_tp` (lm_core's trainer engine); `--batch` is then per
@@ -131,9 +133,11 @@ def torch_fully_shard() -> tuple[Callable[..., Any], type]:
 
 
 def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, int]:
-    """The lm_core model on `device` (built there: no host copy), checkpointed as asked."""
+    """The lm_core model, checkpointed as asked: on the meta device for the FSDP rows (`_wrap`
+    materializes this rank's shards), on `device` for TP (its engine broadcasts rank 0's
+    weights before sharding)."""
     torch.manual_seed(job.seed)
-    model = build_model(config, device)
+    model = build_model(config, "meta" if job.tp == 1 else device)
     model.train()
     k = 0
     if job.act_ckpt != "none" and job.tp == 1:  # TP checkpoints after sharding (bench_tp)
@@ -150,13 +154,16 @@ def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, 
     return model, k
 
 
-def _wrap(job: DistJob, model: nn.Module) -> tuple[nn.Module, Callable[[], None] | None, Any]:
-    """(runner, gradient sync to call after backward, our FSDP or None)."""
+def _wrap(
+    job: DistJob, model: nn.Module, device: torch.device
+) -> tuple[nn.Module, Callable[[], None] | None, Any]:
+    """(runner, gradient sync to call after backward, our FSDP or None); the meta-device
+    `model` sharded and materialized on `device`."""
     bf16 = job.precision == "bf16"
     if job.fsdp == "ours":
         from zero_shard import FSDP
 
-        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None)
+        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None, device=device)
         return fsdp, fsdp.finish_gradient_synchronization, fsdp
     fully_shard, policy_cls = torch_fully_shard()
     kwargs: dict[str, Any] = {}
@@ -165,6 +172,9 @@ def _wrap(job: DistJob, model: nn.Module) -> tuple[nn.Module, Callable[[], None]
     for block in model.layers:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    from lm_core.fsdp import materialize_fully_sharded
+
+    materialize_fully_sharded(model, device)
     return model, None, None
 
 
@@ -222,7 +232,7 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
             act_ckpt=job.act_ckpt,
         )
     else:
-        runner, sync, fsdp = _wrap(job, model)
+        runner, sync, fsdp = _wrap(job, model, device)
     timing.synchronize(device)
     build_s = time.perf_counter() - t0
     optimizer = None

@@ -6,7 +6,9 @@ updated parameters from their owners after each step.
 
 `FSDP(module, compute_dtype=None, shard_module_types=None, process_group=None)` (ZeRO
 stage 3) keeps only this rank's fp32 shard of every Linear/Embedding weight, gathers weights
-just in time for forward and backward and reduce-scatters their gradients.
+just in time for forward and backward and reduce-scatters their gradients; it materializes a
+module built on the meta device shard by shard, and accumulates without communication under
+`no_sync()`.
 """
 
 from zero_shard._comm import CollectiveError

@@ -19,6 +19,11 @@ construction. Life of a step, the same on every rank:
    parameters' gradients.
 4. `optimizer.step()` over `fsdp.parameters()`: the shards and the replicated parameters.
 
+Options: a module built on the meta device is materialized shard by shard at construction
+(`materialize.py`); `no_sync()` / `set_requires_gradient_sync(False)` accumulate gradients
+locally instead of step 2's reduce-scatter (`accumulate.py`); `reshard_after_forward=False`
+keeps every unit gathered from its forward to its backward (no re-gather in step 2).
+
 Overlap check: `record_gather_waits()` times how long each unit's forward or backward waits
 for its all-gather (CUDA events on the compute stream around the wait, or the host clock on
 CPU); `gather_waits()` returns the records. A prefetch that finished in time costs ~0 ms.
@@ -26,18 +31,22 @@ CPU); `gather_waits()` returns the records. A prefetch that finished in time cos
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
-import time
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zero_shard._comm import Comm, check_timeout
+from zero_shard.accumulate import GradAccumulator
+from zero_shard.full_state import gather_full_state, load_full_state
+from zero_shard.grads import allreduce_replicated, clip_grad_norm
+from zero_shard.materialize import InitFn, check_init_args, materialize, on_meta, target_device
 from zero_shard.plan import (
     broadcast_from_rank0,
     check_dtype,
@@ -55,25 +64,13 @@ from zero_shard.plan import (
 from zero_shard.shard import Collectives, ShardedParam
 from zero_shard.tree import cast_float, map_tensors, tensors_in
 from zero_shard.units import Unit, cast_slots
+from zero_shard.waits import GatherWait, WaitRecorder
+
+__all__ = ["FSDP", "GatherWait"]
 
 MAX_GATHERED = 2  # units holding gathered weights at once (the current one and a prefetch)
 
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-class GatherWait(NamedTuple):
-    """How long the compute waited for one unit's all-gather (`FSDP.gather_waits()`).
-
-    unit: the unit's name; phase: "forward" or "backward" (activation-checkpoint recomputes
-    count as backward); prefetched: the all-gather was launched ahead of time (a prefetch)
-    rather than by this wait; ms: the time from reaching the wait to the weights having
-    arrived (on CUDA: of the compute stream, so ~0 when the all-gather was already done).
-    """
-
-    unit: str
-    phase: str
-    prefetched: bool
-    ms: float
 
 
 class _Gather(torch.autograd.Function):
@@ -101,8 +98,9 @@ class FSDP(nn.Module):
     """Wrap `module` so that its Linear/Embedding weights are sharded across the ranks.
 
     Args:
-        module: the model (any `nn.Module`), the same on every rank, already on this rank's
-            device (CUDA for NCCL). Rank 0's parameters and buffers are broadcast first.
+        module: the model (any `nn.Module`), the same on every rank, either on this rank's
+            device (CUDA for NCCL; rank 0's parameters and buffers are broadcast first) or
+            wholly on the meta device (materialized here, see below).
         compute_dtype: dtype of the gathered weights, of the forward and backward math and of
             the all-gathers (e.g. `torch.bfloat16`); replicated parameters and floating inputs
             are cast to it too. None: the parameters' own dtype.
@@ -119,6 +117,21 @@ class FSDP(nn.Module):
             collective that some rank does not join raise `zero_shard.CollectiveError` (naming
             it and this rank) after that long. On NCCL an explicit timeout makes every wait
             block the host until the collective is done (see `zero_shard._comm`).
+        reshard_after_forward: True (default): free each unit's gathered weights after its
+            forward and all-gather them again for its backward. False: keep them from the
+            forward to the unit's backward (one all-gather per unit per step instead of two;
+            the whole model gathered at the end of forward).
+        device: for a module on the meta device, where to materialize it (default: this
+            rank's current GPU for an NCCL group, else the CPU). A built module stays where
+            it is (`device`, if given, must name that).
+        init_fn: for a module on the meta device, `init_fn(m)` initializes the subtree of
+            each init root `m` in place, instead of the roots' `reset_parameters()` (see
+            `zero_shard.materialize`: which modules are roots, and the random numbers).
+
+    A module built on the meta device (`with torch.device("meta"): model = ...`) is
+    materialized here one unit at a time: each rank keeps only its shards, initialized as
+    the full module would be (bitwise for a seed when its construction is the roots' inits
+    in order; see `zero_shard.materialize`). Rank 0's random generator state is used.
 
     `fsdp.parameters()` are the local fp32 shards, `(ceil(numel / N),)` each, plus the
     replicated parameters: build any torch optimizer over them. The constructor,
@@ -136,6 +149,9 @@ class FSDP(nn.Module):
         reduce_dtype: torch.dtype | None = None,
         units: Iterable[nn.Module] | None = None,
         timeout: float | datetime.timedelta | None = None,
+        reshard_after_forward: bool = True,
+        device: torch.device | str | None = None,
+        init_fn: InitFn | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -144,13 +160,23 @@ class FSDP(nn.Module):
         limit = check_timeout(timeout, "FSDP")
         reduce = check_dtype(reduce_dtype, "reduce_dtype")
         types = check_types(shard_module_types)
+        if not isinstance(reshard_after_forward, bool):
+            what = repr(reshard_after_forward)
+            raise TypeError(f"FSDP: reshard_after_forward: expected True or False, got {what}")
         if any(m in _WRAPPED for m in module.modules()):
             raise ValueError("FSDP: module: already (partly) wrapped by an FSDP; wrap it once")
+        meta = on_meta(module)
+        check_init_args(init_fn, meta)
         slots = param_slots(module)
         sharded = sharded_params(module, slots, types, self._compute_dtype)
         roots = check_units(units, module) if units is not None else None
         group = resolve_group(process_group)
-        device = comm_device(module, group)
+        if meta:
+            device = target_device(device, group, None)
+        else:
+            target_device(device, group, next(module.parameters()).device)
+            device = comm_device(module, group)
+        assert device is not None
 
         self.process_group = group
         self.rank = dist.get_rank(group)
@@ -160,19 +186,26 @@ class FSDP(nn.Module):
         self.timeout = limit
         comm = Comm(group, limit, "FSDP")
         check_same_on_all_ranks(module, slots, sharded, plan, comm, device)
-        broadcast_from_rank0(module, comm)
-
-        self._comm = Collectives(comm, device)
-        self._by_key: dict[str, ShardedParam] = {}  # state-dict key -> its shard
-        made: dict[int, ShardedParam] = {}
+        keys: dict[int, str] = {}  # sharded parameter id -> its first state-dict key
         for key, _, _, p in slots:
             if id(p) in sharded:
-                if id(p) not in made:
+                keys.setdefault(id(p), key)
+        replicated = [(m, attr, p) for _, m, attr, p in slots if id(p) not in sharded]
+        if meta:
+            made = materialize(module, plan, keys, sharded, device, comm, init_fn)
+            rest = {id(p): p for _, _, p in replicated} | {id(b): b for b in module.buffers()}
+            broadcast_from_rank0(list(rest.values()), comm)
+        else:
+            broadcast_from_rank0([*module.parameters(), *module.buffers()], comm)
+            made = {}
+            for key, _, _, p in slots:
+                if id(p) in sharded and id(p) not in made:
                     made[id(p)] = ShardedParam(key, p, self.rank, self.world_size)
-                self._by_key[key] = made[id(p)]
+
+        self._comm = Collectives(comm, device)
+        self._by_key = {key: made[id(p)] for key, _, _, p in slots if id(p) in sharded}
         first = next(iter(made.values()))
         cast = self._compute_dtype  # replicated parameters are cast to it while in use
-        replicated = [(m, attr, p) for _, m, attr, p in slots if id(p) not in sharded]
         gather_dtype = self._compute_dtype or first.dtype
         self._reduce_dtype = reduce or self._compute_dtype or first.shard.dtype
         self._units = [
@@ -193,10 +226,11 @@ class FSDP(nn.Module):
         self._order: list[Unit] = []  # units called in this forward, in order
         self._stack: list[tuple[Unit, int]] = []  # (unit, position) of calls in progress
         self._in_backward = False
-        self._backward_seen = False
+        self._reshard = reshard_after_forward
+        self._accum = GradAccumulator(first.shard.dtype)  # sync flag, no_sync buffers
         self._finish_calls = 0
         self._reductions: list[tuple] = []
-        self._waits: list[tuple] | None = None  # None: not recording (record_gather_waits)
+        self._waits = WaitRecorder()
         self.stats = _zero_stats()
 
     # ----- public API ---------------------------------------------------------------------
@@ -239,25 +273,74 @@ class FSDP(nn.Module):
 
         Collective: every rank must call it once after the backward pass(es) of a step.
         Afterwards each shard's `.grad` (fp32, `(chunk,)`) is the average over ranks of the
-        gradients summed over the backward passes since the last call, and so is each
-        replicated parameter's `.grad` (None where no rank had one). Raises RuntimeError when
-        no backward ran since the last call (called twice, or before any backward).
+        gradients summed over the backward passes since the last call (those under
+        `no_sync()` included), and so is each replicated parameter's `.grad` (None where no
+        rank had one). Raises RuntimeError when no backward with gradient sync on ran since
+        the last call (called twice, before any backward, or after `no_sync()` ones only).
         """
         name = "FSDP.finish_gradient_synchronization()"
         if self._in_backward:
             raise RuntimeError(f"{name}: called during backward; call it after loss.backward()")
-        if not self._backward_seen:
+        if not self._accum.sync_seen:
+            if self._accum.nosync_seen:
+                raise RuntimeError(
+                    f"{name}: only backward passes with gradient sync off (inside no_sync(), "
+                    "or after set_requires_gradient_sync(False)) ran since the last call; run "
+                    "the last micro-batch's backward with sync on, then call it"
+                )
             if self._finish_calls:
                 raise RuntimeError(
                     f"{name} called twice without a backward pass in between; call it exactly "
                     "once per step, after loss.backward()"
                 )
             raise RuntimeError(f"{name} called before any backward pass; call it after backward")
+        for unit, rows in self._accum.take_all(self._units):  # ran with sync off only
+            self._reduce(unit, rows.to(self._reduce_dtype))
         while self._reductions:
             self._complete_reduction()
-        self._allreduce_replicated()
-        self._backward_seen = False
+        allreduce_replicated(self._replicated, self._comm.comm)
+        self._accum.finished()
         self._finish_calls += 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside this block communicate
+        nothing (every unit's full gradient is added to a local fp32 buffer).
+
+        The next backward outside the block (the last micro-batch) adds its gradients to the
+        buffers and reduce-scatters each unit once. Enter it only right after
+        `finish_gradient_synchronization()` (or before the first step). Forward passes still
+        all-gather the weights. Memory: every unit's full gradient in fp32 on each rank.
+        """
+        previous = self._accum.sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._accum.sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward passes accumulate gradients locally, as inside `no_sync()`, until
+        this is set True again (torch FSDP2's name); the first backward with True reduces
+        what was accumulated. Local (no communication); set the same on every rank."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise TypeError(
+                "FSDP.set_requires_gradient_sync(): requires_gradient_sync: expected True or "
+                f"False, got {requires_gradient_sync!r}"
+            )
+        if not requires_gradient_sync and self._accum.sync_seen:
+            raise RuntimeError(
+                "FSDP: gradient sync turned off (no_sync() / set_requires_gradient_sync(False)) "
+                "while a synchronized backward is still waiting for "
+                "finish_gradient_synchronization(); call it before accumulating the next step"
+            )
+        self._accum.sync = requires_gradient_sync
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`nn.Module.zero_grad`, and drop the gradients accumulated under `no_sync()` (an
+        optimizer's `zero_grad()` leaves those for the next synchronization)."""
+        super().zero_grad(set_to_none)
+        self._accum.clear()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -267,28 +350,13 @@ class FSDP(nn.Module):
         """
         if not (isinstance(max_norm, int | float) and 0 < max_norm < float("inf")):
             raise ValueError(f"max_norm: expected a positive finite number, got {max_norm!r}")
-        if self._backward_seen:
+        if self._accum.sync_seen or self._accum.nosync_seen:
             raise RuntimeError(
                 "FSDP.clip_grad_norm_(): gradients are not synchronized yet; call "
                 "finish_gradient_synchronization() first"
             )
         shards = [sp.shard for sp in {id(sp): sp for sp in self._by_key.values()}.values()]
-        device = shards[0].device
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for p in shards:
-            if p.grad is not None:
-                local += p.grad.float().square().sum()
-        what = ("all_reduce of the squared gradient norm", ())
-        self._comm.comm.all_reduce(local, dist.ReduceOp.SUM, what).wait()  # disjoint shards
-        for p in self._replicated:  # identical on every rank: counted once
-            if p.grad is not None:
-                local += p.grad.float().square().sum()
-        total = local.sqrt()
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for p in [*shards, *self._replicated]:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return total
+        return clip_grad_norm(shards, self._replicated, max_norm, self._comm.comm)
 
     @torch.no_grad()
     def gather_full_params(self, device: torch.device | str | None = None) -> dict[str, Any]:
@@ -300,27 +368,7 @@ class FSDP(nn.Module):
         the module lives) receives each tensor as soon as it is complete.
         """
         self._check_idle("gather_full_params()")
-        out: dict[str, Any] = {}
-        done: dict[int, torch.Tensor] = {}
-        for key, value in self.module.state_dict().items():
-            sp = self._by_key.get(key)
-            if sp is None:
-                full = value.detach().clone()
-            elif id(sp) in done:
-                full = done[id(sp)]
-            else:
-                shard = sp.shard.detach()
-                recv = torch.empty(
-                    self.world_size * sp.chunk, dtype=shard.dtype, device=shard.device
-                )
-                self._comm.all_gather(recv, shard, f"parameter {key!r}").wait()
-                full = recv[: sp.numel].view(sp.shape).to(sp.dtype)  # (N chunk,) -> shape
-            if device is not None:
-                full = full.to(device)
-            if sp is not None:
-                done[id(sp)] = full
-            out[key] = full
-        return out
+        return gather_full_state(self.module, self._by_key, self._comm, device)
 
     @torch.no_grad()
     def load_full_params(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -328,24 +376,7 @@ class FSDP(nn.Module):
         `state_dict()`): each rank keeps its own rows of the sharded parameters. Local (no
         communication); every rank must load the same values."""
         self._check_idle("load_full_params()")
-        expected = self.module.state_dict().keys()
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"state_dict: keys differ from the module's: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
-        for key, sp in self._by_key.items():
-            value = state_dict[key]
-            if tuple(value.shape) != sp.shape:
-                raise ValueError(
-                    f"state_dict: {key!r} has shape {tuple(value.shape)}, expected {sp.shape}"
-                )
-            value = value.to(device=sp.shard.device, dtype=sp.shard.dtype)
-            sp.shard.copy_(sp.rows(value, self.world_size)[self.rank])
-        rest = {k: v for k, v in state_dict.items() if k not in self._by_key}
-        self.module.load_state_dict(rest, strict=False)
+        load_full_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
 
     @property
     def unit_names(self) -> list[str]:
@@ -365,7 +396,7 @@ class FSDP(nn.Module):
         `gather_waits()`. Costs two events per all-gather while enabled; off by default.
         Starting or stopping drops the records not yet read.
         """
-        self._waits = [] if enabled else None
+        self._waits.enable(enabled)
 
     def gather_waits(self) -> list[GatherWait]:
         """The waits recorded since the last call (oldest first), and forget them.
@@ -373,18 +404,7 @@ class FSDP(nn.Module):
         On CUDA this blocks until the recorded events have happened: call it after the step
         (e.g. after `torch.cuda.synchronize()`). Empty when not recording.
         """
-        if self._waits is None:
-            return []
-        out = []
-        for name, phase, prefetched, start, end in self._waits:
-            if isinstance(start, float):
-                ms = (end - start) * 1e3
-            else:
-                end.synchronize()
-                ms = start.elapsed_time(end)
-            out.append(GatherWait(name, phase, prefetched, ms))
-        self._waits = []
-        return out
+        return self._waits.read()
 
     def reset_stats(self) -> None:
         """Zero `stats`: all_gathers, prefetches, reduce_scatters, peak_gathered_units."""
@@ -421,7 +441,7 @@ class FSDP(nn.Module):
     def _post(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
         unit.swap_out()
         if self._in_backward:  # recompute: its own backward re-gathers if we free it here
-            if unit.active == 0:
+            if unit.active == 0 and not unit.kept:
                 unit.free()
             return
         _, pos = self._stack.pop()
@@ -430,8 +450,10 @@ class FSDP(nn.Module):
         if training:
             self._hook_outputs(output, unit, self._order[pos - 1] if pos > 0 else None)
         order = self._fwd_order
-        keep = training and pos == len(order) - 1 and order[pos] is unit
-        if unit.active == 0 and not keep:
+        last = pos == len(order) - 1 and order[pos] is unit  # backward needs it first
+        if training and not self._reshard:
+            unit.kept = unit.holds_memory  # outside the cap on gathered units until backward
+        elif unit.active == 0 and not (training and last):
             unit.free()
 
     def _hook_outputs(self, output: Any, unit: Unit, prev: Unit | None) -> None:
@@ -469,26 +491,37 @@ class FSDP(nn.Module):
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self._backward_seen = True
+        self._accum.saw_backward()
         self._ensure(unit)
         unit.active += 1
         if prev is not None:
             self._prefetch(prev)
 
     def _post_backward(self, unit: Unit, grads: tuple[torch.Tensor | None, ...]) -> None:
-        self._backward_seen = True
+        self._accum.saw_backward()
         if any(p.shard.requires_grad for p in unit.params):
-            rows = unit.grad_rows(grads, self._reduce_dtype)  # (N S,)
-            out = torch.empty(unit.row, dtype=self._reduce_dtype, device=rows.device)  # (S,)
-            pending = self._comm.reduce_scatter(out, rows, f"unit {unit.name!r}'s gradients")
-            self._reductions.append((unit, pending, out, rows))
-            self.stats["reduce_scatters"] += 1
-            while len(self._reductions) > 1:  # keep one in flight
-                self._complete_reduction()
+            if not self._accum.sync:
+                self._accum.add(unit, grads)  # no_sync(): kept locally, unsharded
+            else:
+                held = self._accum.take(unit)  # what no_sync() backward passes left
+                if held is None:
+                    rows = unit.grad_rows(grads, self._reduce_dtype)  # (N S,)
+                else:
+                    rows = held.add_(unit.grad_rows(grads, held.dtype)).to(self._reduce_dtype)
+                self._reduce(unit, rows)
         unit.swap_out()
         unit.active = max(0, unit.active - 1)
         if unit.active == 0:
             unit.free()
+
+    def _reduce(self, unit: Unit, rows: torch.Tensor) -> None:
+        """Launch the reduce-scatter of `unit`'s gradient rows (N S,) in the reduce dtype."""
+        out = torch.empty(unit.row, dtype=self._reduce_dtype, device=rows.device)  # (S,)
+        pending = self._comm.reduce_scatter(out, rows, f"unit {unit.name!r}'s gradients")
+        self._reductions.append((unit, pending, out, rows))
+        self.stats["reduce_scatters"] += 1
+        while len(self._reductions) > 1:  # keep one in flight
+            self._complete_reduction()
 
     def _complete_reduction(self) -> None:
         """Wait for the oldest reduce-scatter; add its averaged rows to the shards' grads."""
@@ -511,30 +544,6 @@ class FSDP(nn.Module):
             if u.holds_memory:
                 u.free()
 
-    @torch.no_grad()
-    def _allreduce_replicated(self) -> None:
-        """One all-reduce per dtype of the replicated grads plus a has-grad flag each."""
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self._replicated:
-            if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, params in by_dtype.items():
-            device = params[0].device
-            grads = [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params
-            ]
-            flags = torch.tensor([p.grad is not None for p in params], dtype=dtype, device=device)
-            flat = torch.cat([*grads, flags])  # (sum numel + n_params,)
-            what = ("all_reduce of the replicated parameters' gradients (%s)", (dtype,))
-            self._comm.comm.all_reduce(flat, dist.ReduceOp.SUM, what).wait()
-            has = None if all(p.grad is not None for p in params) else flat[-len(params) :].tolist()
-            offset = 0
-            for i, p in enumerate(params):
-                avg = flat[offset : offset + p.numel()].view_as(p) / self.world_size
-                offset += p.numel()
-                if has is None or has[i] > 0:
-                    p.grad = avg
-
     # ----- gathering ----------------------------------------------------------------------
     def _ensure(self, unit: Unit) -> None:
         """Make `unit`'s weights available now (waiting for its prefetch, if any)."""
@@ -543,36 +552,22 @@ class FSDP(nn.Module):
         prefetched = unit.holds_memory
         if not prefetched:
             for other in self._units:  # evict stale prefetches to stay within the cap
-                if self._n_gathered() < MAX_GATHERED:
+                if self._n_transient() < MAX_GATHERED:
                     break
-                if other is not unit and other.active == 0 and other.holds_memory:
+                idle = other.active == 0 and not other.kept
+                if other is not unit and idle and other.holds_memory:
                     other.free()
             self._start(unit)
-        if self._waits is None:
+        if not self._waits.enabled:
             unit.finish_gather()
         else:
-            unit.finish_gather(functools.partial(self._timed_wait, unit, prefetched))
-
-    def _timed_wait(self, unit: Unit, prefetched: bool, wait: Callable[[], None]) -> None:
-        """Run `wait` (the all-gather's) between two timestamps; see `record_gather_waits`."""
-        assert self._waits is not None
-        phase = "backward" if self._in_backward else "forward"
-        device = unit.padded[0].device
-        if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            wait()
-            end.record(stream)
-            self._waits.append((unit.name, phase, prefetched, start, end))
-        else:
-            t0 = time.perf_counter()
-            wait()
-            self._waits.append((unit.name, phase, prefetched, t0, time.perf_counter()))
+            phase = "backward" if self._in_backward else "forward"
+            device = unit.padded[0].device
+            timed = functools.partial(self._waits.timed, unit.name, phase, prefetched, device)
+            unit.finish_gather(timed)
 
     def _prefetch(self, unit: Unit) -> None:
-        if unit.holds_memory or self._n_gathered() >= MAX_GATHERED:
+        if unit.holds_memory or self._n_transient() >= MAX_GATHERED:
             return
         self._start(unit)
         self.stats["prefetches"] += 1
@@ -580,12 +575,12 @@ class FSDP(nn.Module):
     def _start(self, unit: Unit) -> None:
         unit.start_gather()
         self.stats["all_gathers"] += 1
-        self.stats["peak_gathered_units"] = max(
-            self.stats["peak_gathered_units"], self._n_gathered()
-        )
+        gathered = sum(u.holds_memory for u in self._units)
+        self.stats["peak_gathered_units"] = max(self.stats["peak_gathered_units"], gathered)
 
-    def _n_gathered(self) -> int:
-        return sum(u.holds_memory for u in self._units)
+    def _n_transient(self) -> int:
+        """Gathered units that count against MAX_GATHERED (all but those kept for backward)."""
+        return sum(u.holds_memory and not u.kept for u in self._units)
 
     def _check_idle(self, what: str) -> None:
         if self._in_backward or self._stack:

@@ -189,6 +189,7 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 
 def comm_device(module: nn.Module, group: dist.ProcessGroup) -> torch.device:
+    """Where the (built) module's tensors are: the device of every collective."""
     device = next(module.parameters()).device
     if "nccl" in str(dist.get_backend(group)).lower() and device.type != "cuda":
         raise ValueError(
@@ -231,13 +232,13 @@ def check_same_on_all_ranks(
 
 
 @torch.no_grad()
-def broadcast_from_rank0(module: nn.Module, comm: Comm) -> None:
-    """Collective: every rank starts from group rank 0's parameters and buffers (one
-    asynchronous broadcast per tensor, waited for at the end)."""
+def broadcast_from_rank0(tensors: list[torch.Tensor], comm: Comm) -> None:
+    """Collective: every rank gets group rank 0's values of `tensors` (parameters and
+    buffers; one asynchronous broadcast per tensor, waited for at the end)."""
     if comm.world_size == 1:
         return
     pending = []
-    for i, t in enumerate([*module.parameters(), *module.buffers()]):
+    for i, t in enumerate(tensors):
         buf = t.data if t.data.is_contiguous() else t.data.contiguous()
         what = ("broadcast of parameter or buffer %d from rank 0", (i,))
         pending.append((t, buf, comm.broadcast(buf, 0, what)))

@@ -73,6 +73,7 @@ class Unit:
         self.cast: torch.dtype | None = None
         self.active = 0
         self.gathered = False
+        self.kept = False  # gathered after forward for backward (reshard_after_forward=False)
         self._gather: tuple[Pending, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -117,6 +118,7 @@ class Unit:
         for buf in self.padded:
             buf.untyped_storage().resize_(0)
         self.gathered = False
+        self.kept = False
 
     def swap_in(self, tensors: tuple[torch.Tensor, ...]) -> None:
         """Point the modules' parameter slots at `tensors` (full shapes) for a forward, and
