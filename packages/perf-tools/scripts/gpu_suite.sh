@@ -31,6 +31,9 @@
 #              CUDA graph per step                                               ~4-5 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
+#   trainloop  issue 28: lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
+#              100 steps, log every 10, a checkpoint at 50) beside the bench step, and xl
+#              without the graph (perf_tools.train_loop; compilation dominates) ~5-7 min
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 #   generate   decode tokens/s (generate_bench): small, then xl, batch 1 and 16, bf16, prompt
@@ -151,6 +154,15 @@ if want generate; then
     run "generate_$size" $PY -m perf_tools.generate_bench --quiet --sizes "$size" \
       --batch-sizes 1 16 --csv "$WORK/generate_$size.csv" --json "$WORK/generate_$size.json"
   done
+fi
+if want trainloop; then
+  TL="$PY -m perf_tools.train_loop --quiet --precision bf16 --compile"
+  run trainloop_small $TL --size small --batch 8 --cuda-graph \
+    --csv "$WORK/trainloop_small.csv" --json "$WORK/trainloop_small.json"
+  run trainloop_xl $TL --size xl --batch 4 --cuda-graph \
+    --csv "$WORK/trainloop_xl.csv" --json "$WORK/trainloop_xl.json"
+  run trainloop_xl_nograph $TL --size xl --batch 4 \
+    --csv "$WORK/trainloop_xl_nograph.csv" --json "$WORK/trainloop_xl_nograph.json"
 fi
 if want memory; then
   run memory $B --size 2.7B --precision fp32 bf16 --mode forward train --context 128 256 512 \

@@ -32,8 +32,9 @@ def test_bench_cuda_every_mode_precision_and_compile(tmp_path):
 def test_cuda_graph_replays_match_eager_steps(tmp_path):
     """A graphed train step updates the weights exactly as the eager step does."""
     from lm_core import AdamW, cross_entropy
+    from lm_core.graph_step import capture_cuda_graph
     from perf_tools.models import build_model, random_batch, resolve_config
-    from perf_tools.steps import capture_cuda_graph, make_step
+    from perf_tools.steps import make_step
 
     config = resolve_config("tiny", context_length=32)
     device = torch.device("cuda")

@@ -149,8 +149,17 @@ def _run_blocks_checkpointed(
     last_start = ((n - 1) // group_size) * group_size
     packing = () if cu_seqlens is None else (cu_seqlens, max_seqlen)
     for start in range(0, last_start, group_size):
+        # The blocks draw no random numbers: no RNG state to save and restore (reading the
+        # CUDA RNG state also fails inside a CUDA graph capture on some torch versions).
         x = checkpoint(
-            _run_group, layers, start, start + group_size, x, *packing, use_reentrant=False
+            _run_group,
+            layers,
+            start,
+            start + group_size,
+            x,
+            *packing,
+            use_reentrant=False,
+            preserve_rng_state=False,
         )
     return _run_group(layers, last_start, n, x, *packing)
 

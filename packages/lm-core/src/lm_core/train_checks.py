@@ -24,6 +24,7 @@ from lm_core.activation_ckpt import parse_every
 from lm_core.config import MODEL_SIZES
 from lm_core.data import read_token_meta, token_meta_path
 from lm_core.distributed import FSDP_OURS_NO_COMPILE
+from lm_core.graph_step import check_config as check_cuda_graph
 from lm_core.run_dir import CHECKPOINT_NAME, existing_run_files, same_file
 from lm_core.train_config import ConfigError, KeyNames, TrainConfig
 
@@ -72,6 +73,7 @@ def resolve_config(
             "training.activation_checkpointing", f"{n('training.activation_checkpointing')}: {exc}"
         ) from None
     _check_parallel(c, n)
+    check_cuda_graph(c, n)
     _check_files(c, n)
     _check_sample(c, n)
     _apply_sidecar(c, n)

@@ -115,6 +115,11 @@ class TrainingOptions:
     bf16: bool = _opt(False, "bf16 autocast (weights stay fp32)")
     tf32: bool = _opt(False, "allow TF32 matmuls on CUDA")
     compile: bool = _opt(False, "torch.compile the model")
+    cuda_graph: bool = _opt(
+        False,
+        "capture the whole step (forward, backward, clipping, AdamW, the LR) in one CUDA graph "
+        "after 3 eager steps and replay it (one GPU; lm_core.graph_step)",
+    )
     activation_checkpointing: str | int = _opt(
         "none",
         "checkpoint groups of K consecutive blocks; sqrt: K = ceil(sqrt(layers)); "

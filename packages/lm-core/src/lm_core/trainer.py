@@ -49,6 +49,7 @@ from lm_core.distributed import (
     teardown_distributed,
     wrap_model,
 )
+from lm_core.graph_step import GraphedStep, check_device
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
@@ -109,9 +110,13 @@ def load_data(config: TrainConfig) -> Data:
     return Data(train=train, val=val, generator=generator)
 
 
-def _autocast(config: TrainConfig, device: torch.device) -> contextlib.AbstractContextManager:
+def _autocast(
+    config: TrainConfig, device: torch.device, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """bf16 autocast with training.bf16; `cache=False` for a step captured in a CUDA graph
+    (autocast's cache of cast weights must not outlive the capture)."""
     if config.training.bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 
@@ -122,12 +127,13 @@ def _loss(
     config: TrainConfig,
     env: DistEnv,
     cu_seqlens: torch.Tensor | None = None,
+    autocast_cache: bool = True,
 ) -> torch.Tensor:
     """Mean loss (0-dim fp32) of one batch: through the fused LM head + cross-entropy with
     training.fused_loss (model(x, y)), else logits (B, T, V) then cross_entropy.
     `cu_seqlens`: packed documents (data.pack_documents)."""
     packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-    with _autocast(config, env.device):
+    with _autocast(config, env.device, autocast_cache):
         if config.training.fused_loss:
             return model(x, y, **packing)
         logits = model(x, **packing)  # (B, T, V)
@@ -167,20 +173,40 @@ def train_step(
     config: TrainConfig,
     env: DistEnv,
     lr: float,
+    graph: GraphedStep | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One optimizer step over training.grad_accum_steps micro-batches.
+    """One optimizer step over training.grad_accum_steps micro-batches (with `graph`: its
+    static buffers refilled and the captured step replayed, `lm_core.graph_step`).
 
     Returns (this rank's mean loss, grad norm before clipping or None), as device tensors:
     nothing here waits for the device.
     """
     accum = config.training.grad_accum_steps
-    loss_sum = torch.zeros((), device=env.device)
     starts = _step_starts(data.train, config, accum, data.generator)  # (accum, batch)
-    for micro in range(accum):
-        x, y, cu_seqlens = _rank_batch(data.train, starts[micro], config, env)
+    batches = [_rank_batch(data.train, starts[micro], config, env) for micro in range(accum)]
+    if graph is not None:
+        return graph([(x, y) for x, y, _ in batches], lr)
+    return _step_on(batches, pm, optimizer, config, env, lr)
+
+
+def _step_on(
+    batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    pm: ParallelModel,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    env: DistEnv,
+    lr: float | torch.Tensor,
+    autocast_cache: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's device work on its micro-batches [(x, y, cu_seqlens)]: forward and
+    backward of each, clipping, the optimizer step at `lr` (a device tensor while a CUDA
+    graph captures it), gradients set to None."""
+    accum = len(batches)
+    loss_sum = torch.zeros((), device=env.device)
+    for micro, (x, y, cu_seqlens) in enumerate(batches):
         last = micro == accum - 1
         with contextlib.nullcontext() if last else pm.no_sync():
-            loss = _loss(pm.module, x, y, config, env, cu_seqlens)
+            loss = _loss(pm.module, x, y, config, env, cu_seqlens, autocast_cache)
             (loss / accum).backward()
         loss_sum += loss.detach()
     pm.finish_sync()
@@ -192,6 +218,26 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm
+
+
+def _graph_step(
+    pm: ParallelModel, optimizer: torch.optim.Optimizer, config: TrainConfig, env: DistEnv
+) -> GraphedStep:
+    """training.cuda_graph: the step of `_step_on`, captured after its warm-up steps."""
+    t = config.training
+
+    def step(batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float | torch.Tensor):
+        micro = [(x, y, None) for x, y in batches]
+        return _step_on(micro, pm, optimizer, config, env, lr, autocast_cache=False)
+
+    return GraphedStep(
+        step,
+        optimizer,
+        micro_steps=t.grad_accum_steps,
+        rows=t.batch_size // env.dp_size,
+        seq=config.model.context_length,
+        device=env.device,
+    )
 
 
 @torch.no_grad()
@@ -398,6 +444,8 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
             f"--batch-size (training.batch_size) {t.batch_size} must be divisible by the "
             f"number of data-parallel replicas ({env.dp_size} = ranks / --tp)"
         )
+    if t.cuda_graph:  # before anything is built: --device auto may have found no GPU
+        check_device(env.device)
     if t.tf32 and env.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -421,6 +469,8 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
     start = 0
     if config.checkpoint.resume is not None:
         start = _resume(config.checkpoint.resume, pm, optimizer, data, config, param_shapes)
+    # captured after the resume: the graph holds the parameters and optimizer state in place
+    graph = _graph_step(pm, optimizer, config, env) if t.cuda_graph else None
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)
     monitor = Monitor(config, env, model)  # first: it checks the tokenizer before files open
     log = _Log(config, env, start)
@@ -434,7 +484,7 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
     try:
         for step in range(start, t.steps):
             lr = cosine_lr(step, o.max_lr, o.min_lr, o.warmup_steps, o.cosine_steps)
-            loss, grad_norm = train_step(pm, optimizer, data, config, env, lr)
+            loss, grad_norm = train_step(pm, optimizer, data, config, env, lr, graph)
             loss_acc += loss
             acc_steps += 1
             done = step + 1

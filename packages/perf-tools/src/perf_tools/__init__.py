@@ -6,6 +6,7 @@ Read top-down:
 commands (`python -m perf_tools.<name>`, see COMMANDS; each a console script `perf-<name>`)
     bench, profile           model steps: `cells` (the sweep's cells, shared by both),
                              `model_args` (their flags), `bench_dist` (bench on N ranks)
+    train_loop               a real training run beside the bench step
     attention                attention calls (`attention_providers`)
     allreduce, ddp, zero     collectives and data parallelism on N ranks
     mixed_precision, accounting   calculations, no timing loop
@@ -38,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "accounting": "memory and FLOP accounting of the models",
     "generate_bench": "decode tokens/s: KV-cache generation eager / compiled / CUDA graph vs HF",
     "plan": "predicted step time, communication and memory of DP, FSDP, TP and FSDP x TP",
+    "train_loop": "a real lm_core.train run's tokens/s (data, logging, checkpoints) vs the bench",
 }
 
 __all__ = ["COMMANDS", "__version__"]

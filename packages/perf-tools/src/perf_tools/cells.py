@@ -26,13 +26,7 @@ from perf_tools import hardware, harness, timing
 from perf_tools._compile import compile_for_bench
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
-from perf_tools.steps import (
-    Annotator,
-    PhaseTimer,
-    capture_cuda_graph,
-    lm_core_annotations,
-    make_step,
-)
+from perf_tools.steps import Annotator, PhaseTimer, lm_core_annotations, make_step
 
 OURS = "lm_core"
 HF = "hf-llama"
@@ -154,6 +148,8 @@ def make_cell_step(
         graph_safe=spec.graph,
     )
     if spec.graph:
+        from lm_core.graph_step import capture_cuda_graph
+
         step = capture_cuda_graph(step)
     return step, optimizer
 

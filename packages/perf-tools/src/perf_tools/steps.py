@@ -1,5 +1,8 @@
 """One benchmark step (forward, forward+backward, or a full AdamW training step), with ranges.
 
+A `graph_safe` step is captured by `lm_core.graph_step.capture_cuda_graph` (lm_core's: the
+trainer's `--cuda-graph` builds on the same capture).
+
 The same step runs under the end-to-end timer (`bench`), under Nsight Systems (`bench --nvtx`)
 and under torch.profiler (`profile`): `Annotator` wraps the phases "step", "forward",
 "backward" and "optimizer" in NVTX ranges, `record_function` ranges, or nothing.
@@ -152,8 +155,8 @@ def make_step(
     LM head + cross-entropy, no (B, T, V) logits), in forward mode too.
     `sync`, when given, runs after backward as its own phase "sync" (a data-parallel wrapper's
     `finish_gradient_synchronization`). `graph_safe=True` builds a step that
-    `capture_cuda_graph` can record (no autocast cache; pass no timer: events inside a graph
-    do not time its replays).
+    `lm_core.graph_step.capture_cuda_graph` can record (no autocast cache; pass no timer:
+    events inside a graph do not time its replays).
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -214,29 +217,3 @@ def make_step(
                 clock.finish()
 
     return step
-
-
-def capture_cuda_graph(step: Callable[[], None], *, warmup: int = 3) -> Callable[[], None]:
-    """Record one call of `step` into a CUDA graph; returns the graph's replay.
-
-    The whole step (forward, backward, optimizer) becomes one launch, so the host no longer
-    paces the GPU: what eager mode spends issuing hundreds of kernels one by one disappears.
-    `step` must be built with `make_step(..., graph_safe=True)` on fixed input tensors, with
-    an optimizer whose step counters live on the device (lm_core's fused AdamW, torch's
-    fused/capturable AdamW). `warmup` eager calls run first on a side stream, as CUDA graph
-    capture requires (optimizer state and cuBLAS/Triton workspaces get created there).
-    The step's gradients end up in the graph's private memory pool and are rewritten in
-    place by every replay.
-    """
-    if not torch.cuda.is_available():
-        raise RuntimeError("capture_cuda_graph: CUDA graphs need a CUDA device")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay

@@ -1,0 +1,112 @@
+"""`python -m lm_core.train --cuda-graph` on CUDA against the eager trainer (run by
+`nox -s gpu_tests` on the GPU machine; skipped elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lm_core.trainer as trainer
+from lm_core import read_checkpoint
+from lm_core.train import main
+
+pytestmark = pytest.mark.gpu
+
+FAST = ["--size", "tiny", "--context-length", "64", "--batch-size", "8", "--no-progress"]
+# a constant LR exact in float32: the graph's LR tensor then holds the eager double exactly
+EXACT_LR = ["--max-lr", str(2.0**-9), "--min-lr", str(2.0**-9)]
+
+
+def _losses(result):
+    return torch.tensor([h["loss"] for h in result.history])
+
+
+def _assert_same_weights(a, b, **tol):
+    for key, value in a.model.state_dict().items():
+        torch.testing.assert_close(b.model.state_dict()[key], value, **tol, msg=key)
+
+
+@pytest.mark.parametrize(
+    "features",
+    [
+        [],
+        ["--bf16", "--grad-accum-steps", "2"],
+        ["--bf16", "--fused-loss", "--activation-checkpointing", "1", "--attention", "sdpa"],
+        ["--bf16", "--compile", "--grad-accum-steps", "2"],
+    ],
+    ids=["fp32", "bf16-accum", "bf16-fused-ckpt", "bf16-compile-accum"],
+)
+def test_graphed_run_matches_eager(features):
+    """12 steps, a new LR every step (warmup, cosine): the graphed run logs the same steps,
+    LRs, losses and grad norms as the eager one and ends at the same weights, up to the
+    float32 rounding of the LR that the captured AdamW reads from device memory."""
+    common = [*FAST, "--log-every", "1", "--steps", "12", "--warmup-steps", "3"]
+    common += ["--max-lr", "3e-3", *features]
+    eager = main(common)
+    graphed = main([*common, "--cuda-graph"])
+    assert [h["step"] for h in graphed.history] == list(range(1, 13))
+    assert [h["lr"] for h in graphed.history] == [h["lr"] for h in eager.history]
+    torch.testing.assert_close(_losses(graphed), _losses(eager), rtol=2e-4, atol=0)
+    norms = [torch.tensor([h["grad_norm"] for h in r.history]) for r in (graphed, eager)]
+    torch.testing.assert_close(*norms, rtol=2e-3, atol=0)
+    _assert_same_weights(eager, graphed, rtol=0, atol=1e-4)  # one AdamW step moves ~3e-3
+    assert graphed.optimizer.param_groups[0]["lr"] == eager.optimizer.param_groups[0]["lr"]
+
+
+def test_graphed_run_is_the_eager_run_with_an_exact_lr():
+    """fp32, a constant LR exact in float32: nothing differs, the runs agree bit for bit."""
+    common = [*FAST, "--log-every", "1", "--steps", "8", "--grad-accum-steps", "2", *EXACT_LR]
+    eager = main(common)
+    graphed = main([*common, "--cuda-graph"])
+    assert _losses(graphed).tolist() == _losses(eager).tolist()
+    _assert_same_weights(eager, graphed, rtol=0, atol=0)
+
+
+def test_graphed_checkpoints_resume_exactly(tmp_path):
+    """A graphed run stopped at step 5 and resumed (eager warm-up again, then a new capture)
+    reproduces the uninterrupted graphed run; its checkpoint holds what the eager trainer's
+    holds (float LRs, step counts, moments), so either path resumes the other."""
+    common = [*FAST, "--log-every", "1", "--cosine-steps", "10", "--bf16", *EXACT_LR]
+    full = main([*common, "--steps", "10", "--cuda-graph", "--out-dir", str(tmp_path / "full")])
+    first = main([*common, "--steps", "5", "--cuda-graph", "--out-dir", str(tmp_path / "a")])
+    resume = ["--resume", str(tmp_path / "a" / "checkpoint.pt")]
+    graphed = [*common, "--steps", "10", "--cuda-graph"]
+    rest = main([*graphed, *resume, "--out-dir", str(tmp_path / "b")])
+    assert rest.step == 10
+    losses = _losses(first).tolist() + _losses(rest).tolist()
+    torch.testing.assert_close(torch.tensor(losses), _losses(full), rtol=1e-5, atol=0)
+    _assert_same_weights(full, rest, rtol=0, atol=1e-5)
+    eager = main([*common, "--steps", "10", *resume, "--out-dir", str(tmp_path / "c")])
+    torch.testing.assert_close(_losses(eager), _losses(rest), rtol=1e-5, atol=0)
+    saved = read_checkpoint(tmp_path / "full" / "checkpoint.pt")
+    assert saved["step"] == 10
+    assert [g["lr"] for g in saved["optimizer"]["param_groups"]] == [2.0**-9]
+    steps = {s["step"].item() for s in saved["optimizer"]["state"].values()}
+    assert steps == {10.0}
+
+
+def test_replayed_steps_do_not_wait_for_the_device():
+    """After the capture a step is batch gathering on the host, two copies, an LR fill and
+    one replay: CUDA's sync debug mode raises on anything that makes the host wait."""
+    from lm_core.train import parse_args
+
+    config = parse_args([*FAST, "--bf16", "--cuda-graph", "--grad-accum-steps", "2"])
+    env = trainer.DistEnv(device=torch.device("cuda"))
+    torch.manual_seed(0)
+    model = trainer.TransformerLM(config.model_config).cuda()
+    pm = trainer.wrap_model(model, "none", env)
+    opt = trainer.AdamW(pm.parameters(), lr=1e-3, weight_decay=0.1)
+    data = trainer.load_data(config)
+    graph = trainer._graph_step(pm, opt, config, env)
+    for _ in range(4):  # 3 eager warm-ups, then the capture and its first replay
+        trainer.train_step(pm, opt, data, config, env, 1e-3, graph)
+    assert graph.captured
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3):
+            loss, grad_norm = trainer.train_step(pm, opt, data, config, env, 1e-3 / (i + 1), graph)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
+    assert grad_norm.item() > 0

@@ -1,0 +1,271 @@
+"""A real training run's tokens/s beside the bench step: `python -m perf_tools.train_loop`.
+
+`perf_tools.bench` times one step on one fixed batch; a training run also gathers a batch
+from the token stream every step, copies it to the device, logs, and saves checkpoints.
+This command runs both on the same model, batch, precision, compile and CUDA-graph settings
+and prints three rows:
+
+  bench step                              `perf_tools.bench`'s train step (forward, backward,
+                                          AdamW), timed between device synchronizes
+  train loop (data, logging)              `lm_core.train`'s own tokens/s (its metrics log),
+                                          over the log windows after the first (compilation,
+                                          warm-up and the graph capture fall in the first);
+                                          the trainer's clock pauses while it saves
+  train loop (data, logging, checkpoint)  the same steps by the wall clock, the checkpoint
+                                          saves in between included
+
+`vs_bench` is each row's tokens/s over the bench step's. The trainer runs on synthetic random
+tokens with its defaults otherwise: gradient clipping at 1.0 costs a few kernels the bench
+step has not (`--grad-clip 0` leaves them out), the save at the last step comes after the
+last log line and is not counted.
+
+Examples:
+  python -m perf_tools.train_loop --size small --precision bf16 --compile --cuda-graph
+  python -m perf_tools.train_loop --size xl --precision bf16 --compile --cuda-graph --batch 4
+  python -m perf_tools.train_loop --size small --precision bf16 --compile   # no graph
+  python -m perf_tools.train_loop --size tiny --context 32 --steps 6 --log-every 2   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perf_tools import _cli, report
+from perf_tools.model_args import ATTENTIONS
+from perf_tools.steps import PRECISIONS
+
+COLUMNS = [
+    "what",
+    "size",
+    "precision",
+    "compile",
+    "cuda_graph",
+    "batch",
+    "context",
+    "steps",
+    "ms_per_step",
+    "tokens_per_s",
+    "vs_bench",
+    "status",
+]
+BENCH, LOGGED, WALL = (
+    "bench step",
+    "train loop (data, logging)",
+    "train loop (data, logging, checkpoint)",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m perf_tools.train_loop",
+        description=__doc__.split("\nExamples:")[0],
+        epilog="Examples:" + __doc__.split("\nExamples:")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("model and step (both sides)")
+    g.add_argument("--size", help="lm_core preset (default: small on a GPU, tiny on CPU)")
+    g.add_argument("--context", type=_cli.positive_int, help="context (default 512 GPU, 64 CPU)")
+    g.add_argument("--batch", type=_cli.positive_int, default=8, help="sequences (default 8)")
+    g.add_argument(
+        "--precision",
+        type=_cli.choice(PRECISIONS),
+        help="fp32 or bf16 autocast (default: bf16 on a GPU, fp32 on CPU)",
+    )
+    g.add_argument("--attention", type=_cli.choice(ATTENTIONS), help="lm_core backend")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="the whole step in one CUDA graph (bench --cuda-graph, train --cuda-graph; GPU)",
+    )
+    g.add_argument("--fused-loss", action="store_true", help="lm_core's fused LM head + CE")
+    g.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
+    g.add_argument("--device", type=_cli.device_arg, help="cpu or cuda (default: cuda if any)")
+    g.add_argument("--seed", type=int, default=0, help="weights and data")
+    t = p.add_argument_group("the training run")
+    t.add_argument("--steps", type=_cli.positive_int, help="steps (default 100 GPU, 6 CPU)")
+    t.add_argument("--log-every", type=_cli.positive_int, help="(default 10 GPU, 2 CPU)")
+    t.add_argument(
+        "--ckpt-every", type=_cli.nonneg_int, help="steps between saves (default: steps / 2)"
+    )
+    t.add_argument(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="the trainer's clipping (default 1.0, its default; 0: off, as the bench step)",
+    )
+    t.add_argument(
+        "--out-dir",
+        type=Path,
+        help="checkpoint and metrics.jsonl (default: a temporary directory, removed after)",
+    )
+    b = p.add_argument_group("the bench step")
+    b.add_argument("--bench-warmup", type=_cli.nonneg_int, default=5, help="(default 5)")
+    b.add_argument("--bench-steps", type=_cli.positive_int, help="(default 20 GPU, 3 CPU)")
+    _cli.add_output_args(p, plot=False)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    a.device = a.device or torch.device(_cli.default_device())
+    gpu = a.device.type == "cuda"
+    a.size = a.size or ("small" if gpu else "tiny")
+    from perf_tools.models import size_names
+
+    if a.size not in size_names():
+        parser.error(f"argument --size: expected one of {', '.join(size_names())}; got {a.size!r}")
+    a.context = a.context or (512 if gpu else 64)
+    a.precision = a.precision or ("bf16" if gpu else "fp32")
+    a.steps = a.steps or (100 if gpu else 6)
+    a.log_every = a.log_every or (10 if gpu else 2)
+    a.ckpt_every = a.steps // 2 if a.ckpt_every is None else a.ckpt_every
+    a.bench_steps = a.bench_steps or (20 if gpu else 3)
+    if a.cuda_graph and not gpu:
+        parser.error("argument --cuda-graph: CUDA graphs need a CUDA device (use --device cuda)")
+    if a.steps < 2 * a.log_every:
+        parser.error(
+            f"argument --steps: {a.steps} steps give fewer than 2 log windows of --log-every "
+            f"{a.log_every}; the first window (compilation, warm-up) is not counted"
+        )
+    if a.grad_clip < 0:
+        parser.error(f"argument --grad-clip: expected >= 0, got {a.grad_clip}")
+    return a
+
+
+def train_config(a: argparse.Namespace, out_dir: Path) -> Any:
+    """The `lm_core.train` options of this comparison."""
+    from lm_core.train_config import TrainConfig
+
+    model: dict[str, Any] = {"size": a.size, "context_length": a.context}
+    if a.attention is not None:
+        model["attention"] = a.attention
+    return TrainConfig.from_dict(
+        {
+            "model": model,
+            "data": {"synthetic": "random"},
+            "training": {
+                "steps": a.steps,
+                "batch_size": a.batch,
+                "seed": a.seed,
+                "device": str(a.device),
+                "bf16": a.precision == "bf16",
+                "tf32": a.tf32,
+                "compile": a.compile,
+                "cuda_graph": a.cuda_graph,
+                "fused_loss": a.fused_loss,
+            },
+            "optim": {"grad_clip": a.grad_clip},
+            "checkpoint": {"out_dir": str(out_dir), "every": a.ckpt_every, "overwrite": True},
+            "logging": {"every": a.log_every, "progress": False},
+        }
+    )
+
+
+def loop_rates(history: Sequence[dict[str, Any]], tokens_per_step: int) -> dict[str, float]:
+    """Tokens/s of the logged windows after the first: the trainer's clock (`tokens_per_s`
+    per window, weighted by its steps) and the wall clock (`elapsed_s`, saves included)."""
+    if len(history) < 2:
+        raise ValueError(f"need at least 2 log records, got {len(history)}")
+    first, later = history[0], history[1:]
+    steps = later[-1]["step"] - first["step"]
+    tokens = steps * tokens_per_step
+    previous = [first, *later[:-1]]
+    seconds = sum(
+        (h["step"] - p["step"]) * tokens_per_step / h["tokens_per_s"]
+        for p, h in zip(previous, later)
+    )
+    wall = later[-1]["elapsed_s"] - first["elapsed_s"]
+    return {"steps": steps, "logged": tokens / seconds, "wall": tokens / wall}
+
+
+def bench_row(a: argparse.Namespace) -> dict[str, Any]:
+    """`perf_tools.bench`'s train cell for these settings."""
+    from perf_tools.bench_dist import set_tf32
+    from perf_tools.cells import OURS, BenchOptions, BenchSpec, run_sweep
+
+    if a.tf32:
+        set_tf32(True)
+    spec = BenchSpec(
+        OURS, a.size, a.attention, a.compile, a.precision, "train", a.context, a.cuda_graph
+    )
+    opts = BenchOptions(
+        device=a.device,
+        batch=a.batch,
+        warmup=a.bench_warmup,
+        steps=a.bench_steps,
+        overrides={},
+        seed=a.seed,
+        progress=False,
+        fused_loss=a.fused_loss,
+    )
+    return run_sweep([spec], opts)[0]
+
+
+def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """The three rows (module docstring): the training run first, then the bench step."""
+    from lm_core.train import run as train
+
+    tokens_per_step = a.batch * a.context
+    with tempfile.TemporaryDirectory(prefix="train_loop-") as tmp:
+        result = train(train_config(a, a.out_dir or Path(tmp)))
+    rates = loop_rates(result.history, tokens_per_step)
+    del result
+    torch._dynamo.reset()  # the bench compiles its own model
+    gc.collect()  # the run's model, optimizer and CUDA graph (its memory pool) go now
+    if a.device.type == "cuda":
+        torch.cuda.empty_cache()
+    bench = bench_row(a)
+    common = {
+        "size": a.size,
+        "precision": a.precision,
+        "compile": a.compile,
+        "cuda_graph": a.cuda_graph,
+        "batch": a.batch,
+        "context": a.context,
+    }
+    rows = [{"what": BENCH, **common, "steps": a.bench_steps, "status": bench.get("status")}]
+    bench_tps = bench.get("tokens_per_s") if bench.get("status") == "ok" else None
+    if bench_tps is not None:
+        rows[0].update(ms_per_step=bench["mean_ms"], tokens_per_s=bench_tps, vs_bench=1.0)
+    for what, key in ((LOGGED, "logged"), (WALL, "wall")):
+        tps = rates[key]
+        row = {"what": what, **common, "steps": rates["steps"], "status": "ok"}
+        row.update(ms_per_step=1e3 * tokens_per_step / tps, tokens_per_s=tps)
+        row["vs_bench"] = tps / bench_tps if bench_tps else None
+        rows.append(row)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    rows = run(a)
+    dev = report.run_metadata()["device"]
+    title = (
+        f"perf_tools.train_loop on {dev}: {a.size}, batch {a.batch} x {a.context}, "
+        f"{a.precision}{', compiled' if a.compile else ''}"
+        f"{', CUDA graph' if a.cuda_graph else ''}; training run of {a.steps} steps (log every "
+        f"{a.log_every}, checkpoint every {a.ckpt_every}, first log window not counted)"
+    )
+    report.print_table(rows, COLUMNS, title=title)
+    report.save_rows(rows, csv_path=a.csv, json_path=a.json)
+    for what, path in (("csv", a.csv), ("json", a.json)):
+        if path is not None:
+            print(f"{what}: {path}")
+    if any(r["status"] != "ok" for r in rows):
+        print("the bench step failed (see status)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

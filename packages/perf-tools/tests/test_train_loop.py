@@ -1,0 +1,61 @@
+"""`python -m perf_tools.train_loop` on CPU: the three rows, the rates from the metrics log
+against a hand computation, and the flag errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from perf_tools import train_loop
+
+TINY = ["--size", "tiny", "--context", "32", "--batch", "2", "--device", "cpu", "--quiet"]
+
+
+def test_three_rows_from_a_real_run_and_the_bench(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    argv = [*TINY, "--steps", "6", "--log-every", "2", "--bench-steps", "2"]
+    assert train_loop.main([*argv, "--out-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["what"] for r in rows] == [train_loop.BENCH, train_loop.LOGGED, train_loop.WALL]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["vs_bench"] == 1.0
+    for r in rows[1:]:
+        assert r["steps"] == 4  # the windows after the first: steps 3..6
+        assert r["vs_bench"] == pytest.approx(r["tokens_per_s"] / rows[0]["tokens_per_s"])
+        assert r["ms_per_step"] == pytest.approx(1e3 * 2 * 32 / r["tokens_per_s"])
+    # the trainer really ran: its log and its checkpoint (saved at step 3 and at the end)
+    logged = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in logged] == [2, 4, 6]
+    assert (tmp_path / "run" / "checkpoint.pt").is_file()
+    assert "bench step" in capsys.readouterr().out  # the table
+
+
+def test_rates_weight_windows_by_their_steps():
+    history = [
+        {"step": 10, "tokens_per_s": 1.0, "elapsed_s": 50.0},  # compilation: not counted
+        {"step": 20, "tokens_per_s": 100.0, "elapsed_s": 52.0},  # 10 steps x 10 tokens: 1 s
+        {"step": 25, "tokens_per_s": 25.0, "elapsed_s": 60.0},  # 5 steps x 10 tokens: 2 s
+    ]
+    rates = train_loop.loop_rates(history, tokens_per_step=10)
+    assert rates["steps"] == 15
+    assert rates["logged"] == pytest.approx(150 / 3.0)
+    assert rates["wall"] == pytest.approx(150 / 10.0)  # a save between: 10 s of wall clock
+    with pytest.raises(ValueError, match="at least 2 log records"):
+        train_loop.loop_rates(history[:1], 10)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cuda-graph"], "argument --cuda-graph: CUDA graphs need a CUDA device"),
+        (["--steps", "3", "--log-every", "2"], "argument --steps: 3 steps give fewer than 2"),
+        (["--size", "huge"], "argument --size: expected one of"),
+        (["--grad-clip", "-1"], "argument --grad-clip: expected >= 0"),
+    ],
+)
+def test_bad_flags_name_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train_loop.parse_args([*TINY, *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
