@@ -138,15 +138,27 @@ def _checked(
     names: KeyNames,
     ns: argparse.Namespace,
     check_run_dir: bool = True,
+    tell_peers: bool = False,
 ) -> TrainConfig:
     """`resolve_config`, its ConfigError as a parser error (exit 2) naming the option; the
-    message starts with the --config file when the option came from there."""
+    message starts with the --config file when the option came from there. With
+    `tell_peers`, under torchrun the other ranks learn of the error first (a file missing on
+    one host only would leave them waiting: `lm_core.distributed.refuse_together`)."""
     try:
         return resolve_config(config, names, check_run_dir=check_run_dir)
     except ConfigError as exc:
         source = getattr(ns, _CONFIG_DEST, None)
         prefix = f"{source}: " if exc.key in names.from_file else ""
+        if tell_peers:
+            _refuse_together(f"{prefix}{exc}", config)
         parser.error(f"{prefix}{exc}")
+
+
+def _refuse_together(message: str, config: TrainConfig) -> None:
+    from lm_core.distributed import refuse_together
+
+    p = config.parallel
+    refuse_together(message, p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
@@ -191,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult | None:
         _checked(parser, config, names, ns, check_run_dir=False)
         _write_text(dump, config.to_toml())
         return None
-    return run(_checked(parser, config, names, ns))
+    return run(_checked(parser, config, names, ns, tell_peers=True))
 
 
 def _write_text(target: str, text: str) -> None:
