@@ -14,6 +14,8 @@ Examples:
         --activation-checkpointing optimal --fused-loss --batch-size 8 --context-length 2048
     torchrun --nproc_per_node 4 -m lm_core.train --size 2.7B --bf16 --tp 2 --fsdp torch \
         --sequence-parallel --fused-loss --batch-size 8 --context-length 1024
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        -m lm_core.train --size xl --bf16 --ddp bucketed --zero --batch-size 16  # each host
 
 Every option is a field of `lm_core.train_config.TrainConfig` (`--max-lr` is `optim.max_lr`);
 the flags are built from its fields, so `--help`, TOML files and Python name the same options.
