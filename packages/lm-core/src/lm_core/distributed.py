@@ -115,6 +115,47 @@ def setup_distributed(
     )
 
 
+def agree_to_start(env: DistEnv, refusal: str | None = None) -> None:
+    """Every rank's verdict on its options, gathered: the first collective of a multi-rank
+    run. A rank that refused them (`refuse_together`) passes its message; on the others this
+    raises a RuntimeError quoting it. The options are the same on every rank, so a refusal
+    on some ranks only comes from what their host sees (a file missing, an old run in
+    --out-dir): without this, those ranks would exit and the rest wait for them until the
+    process group's timeout."""
+    if env.world_size == 1:
+        return
+    verdicts: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(verdicts, refusal)
+    refused = [(rank, msg) for rank, msg in enumerate(verdicts) if msg is not None]
+    if refusal is None and refused:
+        rank, msg = refused[0]
+        raise RuntimeError(
+            f"rank {rank} refused the options: {msg} (rank {env.rank} accepted them: the "
+            "ranks see different files; on several hosts give every host the same paths, "
+            "on a shared filesystem or as copies, for --data, --val-data, --resume, "
+            "--tokenizer and --out-dir)"
+        )
+
+
+def refuse_together(
+    message: str, ddp: str, device: str = "auto", backend: str = "auto", *, fsdp: str, tp: int
+) -> None:
+    """Under torchrun (several ranks): join the process group as `setup_distributed` would
+    and hand `message` to the other ranks' `agree_to_start` before this rank exits with it.
+    Nothing on one process, or where joining fails as it then fails on every rank."""
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if not several and not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        env = setup_distributed(ddp, device, backend, fsdp=fsdp, tp=tp)
+    except Exception:  # decided by the options alone, so the same on every rank
+        return
+    try:
+        agree_to_start(env, message)
+    finally:
+        teardown_distributed(env)
+
+
 def model_init_device(env: DistEnv, fsdp: str, tp: int = 1) -> torch.device:
     """Where the trainer builds the model: the meta device under `--fsdp` without `--tp` (the
     wrapper then materializes only this rank's shards, bitwise as the full build for the

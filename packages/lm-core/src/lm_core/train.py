@@ -14,6 +14,8 @@ Examples:
         --activation-checkpointing optimal --fused-loss --batch-size 8 --context-length 2048
     torchrun --nproc_per_node 4 -m lm_core.train --size 2.7B --bf16 --tp 2 --fsdp torch \
         --sequence-parallel --fused-loss --batch-size 8 --context-length 1024
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        -m lm_core.train --size xl --bf16 --ddp bucketed --zero --batch-size 16  # each host
 
 Every option is a field of `lm_core.train_config.TrainConfig` (`--max-lr` is `optim.max_lr`);
 the flags are built from its fields, so `--help`, TOML files and Python name the same options.
@@ -138,15 +140,27 @@ def _checked(
     names: KeyNames,
     ns: argparse.Namespace,
     check_run_dir: bool = True,
+    tell_peers: bool = False,
 ) -> TrainConfig:
     """`resolve_config`, its ConfigError as a parser error (exit 2) naming the option; the
-    message starts with the --config file when the option came from there."""
+    message starts with the --config file when the option came from there. With
+    `tell_peers`, under torchrun the other ranks learn of the error first (a file missing on
+    one host only would leave them waiting: `lm_core.distributed.refuse_together`)."""
     try:
         return resolve_config(config, names, check_run_dir=check_run_dir)
     except ConfigError as exc:
         source = getattr(ns, _CONFIG_DEST, None)
         prefix = f"{source}: " if exc.key in names.from_file else ""
+        if tell_peers:
+            _refuse_together(f"{prefix}{exc}", config)
         parser.error(f"{prefix}{exc}")
+
+
+def _refuse_together(message: str, config: TrainConfig) -> None:
+    from lm_core.distributed import refuse_together
+
+    p = config.parallel
+    refuse_together(message, p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
@@ -191,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> TrainResult | None:
         _checked(parser, config, names, ns, check_run_dir=False)
         _write_text(dump, config.to_toml())
         return None
-    return run(_checked(parser, config, names, ns))
+    return run(_checked(parser, config, names, ns, tell_peers=True))
 
 
 def _write_text(target: str, text: str) -> None:

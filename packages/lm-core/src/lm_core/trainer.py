@@ -42,9 +42,11 @@ from lm_core.data import (
 from lm_core.distributed import (
     DistEnv,
     ParallelModel,
+    agree_to_start,
     all_reduce_mean,
     build_optimizer,
     model_init_device,
+    refuse_together,
     setup_distributed,
     teardown_distributed,
     wrap_model,
@@ -397,10 +399,16 @@ def _resume(
 def train(config: TrainConfig) -> TrainResult:
     """Check `config` (`resolve_config`: ConfigError naming the option), then train as it
     says; returns a TrainResult. `lm_core.train.run` is the documented entry point."""
-    config = resolve_config(config)
+    try:
+        config = resolve_config(config)
+    except ValueError as exc:  # under torchrun: the other ranks learn of it (no hang)
+        p = config.parallel
+        refuse_together(str(exc), p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
+        raise
     p = config.parallel
     env = setup_distributed(p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
     try:
+        agree_to_start(env)  # first collective: every rank accepted the options
         return _train(config, env)
     finally:
         teardown_distributed(env)

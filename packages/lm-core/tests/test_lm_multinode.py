@@ -1,0 +1,227 @@
+"""Multi-node training as torchrun runs it: two node agents on this host (`--nnodes 2`, c10d
+rendezvous on localhost, gloo) launch `python -m lm_core.train`, and the job trains as one
+process on the whole batch does (the references of `lm_dist_reference`).
+
+Each agent runs in a working directory of its own and the trainer gets a relative
+`--out-dir`: two hosts without a shared filesystem. Every worker of a one-process-per-node
+job has LOCAL_RANK 0, so these runs also prove that the trainer shards data by the global
+rank (else both nodes would read the same rows and the weights would differ) and writes logs,
+metrics and checkpoints from global rank 0 only (else both "hosts" would hold a run). The
+device choice by LOCAL_RANK needs GPUs; `test_device_follows_local_rank_and_rank_the_group`
+checks it against a simulated CUDA machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lm_dist_reference import BASE, assert_same_weights, single_process
+
+from lm_core import read_checkpoint
+from lm_core.distributed import setup_distributed
+from lm_core.train import main
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+AGENT_TIMEOUT_S = 180  # one whole job, both agents; 6-10 s on two idle cores
+CKPT = Path("run") / "checkpoint.pt"  # relative: on the host of global rank 0 only
+
+# mode -> (workers per node agent, trainer flags); world size = 2 x workers. ZeRO (--zero):
+# test_resume_on_two_nodes_and_a_checkpoint_missing_on_one (steps 3 and 4).
+MODES = {
+    # two workers per node: local ranks 0, 1 on each node, global ranks 0..3
+    "ddp-2x2": (2, ["--ddp", "bucketed", "--bucket-size-mb", "0.05"]),
+    "fsdp-ours": (1, ["--fsdp", "ours"]),
+    "fsdp-torch": (1, ["--fsdp", "torch"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
+    return single_process([])
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_two_node_agents_train_as_one_process(mode, reference, tmp_path):
+    nproc, flags = MODES[mode]
+    nodes = _node_dirs(tmp_path)
+    outputs = _two_node_job([*BASE, *flags, "--out-dir", "run"], nproc, nodes)
+    # one global rank 0 between the two agents: it alone prints, logs and checkpoints
+    printing = [i for i, text in enumerate(outputs) if "step=4 " in text]
+    holding = [i for i, node in enumerate(nodes) if (node / "run").exists()]
+    assert len(printing) == 1, _tails(outputs, f"{mode}: agents printing the steps: {printing}")
+    assert holding == printing, _tails(outputs, f"{mode}: nodes holding a run: {holding}")
+    run_dir = nodes[holding[0]] / "run"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4], mode  # each step logged once
+    ref_weights, ref_losses = reference
+    # the logged loss is the mean over every rank's rows: the global batch's loss
+    assert [x["loss"] for x in lines] == pytest.approx(ref_losses, rel=1e-5), mode
+    payload = read_checkpoint(run_dir / "checkpoint.pt")
+    assert payload["step"] == 4
+    assert_same_weights(payload["model"], ref_weights, mode)
+
+
+def test_resume_on_two_nodes_and_a_checkpoint_missing_on_one(reference, tmp_path):
+    """A 2-step checkpoint of one process, on one host only: resuming it on two nodes under
+    ZeRO is refused together (no rank waits for the one that exits); with a copy at the same
+    path the two nodes train on to the weights of 4 uninterrupted single-process steps."""
+    nodes = _node_dirs(tmp_path)
+    # the schedule of a 4-step run (BASE's --steps): the reference's
+    flags = [*BASE, "--ddp", "torch", "--zero", "--cosine-steps", "4"]
+    main([*flags, "--steps", "2", "--out-dir", str(nodes[0] / "run")])  # a one-process group
+    # node 0, holding the checkpoint, starts first and hosts the rendezvous store: were the
+    # refusal not shared, its rank would wait in the process group's rendezvous (30 min for
+    # gloo) and the job would end at AGENT_TIMEOUT_S
+    resume = [*flags, "--out-dir", "run", "--resume", str(CKPT)]
+    outputs = _two_node_job(resume, 1, nodes, expect_failure=True)
+    assert f"--resume: file not found: {CKPT}" in outputs[1], _tails(outputs, "no refusal")
+    assert "refused the options: --resume: file not found" in outputs[0], _tails(
+        outputs, "the node holding the checkpoint did not quote the other's refusal"
+    )
+    shutil.copytree(nodes[0] / "run", nodes[1] / "run")  # a copy at the same path
+    _two_node_job(resume, 1, nodes)
+    steps = [read_checkpoint(node / CKPT)["step"] for node in nodes]
+    assert sorted(steps) == [2, 4], steps  # rank 0's host moved on; the other copy stayed
+    ref_weights, ref_losses = reference
+    resumed = nodes[steps.index(4)] / "run"
+    assert_same_weights(read_checkpoint(resumed / "checkpoint.pt")["model"], ref_weights, "zero")
+    lines = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert [x["loss"] for x in lines[2:]] == pytest.approx(ref_losses[2:], rel=1e-5)
+
+
+def test_device_follows_local_rank_and_rank_the_group(monkeypatch):
+    """Global rank 3 of 4 (two workers on each of two 8-GPU nodes), LOCAL_RANK 1: the device is
+    cuda:1 (not cuda:3, where RANK modulo the GPUs would put it), while the rank, its rows of
+    the batch and rank-0 duties follow the group's rank 3."""
+    for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("device", d))
+    monkeypatch.setattr(dist, "is_initialized", lambda: "backend" in calls)
+    monkeypatch.setattr(dist, "init_process_group", lambda b: calls.setdefault("backend", b))
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)  # what the group says, not LOCAL_RANK
+    env = setup_distributed("torch")
+    assert env.device == torch.device("cuda", 1) == calls["device"]
+    assert calls["backend"] == "nccl"
+    assert (env.rank, env.local_rank, env.world_size, env.is_main) == (3, 1, 4, False)
+    assert env.rows(8) == slice(6, 8)  # global rank 3's quarter of the batch
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _node_dirs(tmp_path: Path) -> list[Path]:
+    """Two working directories, one per simulated host."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    return nodes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _two_node_job(
+    train_argv: list[str], nproc: int, cwds: list[Path], expect_failure: bool = False
+) -> list[str]:
+    """`torchrun --nnodes 2 --nproc-per-node nproc ... -m lm_core.train train_argv` as two node
+    agents on this host, agent i in `cwds[i]` (agent 0 first: it hosts the rendezvous store);
+    returns each agent's output (stdout + stderr). Fails, showing both agents' output tails,
+    when the job outlives AGENT_TIMEOUT_S, or when an agent exits non-zero (with
+    `expect_failure`: when either exits zero)."""
+    port = _free_port()
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    agent += ["--nproc-per-node", str(nproc), "--rdzv-backend", "c10d"]
+    agent += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"multinode-{port}"]
+    agent += ["--rdzv-conf", "join_timeout=60", "--max-restarts", "0"]
+    agent += ["-m", "lm_core.train", *train_argv]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    # files, not pipes: an agent never stalls on a full pipe while the other is awaited
+    logs = [tempfile.TemporaryFile() for _ in cwds]  # noqa: SIM115 - closed below
+    deadline = time.monotonic() + AGENT_TIMEOUT_S
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    try:
+        for cwd, log in zip(cwds, logs):
+            # each agent in a session of its own: on timeout it is killed with its workers
+            procs.append(
+                subprocess.Popen(
+                    agent,
+                    cwd=cwd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
+            while not procs[1:] and not _listening(port) and procs[0].poll() is None:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read().decode(errors="replace"))
+        log.close()
+    codes = [proc.returncode for proc in procs]
+    if timed_out:
+        pytest.fail(_tails(outputs, f"two-node torchrun job timed out after {AGENT_TIMEOUT_S} s"))
+    if any(codes) != expect_failure or (expect_failure and not all(codes)):
+        pytest.fail(_tails(outputs, f"two-node torchrun job: exit codes {codes}"))
+    return outputs
+
+
+# set by a launcher around pytest itself (a test run under torchrun): the agents set their own
+_LAUNCHER_VARS = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+}
+
+
+def _tails(outputs: list[str], headline: str, chars: int = 3000) -> str:
+    parts = [headline]
+    for i, text in enumerate(outputs):
+        parts.append(f"--- node agent {i} (last {chars} characters) ---\n{text[-chars:]}")
+    return "\n".join(parts)
