@@ -54,13 +54,12 @@ def _step_fn(model, opt, ids, accum=1):
     return step
 
 
-def _train(overlapped, *, blocks=False, graph=False, accum=1, steps=4):
+def _train(overlapped, *, blocks=False, graph=False, accum=1, steps=4, side_stream=True):
     model = _model()
-    opt = (
-        OverlappedOptimizer(model, _groups(model), **KW)
-        if overlapped
-        else AdamW(_groups(model), **KW)
-    )
+    if overlapped:
+        opt = OverlappedOptimizer(model, _groups(model), side_stream=side_stream, **KW)
+    else:
+        opt = AdamW(_groups(model), **KW)
     if blocks:
         compile_blocks(model, dynamic=False)
     batches = _batches(steps)
@@ -93,10 +92,10 @@ def _assert_same(a, b):
         assert torch.equal(x, y), (x - y).abs().max()
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_eager_overlap_is_bitwise_the_plain_step(accum):
+@pytest.mark.parametrize(("accum", "side_stream"), [(1, True), (2, True), (1, False)])
+def test_eager_overlap_is_bitwise_the_plain_step(accum, side_stream):
     ref = _train(False, accum=accum)
-    got = _train(True, accum=accum)
+    got = _train(True, accum=accum, side_stream=side_stream)
     _assert_same(got, ref)
     init = list(_model().parameters())
     assert all(not torch.equal(a, b) for a, b in zip(got, init))

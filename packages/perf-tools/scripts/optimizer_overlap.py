@@ -51,11 +51,13 @@ def main() -> int:
         if name == "plain":
             opt = AdamW(model.parameters(), **kwargs)
         elif name != "fwd-bwd":
-            opt = OverlappedOptimizer(model, **kwargs)
-            if name == "overlap-inline":
-                opt._side = None  # each unit steps on the backward's own stream, in order
-            elif name == "overlap-high-priority":
-                opt._side = torch.cuda.Stream(priority=-1)
+            # overlap-inline: each unit steps on the backward's own stream, in order
+            opt = OverlappedOptimizer(
+                model,
+                side_stream=name != "overlap-inline",
+                stream_priority=-1 if name == "overlap-high-priority" else 0,
+                **kwargs,
+            )
         mode = "fwd-bwd" if name == "fwd-bwd" else "train"
         step = make_step(model, mode, inputs=x, targets=y, loss_fn=cross_entropy,
                          precision="bf16", optimizer=opt, graph_safe=True)  # fmt: skip
