@@ -3,8 +3,7 @@ per unit inside it on the backward's stream, or overlapped on a side stream (iss
 
 One model, blocks compiled one by one (`lm_core.compile_blocks`), bf16 autocast; each variant
 captures the whole step in a CUDA graph (`perf_tools.steps.capture_cuda_graph`) and prints the
-median of `--replays` timed replays (after 3 untimed) and the step's peak memory. Needs a
-CUDA GPU:
+median of `--replays` timed replays (after 3 untimed). Needs a CUDA GPU:
 
     PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') \\
         python3 packages/perf-tools/scripts/optimizer_overlap.py --size xl
@@ -61,7 +60,6 @@ def main() -> int:
         mode = "fwd-bwd" if name == "fwd-bwd" else "train"
         step = make_step(model, mode, inputs=x, targets=y, loss_fn=cross_entropy,
                          precision="bf16", optimizer=opt, graph_safe=True)  # fmt: skip
-        torch.cuda.reset_peak_memory_stats()
         replay = capture_cuda_graph(step)
         for _ in range(3):
             replay()
@@ -73,8 +71,7 @@ def main() -> int:
             end.record()
             torch.cuda.synchronize()
             ms.append(start.elapsed_time(end))
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        print(f"{name:22s} median {sorted(ms)[len(ms) // 2]:7.2f} ms  peak {peak:6.2f} GiB")
+        print(f"{name:22s} median {sorted(ms)[len(ms) // 2]:7.2f} ms")
         if isinstance(opt, OverlappedOptimizer):
             opt.remove()
         del replay, step, opt

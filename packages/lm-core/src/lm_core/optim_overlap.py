@@ -85,7 +85,7 @@ class OverlappedOptimizer:
         side_stream: CUDA: step the units on a side stream (the overlap); False steps them
             in order on the backward's own stream (to measure what the overlap hides).
         stream_priority: the side stream's priority (`torch.cuda.Stream`'s: lower runs
-            first; 0 is the default streams'). -1 gained 0.2 ms on xl (DESIGN.md).
+            first; 0 is the default streams'). -1 made no measurable difference on xl (DESIGN.md).
         **kwargs: hyperparameters for `optimizer_cls` (lr, betas, eps, weight_decay, ...).
 
     Use: set the learning rate (`set_lr`) before the forward, then `loss.backward()`, then
