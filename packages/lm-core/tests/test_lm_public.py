@@ -8,6 +8,7 @@ EXPECTED = {
     "AdamW",
     "MODEL_SIZES",
     "ModelConfig",
+    "OverlappedOptimizer",
     "TrainConfig",
     "TransformerLM",
     "annotate",
@@ -15,6 +16,7 @@ EXPECTED = {
     "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
+    "compile_blocks",
     "cosine_lr",
     "cross_entropy",
     "document_offsets",
@@ -42,12 +44,14 @@ def test_exports():
 def test_module_paths_named_in_the_spec():
     from lm_core.activation_ckpt import apply_activation_checkpointing  # noqa: F401
     from lm_core.checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
+    from lm_core.compiling import compile_blocks  # noqa: F401
     from lm_core.data import get_batch  # noqa: F401
     from lm_core.flops import forward_flops, train_step_flops  # noqa: F401
     from lm_core.fused_loss import fused_linear_cross_entropy  # noqa: F401
     from lm_core.loss import cross_entropy  # noqa: F401
     from lm_core.model import MODEL_SIZES, ModelConfig, TransformerLM, get_config  # noqa: F401
     from lm_core.optim import AdamW, clip_grad_norm, cosine_lr  # noqa: F401
+    from lm_core.optim_overlap import OverlappedOptimizer  # noqa: F401
     from lm_core.parallel import apply_tensor_parallel  # noqa: F401
     from lm_core.train import main, run  # noqa: F401
     from lm_core.train_config import TrainConfig  # noqa: F401

@@ -310,3 +310,58 @@ def test_title_names_mfu_only_when_the_table_has_it():
     assert "MFU" in bench._title(opts, [{"status": "ok", "mfu_pct": 12.0}])
     opts.nprocs = 2
     assert "MFU" not in bench._title(opts, cpu_rows)
+
+
+def test_compile_choices_make_the_sweep_axis():
+    def compiles(*flag):
+        return bench.parse_args([*TINY, *flag]).compiles
+
+    assert compiles() == [False]
+    assert compiles("--compile") == [True]
+    assert compiles("--compile", "both") == [False, True]
+    assert compiles("--compile", "off", "on", "blocks") == [False, True, "blocks"]
+    assert compiles("--compile", "blocks,on") == ["blocks", True]
+    specs = bench.specs_from_args(bench.parse_args([*TINY, "--compile", "on", "blocks"]))
+    assert len({s.model_key for s in specs}) == 2  # one model per compile mode
+    assert {s.label().split("-ctx16-")[-1] for s in specs} >= {"compiled", "compiled-blocks"}
+
+
+def test_optimizer_overlap_rows_train_only_and_leave_no_hooks(tmp_path, monkeypatch):
+    """--optimizer-overlap both: a train row with each optimizer on one shared model; other
+    modes get one row. After the overlapped cell the model's backward steps nothing."""
+    argv = [*TINY, *FAST, "--mode", "fwd-bwd", "train", "--optimizer-overlap", "both"]
+    specs = bench.specs_from_args(bench.parse_args(argv))
+    assert [(s.mode, s.overlap) for s in specs] == [
+        ("fwd-bwd", False),
+        ("train", False),
+        ("train", True),
+    ]
+    assert specs[2].label().endswith("-opt-overlap")
+    after = []
+    real = cells.measure_cell
+
+    def measure(model, runner, spec, *args, **kwargs):
+        row = real(model, runner, spec, *args, **kwargs)
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))).backward()
+        after.append(all(p.grad is not None for p in model.parameters()))  # no hook took them
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return row
+
+    monkeypatch.setattr(cells, "measure_cell", measure)
+    out = tmp_path / "o.csv"
+    assert bench.main([*argv, "--fused-loss", "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["opt_overlap"] for r in rows] == ["False", "False", "True"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert float(rows[2]["opt_ms"]) >= 0
+    assert after == [True, True, True]
+
+
+def test_optimizer_overlap_needs_train_and_one_process(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--mode", "forward", "--optimizer-overlap"])
+    assert "--optimizer-overlap" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--optimizer-overlap", "--nprocs", "2", "--fsdp", "ours"])
+    assert "argument --optimizer-overlap: not available" in capsys.readouterr().err

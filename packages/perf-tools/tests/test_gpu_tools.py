@@ -85,6 +85,24 @@ def test_bench_cuda_graph_rows(tmp_path):
         assert (r["fwd_ms"] is None) == r["cuda_graph"]  # no phase events inside a graph
 
 
+def test_bench_blocks_compile_graph_and_optimizer_overlap(tmp_path):
+    """The issue-28 sweep at tiny size: whole-model and per-block compile, eager launches and
+    CUDA graphs, the optimizer after or during the backward: every row runs."""
+    out = tmp_path / "b.json"
+    argv = [*TINY, "--mode", "train", "--precision", "bf16", "--compile", "on", "blocks"]
+    argv += ["--cuda-graph", "both", "--optimizer-overlap", "both", "--fused-loss"]
+    assert bench.main([*argv, "--quiet", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2
+    assert {(r["compile"], r["cuda_graph"], r["opt_overlap"]) for r in rows} == {
+        (c, g, o) for c in (True, "blocks") for g in (False, True) for o in (False, True)
+    }
+    for r in rows:
+        assert r["status"] == "ok", r
+        if not r["cuda_graph"]:
+            assert r["opt_ms"] >= 0
+
+
 def test_bench_peak_memory_grows_with_mode(tmp_path):
     out = tmp_path / "b.json"
     argv = [*TINY, "--mode", "forward", "train", "--precision", "fp32", "--quiet"]

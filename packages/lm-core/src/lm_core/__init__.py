@@ -1,12 +1,14 @@
 """A fast, readable Transformer language model and its training primitives (RMSNorm, RoPE,
-SwiGLU, AdamW, checkpoints, activation checkpointing, a fused LM-head + cross-entropy, trainer
-CLI `python -m lm_core.train` and its typed `TrainConfig`).
+SwiGLU, AdamW, also stepped during the backward (`OverlappedOptimizer`), checkpoints,
+activation checkpointing, a fused LM-head + cross-entropy, trainer CLI `python -m lm_core.train`
+and its typed `TrainConfig`).
 """
 
 from lm_core.activation_ckpt import apply_activation_checkpointing
 from lm_core.annotate import annotate, annotations_enabled, set_annotations
 from lm_core.attention import available_backends, get_attention
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+from lm_core.compiling import compile_blocks
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.data import document_offsets, get_batch, load_tokens, synthetic_tokens
 from lm_core.flops import forward_flops, train_step_flops
@@ -14,6 +16,7 @@ from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, clip_grad_norm, cosine_lr
+from lm_core.optim_overlap import OverlappedOptimizer
 from lm_core.train_config import TrainConfig
 
 __version__ = "0.1.0"
@@ -22,6 +25,7 @@ __all__ = [
     "MODEL_SIZES",
     "AdamW",
     "ModelConfig",
+    "OverlappedOptimizer",
     "TrainConfig",
     "TransformerLM",
     "__version__",
@@ -30,6 +34,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
+    "compile_blocks",
     "cosine_lr",
     "cross_entropy",
     "document_offsets",

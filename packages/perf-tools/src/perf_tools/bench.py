@@ -1,8 +1,9 @@
 """End-to-end model benchmark (handout 1.1.3): `python -m perf_tools.bench`.
 
-Sweeps sizes x contexts x modes x precisions (x attention backends, x eager/compiled) of
-lm_core's TransformerLM on random tokens, optionally beside Hugging Face's LlamaForCausalLM
-at the same dims (`--compare hf`). Each configuration: warm-up steps (timed apart, compile
+Sweeps sizes x contexts x modes x precisions (x attention backends, x eager/compiled whole or
+block by block, x CUDA graph, x optimizer after or overlapped with the backward) of lm_core's
+TransformerLM on random tokens, optionally beside Hugging Face's LlamaForCausalLM at the same
+dims (`--compare hf`). Each configuration: warm-up steps (timed apart, compile
 included), then measured steps, each followed by a device synchronize. Reports mean / std /
 median ms, per-phase ms (forward, backward, optimizer; CUDA events, no extra sync), tokens/s,
 achieved TFLOP/s, MFU and peak memory. Out-of-memory configurations are rows saying OOM.
@@ -23,6 +24,8 @@ Examples:
   python -m perf_tools.bench              # a small default on CPU, the full sizes on a GPU
   python -m perf_tools.bench --size small xl --precision fp32 bf16 --mode forward train
   python -m perf_tools.bench --size xl --precision bf16 --compile both --compare hf
+  python -m perf_tools.bench --size xl --precision bf16 --mode train --compile on blocks \\
+      --cuda-graph both --optimizer-overlap both
   python -m perf_tools.bench --size 2.7B --mode train --steps 3 --memory-snapshot mem.pickle
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
@@ -104,6 +107,7 @@ TABLE_COLUMNS = [
     "fused_loss",
     "blas",
     "matmul",
+    "opt_overlap",
     "status",
     "mean_ms",
     "std_ms",
@@ -130,8 +134,12 @@ OPTIONAL_CONFIG_COLUMNS = {
     "seq_parallel": False,
     "blas": "default",
     "matmul": "default",
+    "opt_overlap": False,
 }
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
+COMPILE_CHOICES = ("off", "on", "blocks", "both")
+# --compile value -> BenchSpec.compile values
+_COMPILES = {"off": [False], "on": [True], "blocks": ["blocks"], "both": [False, True]}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -155,11 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--compile",
-        nargs="?",
-        const="on",
-        default="off",
-        type=_cli.choice(("off", "on", "both")),
-        help="torch.compile the model: --compile (on), --compile both (eager and compiled)",
+        nargs="*",
+        type=_cli.listed(_cli.choice(COMPILE_CHOICES)),
+        default=None,
+        help="torch.compile: on (the whole model), blocks (each block on its own, "
+        "lm_core.compile_blocks: one backward node per block, what --optimizer-overlap "
+        "needs), off; several for a sweep axis (--compile off on blocks); --compile alone: "
+        "on; both: off and on",
     )
     g.add_argument(
         "--cuda-graph",
@@ -170,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="capture each whole step (forward, backward, optimizer) in a CUDA graph and "
         "time its replays: --cuda-graph (on), --cuda-graph both (eager launches and graphed). "
         "GPU only; per-phase times are not reported for graphed rows",
+    )
+    g.add_argument(
+        "--optimizer-overlap",
+        nargs="?",
+        const="on",
+        default="off",
+        type=_cli.choice(("off", "on", "both")),
+        help="train rows of lm_core: step each block's AdamW during the backward as soon as "
+        "its gradients are final (lm_core.OverlappedOptimizer; on a side CUDA stream), "
+        "instead of one AdamW step after it: --optimizer-overlap (on), both (after and "
+        "overlapped). Overlaps only eager or with --compile blocks; opt_ms is then the "
+        "optimizer time left after the backward",
     )
     g.add_argument(
         "--compare",
@@ -274,7 +296,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps or (3 if args.profile is not None else 10)
     args.modes = _cli.flatten(args.mode) or (["train"] if on_gpu else list(MODES))
     args.precisions = _cli.flatten(args.precision) or (["fp32", "bf16"] if on_gpu else ["fp32"])
-    args.compiles = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    picked = ["off"] if args.compile is None else _cli.flatten(args.compile) or ["on"]
+    args.compiles = list(dict.fromkeys(c for p in picked for c in _COMPILES[p]))
+    args.overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.optimizer_overlap]
     args.graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     args.competitors = _cli.flatten(args.compare) or []
     if args.no_warmup:
@@ -285,6 +309,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("argument --cuda-graph: CUDA graphs need a CUDA device (use --device cuda)")
     if args.cuda_graph != "off" and args.profile is not None:
         parser.error("argument --cuda-graph: not combined with --profile (kernels inside a graph)")
+    if args.optimizer_overlap != "off" and "train" not in args.modes:
+        parser.error(
+            "argument --optimizer-overlap: overlaps the train step's optimizer; add --mode train"
+        )
     if args.memory_snapshot is not None and not on_gpu:
         parser.error(
             "argument --memory-snapshot: the allocator history is recorded by the CUDA "
@@ -331,7 +359,8 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             f"argument {via}: the multi-GPU mode times fwd-bwd and train steps; drop --mode forward"
         )
     for flag, used in (
-        ("--compile", args.compile != "off"),
+        ("--compile", args.compiles != [False]),
+        ("--optimizer-overlap", args.optimizer_overlap != "off"),
         ("--cuda-graph", args.cuda_graph != "off"),
         ("--compare", bool(args.competitors)),
         ("--nvtx", args.nvtx),
@@ -388,19 +417,23 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
         ):
             for context in sorted(args.contexts):
                 for mode, graph in itertools.product(args.modes, args.graphs):
-                    specs.append(
-                        BenchSpec(
-                            impl,
-                            size,
-                            attention,
-                            compiled,
-                            precision,
-                            mode,
-                            context,
-                            graph,
-                            matmul=matmul,
+                    # the optimizer overlap: train rows of lm_core only
+                    overlaps = args.overlaps if impl == OURS and mode == "train" else [False]
+                    for overlap in overlaps:
+                        specs.append(
+                            BenchSpec(
+                                impl,
+                                size,
+                                attention,
+                                compiled,
+                                precision,
+                                mode,
+                                context,
+                                graph,
+                                matmul=matmul,
+                                overlap=overlap,
+                            )
                         )
-                    )
     return specs
 
 
@@ -410,7 +443,8 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
 def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Step time against context (several contexts) or against model size (one context)."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    cols = ["model", "size", "attention", "compile", "cuda_graph", "precision", "mode"]
+    cols = ["model", "size", "attention", "compile", "cuda_graph", "opt_overlap", "precision"]
+    cols.append("mode")
     contexts = {r["context"] for r in rows}
     x = "context" if len(contexts) > 1 else "params_M"
     group = [c for c in cols if (len({r.get(c) for r in rows}) > 1 and c != "size") or c == "mode"]

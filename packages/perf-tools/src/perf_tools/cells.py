@@ -1,7 +1,8 @@
 """The cells of the model benchmark, shared by `bench` (timing) and `profile` (torch.profiler).
 
 A cell (`BenchSpec`) is one point of the sweep: implementation (lm_core or the HF competitor),
-size, attention backend, eager or compiled, precision, mode, context, CUDA graph or not.
+size, attention backend, eager or compiled (the whole model, or block by block), precision,
+mode, context, CUDA graph or not, optimizer step after or overlapped with the backward.
 `run_sweep` runs them through the harness (`perf_tools.harness.Sweep`): cells that share a
 model are grouped so that it is built once (a build failure becomes every such cell's status),
 and each cell is measured by `measure_cell` (the default: warm-up, then timed steps) or by the
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from perf_tools import hardware, harness, timing
-from perf_tools._compile import compile_for_bench
+from perf_tools._compile import allow_recompiles, compile_for_bench
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
 from perf_tools.steps import Annotator, PhaseTimer, lm_core_annotations, make_step
@@ -42,16 +43,17 @@ class BenchSpec:
     impl: str  # OURS or HF
     size: str
     attention: str | None
-    compile: bool
+    compile: bool | str  # False (eager), True (torch.compile(model)), "blocks" (each block)
     precision: str
     mode: str
     context: int
     graph: bool = False  # the whole step captured in one CUDA graph and replayed
     fsdp: str | None = None  # multi-GPU mode: "ours" or "torch" (None: one process)
     matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
+    overlap: bool = False  # train rows of lm_core: lm_core.OverlappedOptimizer
 
     @property
-    def model_key(self) -> tuple[str, str, str | None, bool, str]:
+    def model_key(self) -> tuple[str, str, str | None, bool | str, str]:
         """Cells with the same key share one built model."""
         return (self.impl, self.size, self.attention, self.compile, self.matmul)
 
@@ -59,11 +61,13 @@ class BenchSpec:
         parts = [self.impl, self.size, self.attention or "default", self.precision, self.mode]
         parts.append(f"ctx{self.context}")
         if self.compile:
-            parts.append("compiled")
+            parts.append("compiled-blocks" if self.compile == "blocks" else "compiled")
         if self.graph:
             parts.append("graphed")
         if self.matmul != "default":
             parts.append(f"matmul-{self.matmul}")
+        if self.overlap:
+            parts.append("opt-overlap")
         if self.fsdp:
             parts.append(f"fsdp-{self.fsdp}")
         return "-".join(str(p) for p in parts)
@@ -102,11 +106,16 @@ def _loss_fn(impl: str) -> Any:
     return torch.nn.functional.cross_entropy
 
 
-def _optimizer(impl: str, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    if impl == OURS:
+def _optimizer(spec: BenchSpec, model: nn.Module, device: torch.device) -> Any:
+    kwargs = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if spec.impl == OURS and spec.overlap:
+        from lm_core import OverlappedOptimizer
+
+        return OverlappedOptimizer(model, **kwargs)  # one fused AdamW per block (and rest)
+    if spec.impl == OURS:
         from lm_core import AdamW
 
-        return AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+        return AdamW(model.parameters(), **kwargs)
     from perf_tools.hf_baseline import fused_adamw
 
     return fused_adamw(model.parameters(), device)
@@ -133,25 +142,37 @@ def make_cell_step(
     if spec.impl == OURS:
         apply_act_ckpt(model, config, opts.act_ckpt, spec.precision)
     x, y = random_batch(opts.batch, spec.context, config.vocab_size, opts.device, opts.seed)
-    optimizer = _optimizer(spec.impl, model, opts.device) if spec.mode == "train" else None
+    optimizer = _optimizer(spec, model, opts.device) if spec.mode == "train" else None
     fused = opts.fused_loss and spec.impl == OURS
-    step = make_step(
-        runner,
-        spec.mode,
-        inputs=x,
-        targets=y,
-        loss_fn=None if fused else _loss_fn(spec.impl),
-        precision=spec.precision,
-        optimizer=optimizer,
-        annotator=annotator,
-        timer=None if spec.graph else timer,
-        graph_safe=spec.graph,
-    )
-    if spec.graph:
-        from lm_core.graph_step import capture_cuda_graph
+    try:
+        step = make_step(
+            runner,
+            spec.mode,
+            inputs=x,
+            targets=y,
+            loss_fn=None if fused else _loss_fn(spec.impl),
+            precision=spec.precision,
+            optimizer=optimizer,
+            annotator=annotator,
+            timer=None if spec.graph else timer,
+            graph_safe=spec.graph,
+        )
+        if spec.graph:
+            from lm_core.graph_step import capture_cuda_graph
 
-        step = capture_cuda_graph(step)
+            step = capture_cuda_graph(step)
+    except BaseException:
+        release_optimizer(optimizer)
+        raise
     return step, optimizer
+
+
+def release_optimizer(optimizer: Any) -> None:
+    """Remove an overlapped optimizer's gradient hooks from the model (the next cell of the
+    same model must not step in its backward); nothing for other optimizers."""
+    remove = getattr(optimizer, "remove", None)
+    if remove is not None:
+        remove()
 
 
 def apply_act_ckpt(model: nn.Module, config: Any, policy: str | int, precision: str) -> int:
@@ -214,25 +235,28 @@ def measure_cell(
             started.append("nvtx")
 
     label = spec.label() if opts.progress else None
-    with lm_core_annotations(opts.nvtx and spec.impl == OURS):
-        nvtx_ctx = torch.autograd.profiler.emit_nvtx() if opts.nvtx else contextlib.nullcontext()
-        with nvtx_ctx:
-            try:
-                result = timing.time_steps(
-                    step,
-                    warmup=opts.warmup,
-                    iters=opts.steps,
-                    device=device,
-                    progress=label,
-                    on_measure=on_measure,
-                )
-            finally:
-                if "nvtx" in started:
-                    torch.cuda.cudart().cudaProfilerStop()
-                if snapshot is not None and "snapshot" in started:
-                    _dump_snapshot(snapshot)
-                    if opts.snapshot_paths is not None:
-                        opts.snapshot_paths.append(snapshot)
+    try:
+        with lm_core_annotations(opts.nvtx and spec.impl == OURS):
+            nvtx = torch.autograd.profiler.emit_nvtx() if opts.nvtx else contextlib.nullcontext()
+            with nvtx:
+                try:
+                    result = timing.time_steps(
+                        step,
+                        warmup=opts.warmup,
+                        iters=opts.steps,
+                        device=device,
+                        progress=label,
+                        on_measure=on_measure,
+                    )
+                finally:
+                    if "nvtx" in started:
+                        torch.cuda.cudart().cudaProfilerStop()
+                    if snapshot is not None and "snapshot" in started:
+                        _dump_snapshot(snapshot)
+                        if opts.snapshot_paths is not None:
+                            opts.snapshot_paths.append(snapshot)
+    finally:
+        release_optimizer(optimizer)
     peak_mem = timing.peak_memory_bytes(device)
     ckpt_k = None
     if spec.impl == OURS:
@@ -353,13 +377,30 @@ def _model_cells(
 
 
 def _build_runner(
-    spec: BenchSpec, config: Any, opts: BenchOptions, compiled: bool
+    spec: BenchSpec, config: Any, opts: BenchOptions, compiled: bool | str
 ) -> tuple[nn.Module, nn.Module]:
-    """(model, what the step calls: the model or its compiled version)."""
+    """(model, what the step calls: the model, its compiled version, or the model with each
+    block compiled in place)."""
     torch.manual_seed(opts.seed)
     model = _build(spec, config, opts.device)
     model.train()
+    if compiled == "blocks":
+        compile_blocks_for_bench(model)
+        return model, model
     return model, compile_for_bench(model) if compiled else model
+
+
+def compile_blocks_for_bench(model: nn.Module) -> None:
+    """Compile each block in place: lm_core's `compile_blocks`, or each decoder layer of the
+    HF competitor (`model.model.layers`), with `dynamic=False` and enough recompiles."""
+    allow_recompiles()
+    if hasattr(model, "layers"):
+        from lm_core import compile_blocks
+
+        compile_blocks(model, dynamic=False)
+        return
+    for layer in model.model.layers:
+        layer.compile(dynamic=False)
 
 
 def _drop_grads(model: nn.Module) -> None:
@@ -388,6 +429,7 @@ def cell_row(
         "tf32": bool(torch.backends.cuda.matmul.allow_tf32),
         "blas": opts.blas,
         "matmul": spec.matmul,
+        "opt_overlap": spec.overlap,
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,

@@ -36,7 +36,14 @@ import torch
 from torch import nn
 
 from perf_tools import _cli, harness, report, timing
-from perf_tools.cells import OURS, BenchOptions, BenchSpec, make_cell_step, run_sweep
+from perf_tools.cells import (
+    OURS,
+    BenchOptions,
+    BenchSpec,
+    make_cell_step,
+    release_optimizer,
+    run_sweep,
+)
 from perf_tools.flops import SOFTMAX_FLOPS_PER_ELEMENT, attention_substep_flops
 from perf_tools.model_args import add_model_args, add_step_args, resolve_model_args
 from perf_tools.steps import MODES, Annotator, lm_core_annotations
@@ -68,6 +75,7 @@ SUMMARY_COLUMNS = [
     "size",
     "attention",
     "compile",
+    "opt_overlap",
     "precision",
     "mode",
     "context",
@@ -127,8 +135,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _specs(args: argparse.Namespace) -> list[BenchSpec]:
     attentions = [a or "naive" for a in args.attentions]
+    overlaps = getattr(args, "overlaps", [False])  # bench --profile --optimizer-overlap
     return [
-        BenchSpec(OURS, size, attention, compiled, precision, mode, context, matmul=matmul)
+        BenchSpec(
+            OURS, size, attention, compiled, precision, mode, context, matmul=matmul, overlap=o
+        )
         for size in args.sizes
         for attention in attentions
         for matmul in args.matmuls
@@ -136,6 +147,7 @@ def _specs(args: argparse.Namespace) -> list[BenchSpec]:
         for precision in args.precisions
         for context in sorted(args.contexts)
         for mode in args.modes
+        for o in (overlaps if mode == "train" else [False])
     ]
 
 
@@ -165,16 +177,19 @@ class Profiler:
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         walls = []
-        with lm_core_annotations(spec.impl == OURS) as annotated:
-            for _ in range(opts.warmup):
-                step()
-                timing.synchronize(device)
-            with torch.profiler.profile(activities=activities) as prof:
-                for _ in range(opts.steps):
-                    t0 = time.perf_counter()
+        try:
+            with lm_core_annotations(spec.impl == OURS) as annotated:
+                for _ in range(opts.warmup):
                     step()
                     timing.synchronize(device)
-                    walls.append(time.perf_counter() - t0)
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(opts.steps):
+                        t0 = time.perf_counter()
+                        step()
+                        timing.synchronize(device)
+                        walls.append(time.perf_counter() - t0)
+        finally:
+            release_optimizer(optimizer)
         del step, optimizer
         cell_dir = self.out / spec.label()
         cell_dir.mkdir(parents=True, exist_ok=True)
@@ -305,6 +320,8 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     )
     rows = run_sweep(_specs(args), opts, measure=profiler)
     cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows) and c != "dir"]
+    if not any(r.get("opt_overlap") for r in rows):
+        cols.remove("opt_overlap")
     shown = [{**r, "top_item": _short(str(r.get("top_item") or "-"), 48)} for r in rows]
     report.print_table(shown, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
     out.mkdir(parents=True, exist_ok=True)
