@@ -31,9 +31,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the variants differ in CUDA streams and graphs)")
     from lm_core import AdamW, OverlappedOptimizer, compile_blocks, cross_entropy
+    from lm_core.graph_step import capture_cuda_graph
     from perf_tools._compile import allow_recompiles
     from perf_tools.models import build_model, random_batch, resolve_config
-    from perf_tools.steps import capture_cuda_graph, make_step
+    from perf_tools.steps import make_step
 
     allow_recompiles()
     config = resolve_config(args.size, context_length=args.context)
