@@ -62,6 +62,13 @@ from zero_shard.plan import (
     sharded_params,
 )
 from zero_shard.shard import Collectives, ShardedParam
+from zero_shard.sharded_state import (
+    load_model_sharded_state,
+    load_optimizer_sharded_state,
+    model_sharded_state,
+    optimizer_sharded_state,
+    param_names,
+)
 from zero_shard.tree import cast_float, map_tensors, tensors_in
 from zero_shard.units import Unit, cast_slots
 from zero_shard.waits import GatherWait, WaitRecorder
@@ -377,6 +384,37 @@ class FSDP(nn.Module):
         communication); every rank must load the same values."""
         self._check_idle("load_full_params()")
         load_full_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model state for torch.distributed.checkpoint, keyed as the
+        unwrapped module's `state_dict()`: `FlatShard`s (views) of the shards in each
+        parameter's full shape, the replicated entries as they are. Local; `dcp.save` it, or
+        `dcp.load` into it (in place) and pass it to `load_sharded_state_dict`."""
+        self._check_idle("sharded_state_dict()")
+        return model_sharded_state(self.module, self._by_key, self.rank, self.world_size)
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `sharded_state_dict()` (this rank's `FlatShard`s, or full tensors). Local."""
+        self._check_idle("load_sharded_state_dict()")
+        load_model_sharded_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s state (an optimizer over `parameters()`) for torch.distributed.checkpoint:
+        by parameter name, shard-shaped state as `FlatShard`s (views); see `sharded_state`.
+        An optimizer that has not stepped gets its state first (a step at lr 0). Local."""
+        sharded = {id(sp.shard): sp for sp in self._by_key.values()}
+        names = param_names(self.module)
+        return optimizer_sharded_state(optimizer, names, sharded, self.rank, self.world_size)
+
+    def load_sharded_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Load a `sharded_optimizer_state_dict()` (or full tensors by name). Local."""
+        sharded = {id(sp.shard): sp for sp in self._by_key.values()}
+        names = param_names(self.module)
+        load_optimizer_sharded_state(
+            optimizer, state_dict, names, sharded, self.rank, self.world_size
+        )
 
     @property
     def unit_names(self) -> list[str]:
