@@ -44,7 +44,6 @@ from torch import nn
 
 from zero_shard._comm import Comm, check_timeout
 from zero_shard.accumulate import GradAccumulator
-from zero_shard.full_state import gather_full_state, load_full_state
 from zero_shard.grads import allreduce_replicated, clip_grad_norm
 from zero_shard.materialize import InitFn, check_init_args, materialize, on_meta, target_device
 from zero_shard.plan import (
@@ -62,13 +61,7 @@ from zero_shard.plan import (
     sharded_params,
 )
 from zero_shard.shard import Collectives, ShardedParam
-from zero_shard.sharded_state import (
-    load_model_sharded_state,
-    load_optimizer_sharded_state,
-    model_sharded_state,
-    optimizer_sharded_state,
-    param_names,
-)
+from zero_shard.state_dicts import StateDicts
 from zero_shard.tree import cast_float, map_tensors, tensors_in
 from zero_shard.units import Unit, cast_slots
 from zero_shard.waits import GatherWait, WaitRecorder
@@ -101,7 +94,7 @@ class _Gather(torch.autograd.Function):
         return (None, None, *(None for _ in grads))
 
 
-class FSDP(nn.Module):
+class FSDP(StateDicts, nn.Module):
     """Wrap `module` so that its Linear/Embedding weights are sharded across the ranks.
 
     Args:
@@ -364,57 +357,6 @@ class FSDP(nn.Module):
             )
         shards = [sp.shard for sp in {id(sp): sp for sp in self._by_key.values()}.values()]
         return clip_grad_norm(shards, self._replicated, max_norm, self._comm.comm)
-
-    @torch.no_grad()
-    def gather_full_params(self, device: torch.device | str | None = None) -> dict[str, Any]:
-        """The full state dict on every rank: the keys, shapes and dtypes of the unwrapped
-        module's `state_dict()` (tied weights: one tensor under both keys), as copies.
-
-        Collective: every rank must call it. Sharded parameters are all-gathered one at a time
-        from the fp32 shards (and cast back to their original dtype); `device` (default: where
-        the module lives) receives each tensor as soon as it is complete.
-        """
-        self._check_idle("gather_full_params()")
-        return gather_full_state(self.module, self._by_key, self._comm, device)
-
-    @torch.no_grad()
-    def load_full_params(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (as `gather_full_params()` returns, or the unwrapped module's
-        `state_dict()`): each rank keeps its own rows of the sharded parameters. Local (no
-        communication); every rank must load the same values."""
-        self._check_idle("load_full_params()")
-        load_full_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the model state for torch.distributed.checkpoint, keyed as the
-        unwrapped module's `state_dict()`: `FlatShard`s (views) of the shards in each
-        parameter's full shape, the replicated entries as they are. Local; `dcp.save` it, or
-        `dcp.load` into it (in place) and pass it to `load_sharded_state_dict`."""
-        self._check_idle("sharded_state_dict()")
-        return model_sharded_state(self.module, self._by_key, self.rank, self.world_size)
-
-    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a `sharded_state_dict()` (this rank's `FlatShard`s, or full tensors). Local."""
-        self._check_idle("load_sharded_state_dict()")
-        load_model_sharded_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
-
-    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """`optimizer`'s state (an optimizer over `parameters()`) for torch.distributed.checkpoint:
-        by parameter name, shard-shaped state as `FlatShard`s (views); see `sharded_state`.
-        An optimizer that has not stepped gets its state first (a step at lr 0). Local."""
-        sharded = {id(sp.shard): sp for sp in self._by_key.values()}
-        names = param_names(self.module)
-        return optimizer_sharded_state(optimizer, names, sharded, self.rank, self.world_size)
-
-    def load_sharded_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
-    ) -> None:
-        """Load a `sharded_optimizer_state_dict()` (or full tensors by name). Local."""
-        sharded = {id(sp.shard): sp for sp in self._by_key.values()}
-        names = param_names(self.module)
-        load_optimizer_sharded_state(
-            optimizer, state_dict, names, sharded, self.rank, self.world_size
-        )
 
     @property
     def unit_names(self) -> list[str]:
