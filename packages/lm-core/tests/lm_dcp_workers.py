@@ -8,10 +8,13 @@ from typing import Any
 import torch
 
 
-def train_and_report(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, Any]]:
+def train_and_report(
+    rank: int, world: int, runs: list[list[str]], failing: tuple = ()
+) -> list[dict[str, Any]]:
     """Run `python -m lm_core.train` argv lists one after another in this rank's process
     group. Per run: the full weights and the full optimizer state (gathered / consolidated
-    while the group is up; complete on rank 0), the logged losses and the step reached."""
+    while the group is up; complete on rank 0), the logged losses and the step reached. Then
+    the `failing` argv lists, each expected to raise: per run, the error as text."""
     from lm_core.train import main
 
     torch.set_num_threads(1)
@@ -28,4 +31,11 @@ def train_and_report(rank: int, world: int, runs: list[list[str]]) -> list[dict[
                 "step": result.step,
             }
         )
+    for argv in failing:
+        try:
+            main(argv)
+        except Exception as exc:
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+        else:
+            out.append({"error": None})
     return out

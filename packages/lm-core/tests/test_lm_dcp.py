@@ -11,6 +11,8 @@ of trainer runs; the module's checkpoints are written once (`saved`).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from lm_dist_reference import BASE
@@ -90,12 +92,24 @@ def test_every_rank_writes_its_own_shards(saved):
         assert not (ckpt.parent / "checkpoint.pt").exists()
 
 
-def test_resume_in_fresh_processes_is_bitwise(saved):
+def test_resume_in_fresh_processes_is_bitwise(saved, tmp_path):
     runs = [
         [*LONG, *flags, "--resume", str(saved[name]["ckpt"])] for name, flags in ENGINES.items()
     ]
     runs.append([*LONG, "--fsdp", "ours", "--steps", "4", "--resume", str(saved["one"]["ckpt"])])
-    r0, _ = spawn(_worker(), 2, args=(runs,), timeout_s=TIMEOUT)
+    # a damaged file that only rank 1 hashes: both ranks raise (none waits in a collective)
+    damaged = tmp_path / "damaged.dcp"
+    shutil.copytree(saved["ours"]["ckpt"], damaged)
+    shard = damaged / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    failing = [[*LONG, "--fsdp", "ours", "--resume", str(damaged)]]
+    r0, r1 = spawn(_worker(), 2, args=(runs, failing), timeout_s=TIMEOUT)
+    expected = f"checkpoint {damaged} is corrupt: its file __0_0.distcp does not match"
+    assert expected in r1[-1]["error"], r1[-1]
+    assert expected in r0[-1]["error"], r0[-1]
+    r0 = r0[:-1]
     for (name, res), resumed in zip(((n, saved[n]) for n in ENGINES), r0):
         assert resumed["step"] == 8
         _same_state(resumed["weights"], res["full"]["weights"], f"{name} resumed")

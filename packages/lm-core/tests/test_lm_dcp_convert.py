@@ -68,8 +68,10 @@ def test_save_and_load_in_one_process_restore_everything(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.dcp"]
     with pytest.raises(ValueError, match=f"checkpoint {path}: optimizer state does not match"):
         load_dcp_checkpoint(path, fresh, AdamW([{"params": [fresh.lm_head.weight]}]))
+    sgd = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=f"checkpoint {path}: optimizer state of .* holds"):
-        load_dcp_checkpoint(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+        load_dcp_checkpoint(path, fresh, sgd)
+    assert not sgd.state  # the state made to check it is gone again
 
 
 def test_converter_argument_errors(tmp_path, capsys):

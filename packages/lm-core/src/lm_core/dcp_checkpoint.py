@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,33 @@ def _all_gather(value: Any, group: Any, use_dist: bool, world: int) -> list[Any]
     return out
 
 
+_ERRORS = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}
+
+
+def _collectively(fn: Callable[[], Any], group: Any) -> Any:
+    """Collective: `fn()` on every rank; if it raised on any rank, raise the first rank's
+    error on every rank (its own exception there, the same type and message elsewhere), so no
+    rank goes on into a collective that a failed rank never joins."""
+    use_dist, rank, world = _dist(group)
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:
+        error = exc
+    if not use_dist:
+        if error is not None:
+            raise error
+        return result
+    mine = None if error is None else (type(error).__name__, str(error))
+    for r, found in enumerate(_all_gather(mine, group, use_dist, world)):
+        if found is not None:
+            if r == rank and error is not None:
+                raise error
+            raise _ERRORS.get(found[0], RuntimeError)(f"{found[1]} (raised on rank {r})")
+    return result
+
+
 # ----- save ---------------------------------------------------------------------------------
 def sharded_state(
     model: ParallelModel | nn.Module, optimizer: torch.optim.Optimizer | None
@@ -167,34 +194,44 @@ def write_dcp_dir(
     target: Path, state: dict[str, Any], meta: dict[str, Any], process_group: Any = None
 ) -> None:
     """Collective: `dcp.save(state)` into a temporary directory beside `target`, checksums
-    (each rank hashes a share of the files), the manifest `meta` (rank 0's), then the swap."""
+    (each rank hashes a share of the files), the manifest `meta` (rank 0's), then the swap.
+    A step failing on any rank raises on every rank (nothing waits for a rank that failed)."""
     import torch.distributed.checkpoint as dcp
 
-    use_dist, rank, world = _dist(process_group)
-    tmp = None
-    if rank == 0:
+    group = process_group
+    use_dist, rank, world = _dist(group)
+
+    def prepare() -> str | None:
+        if rank != 0:
+            return None
         recover(target, META_NAME)
-        tmp = str(new_temp_dir(target))
-    tmp = Path(_broadcast(tmp, process_group, use_dist))
+        return str(new_temp_dir(target))
+
+    tmp = Path(_broadcast(_collectively(prepare, group), group, use_dist))
     try:
-        with one_process_ok():
-            dcp.save(state, checkpoint_id=tmp, process_group=process_group, no_dist=not use_dist)
-        names = sorted(p.name for p in tmp.iterdir())
-        mine = {name: sha256_file(tmp / name) for name in _share(names, rank, world)}
+        with one_process_ok():  # DCP raises on every rank when one fails
+            dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not use_dist)
+        listed = sorted(p.name for p in tmp.iterdir()) if rank == 0 else None
+        names = _broadcast(listed, group, use_dist)  # rank 0's view of the directory
+        mine = _collectively(
+            lambda: {name: sha256_file(tmp / name) for name in _share(names, rank, world)}, group
+        )
         digests: dict[str, str] = {}
-        for part in _all_gather(mine, process_group, use_dist, world):
+        for part in _all_gather(mine, group, use_dist, world):
             digests.update(part)
-        if rank == 0:
-            meta = {**meta, "files": dict(sorted(digests.items()))}
-            meta[_CHECKSUM] = {"sha256": payload_digest(meta, skip=_CHECKSUM)}
-            atomic_write(tmp / META_NAME, lambda f: torch.save(meta, f))
-            commit(tmp, target)
+
+        def finish() -> None:
+            if rank == 0:
+                full = {**meta, "files": dict(sorted(digests.items()))}
+                full[_CHECKSUM] = {"sha256": payload_digest(full, skip=_CHECKSUM)}
+                atomic_write(tmp / META_NAME, lambda f: torch.save(full, f))
+                commit(tmp, target)
+
+        _collectively(finish, group)
     except BaseException:
         if rank == 0:
             remove_quietly(tmp)
         raise
-    if use_dist:
-        dist.barrier(group=process_group)
 
 
 # ----- load ---------------------------------------------------------------------------------
@@ -354,40 +391,58 @@ def load_dcp_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
+    group = process_group
     engine = _engine(model)
-    directory, meta = read_dcp_meta(path)
-    verify_dcp_files(path, directory, meta, process_group)
-    storage = storage_metadata(path, directory)
-    _check_config(meta.get("config"), config or getattr(engine.model, "config", None), path)
-    saved_model = {
-        k[len(MODEL_PREFIX) :]: _stand_in(md)
-        for k, md in storage.items()
-        if k.startswith(MODEL_PREFIX)
-    }
+    directory, meta = _collectively(lambda: read_dcp_meta(path), group)
+    verify_dcp_files(path, directory, meta, group)
+
+    def check() -> dict[str, set[str]]:
+        """Config, model keys and shapes, the optimizer's layout (the same on every rank);
+        the saved optimizer state's names by parameter."""
+        storage = storage_metadata(path, directory)
+        _check_config(meta.get("config"), config or getattr(engine.model, "config", None), path)
+        saved_model = {
+            k[len(MODEL_PREFIX) :]: _stand_in(md)
+            for k, md in storage.items()
+            if k.startswith(MODEL_PREFIX)
+        }
+        _check_state(saved_model, shapes, path)
+        if optimizer is None:
+            return {}
+        names = engine.param_names()
+        full = {n: tuple(shapes[n]) for n in names}
+        return _check_optimizer(path, meta, storage, optimizer, names, full)
+
     shapes = engine.full_shapes()
-    _check_state(saved_model, shapes, path)
+    saved_by_param = _collectively(check, group)
     template = {MODEL_PREFIX + k: v for k, v in engine.sharded_state_dict().items()}
     optim = None
     if optimizer is not None:
-        names = engine.param_names()
-        full = {n: tuple(shapes[n]) for n in names}
-        saved_by_param = _check_optimizer(path, meta, storage, optimizer, names, full)
+        fresh = not optimizer.state
         optim = engine.sharded_optimizer_state_dict(optimizer)  # creates a fresh one's state
+
+        def check_entries() -> None:  # this rank's parameters (a ZeRO rank lists its own)
+            for name, entry in optim["state"].items():
+                if saved_by_param.get(name, set()) != set(entry):
+                    raise ValueError(
+                        f"checkpoint {path}: optimizer state of {name} holds "
+                        f"{sorted(saved_by_param.get(name, set()))}, this optimizer's "
+                        f"{sorted(entry)}: another optimizer class or settings"
+                    )
+
+        try:
+            _collectively(check_entries, group)
+        except ValueError:
+            if fresh:  # as it was: no state
+                optimizer.state.clear()
+            raise
         for name, entry in optim["state"].items():
-            if saved_by_param.get(name, set()) != set(entry):
-                raise ValueError(
-                    f"checkpoint {path}: optimizer state of {name} holds "
-                    f"{sorted(saved_by_param.get(name, set()))}, this optimizer's "
-                    f"{sorted(entry)}: another optimizer class or settings"
-                )
             for key, value in entry.items():
                 template[f"{OPTIM_PREFIX}{name}.{key}"] = value
-    use_dist, _, _ = _dist(process_group)
+    use_dist = _dist(group)[0]
     try:
-        with one_process_ok():
-            dcp.load(
-                template, checkpoint_id=directory, process_group=process_group, no_dist=not use_dist
-            )
+        with one_process_ok():  # DCP raises on every rank when one fails
+            dcp.load(template, checkpoint_id=directory, process_group=group, no_dist=not use_dist)
     except Exception as exc:
         raise RuntimeError(
             f"checkpoint {path} could not be loaded: {type(exc).__name__}: {str(exc)[:500]}"
