@@ -78,6 +78,7 @@ def test_converter_argument_errors(tmp_path, capsys):
     model, opt = _trained(0, steps=1)
     file = tmp_path / "a.pt"
     save_file(file, model, opt, step=1)
+    convert([str(file), str(tmp_path / "a.dcp")])
     cases = [
         ([str(tmp_path / "nope"), str(tmp_path / "x.pt")], "src: not found"),
         ([str(file), str(tmp_path / "x.pt"), "--to", "full"], "is already a file checkpoint"),
@@ -88,6 +89,8 @@ def test_converter_argument_errors(tmp_path, capsys):
             convert(argv)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match=r"a\.dcp is a directory \(a sharded checkpoint\?\)"):
+        read_checkpoint(tmp_path / "a.dcp")  # the file reader names the converter
     (tmp_path / "broken.dcp").mkdir()
     with pytest.raises(RuntimeError, match=r"broken\.dcp is not a complete lm_core sharded"):
         convert([str(tmp_path / "broken.dcp"), str(tmp_path / "y.pt")])

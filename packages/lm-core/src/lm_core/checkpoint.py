@@ -174,6 +174,12 @@ def read_checkpoint(
     written before checkpoints carried a checksum load unverified.
     """
     path = Path(path)
+    if path.is_dir():
+        raise RuntimeError(
+            f"checkpoint {path} is a directory (a sharded checkpoint?), not a checkpoint file: "
+            f"load it with lm_core.dcp_checkpoint.load_dcp_checkpoint, or convert it with "
+            f"python -m lm_core.convert_checkpoint {path} OUT.pt"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:
