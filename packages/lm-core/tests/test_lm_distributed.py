@@ -14,6 +14,7 @@ from lm_dist_reference import assert_same_weights as _assert_same
 from lm_dist_reference import single_process as _single
 
 spawn = pytest.importorskip("ddp_kit.launch").spawn
+FULL = ["--checkpoint-format", "full", "--out-dir"]  # one file (sharded: test_lm_dcp.py)
 
 
 def test_two_ranks_equal_one_rank_for_every_wrapper():
@@ -46,7 +47,7 @@ def test_sharded_optimizer_with_wrappers_and_exact_resume(tmp_path):
         [*long, "--ddp", "bucketed", "--zero"],
         [*long, "--ddp", "torch", "--zero"],
         [*long, "--ddp", "individual", "--zero"],
-        [*long, "--steps", "4", "--ddp", "individual", "--zero", "--out-dir", str(tmp_path / "a")],
+        [*long, "--steps", "4", "--ddp", "individual", "--zero", *FULL, str(tmp_path / "a")],
         [*long, "--ddp", "individual", "--zero", "--resume", ckpt],
     ]
     r0, r1 = spawn(_worker(), 2, args=(runs,), timeout_s=600)

@@ -22,6 +22,8 @@ LONG = [*BASE, "--steps", "8", "--cosine-steps", "8"]
 FUSED_AC = ["--fused-loss", "--activation-checkpointing", "1"]
 ACCUM = ["--batch-size", "4", "--grad-accum-steps", "2"]
 FROZEN = ["--steps", "1", "--max-lr", "0", "--min-lr", "0"]  # AdamW at lr 0: weights unchanged
+# 4 steps, then one checkpoint file (--checkpoint-format dcp, the default: test_lm_dcp.py)
+FIRST = ["--steps", "4", "--checkpoint-format", "full", "--out-dir"]
 
 
 def _relative_error(weights, ref, init) -> float:
@@ -53,7 +55,7 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
         "bf16": [*BASE, "--fsdp", "ours", "--bf16"],
         "accum": [*BASE, "--fsdp", "ours", *ACCUM],
         "full": [*LONG, "--fsdp", "ours"],
-        "first": [*LONG, "--fsdp", "ours", "--steps", "4", "--out-dir", str(tmp_path / "a")],
+        "first": [*LONG, "--fsdp", "ours", *FIRST, str(tmp_path / "a")],
         "resumed": [*LONG, "--fsdp", "ours", "--resume", str(ckpt)],
     }
     r0, _ = spawn(_worker(), 2, args=(list(runs.values()),), timeout_s=600)
@@ -122,7 +124,7 @@ def test_fsdp_torch_equals_one_process_and_resumes_exactly(tmp_path):
         "bf16": [*BASE, "--fsdp", "torch", "--bf16"],
         "accum": [*BASE, "--fsdp", "torch", *ACCUM],
         "full": [*LONG, "--fsdp", "torch"],
-        "first": [*LONG, "--fsdp", "torch", "--steps", "4", "--out-dir", str(tmp_path / "t")],
+        "first": [*LONG, "--fsdp", "torch", *FIRST, str(tmp_path / "t")],
         "resumed": [*LONG, "--fsdp", "torch", "--resume", str(ckpt)],
     }
     r0, _ = spawn(_worker(), 2, args=(list(runs.values()),), timeout_s=600)

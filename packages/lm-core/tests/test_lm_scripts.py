@@ -22,7 +22,7 @@ def _scripts() -> dict[str, str]:
 
 def test_scripts_point_at_callables():
     scripts = _scripts()
-    assert set(scripts) == {"lm-train", "lm-generate", "lm-tokenize"}
+    assert set(scripts) == {"lm-train", "lm-generate", "lm-tokenize", "lm-convert-checkpoint"}
     for script, target in scripts.items():
         module, _, func = target.partition(":")
         if module in PENDING and importlib.util.find_spec(module) is None:

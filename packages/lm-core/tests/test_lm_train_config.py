@@ -277,7 +277,12 @@ def test_dump_config_writes_the_merged_options(tmp_path, capsys):
     assert main(["--config", str(path), "--steps", "5", "--dump-config", str(out)]) is None
     dumped = TrainConfig.from_toml(out)
     assert dumped == parse_args(["--config", str(path), "--steps", "5"]).with_overrides(
-        {"optim.min_lr": None, "optim.cosine_steps": None, "model.vocab_size": None}
+        {
+            "optim.min_lr": None,
+            "optim.cosine_steps": None,
+            "model.vocab_size": None,
+            "checkpoint.format": None,
+        }
     )  # derived values stay derived
     assert main(["--config", str(out), "--dump-config", "-"]) is None
     assert _toml(tmp_path, capsys.readouterr().out, "printed.toml").read_text() == out.read_text()

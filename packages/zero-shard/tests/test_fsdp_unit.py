@@ -21,6 +21,7 @@ def test_public_exports() -> None:
     assert set(zero_shard.__all__) == {
         "CollectiveError",
         "FSDP",
+        "FlatShard",
         "ShardedOptimizer",
         "greedy_partition",
     }

@@ -117,6 +117,8 @@ def save_checkpoint(
     step: int,
     config: ModelConfig | dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    *,
+    rng: dict[str, Any] | None = None,
 ) -> None:
     """Atomically write model/optimizer state, `step`, config and RNG state to `path`.
 
@@ -126,6 +128,7 @@ def save_checkpoint(
     small tensors/plain values to keep (e.g. a data generator's state); read them back with
     `read_checkpoint(path)`. For a sharded optimizer, call
     `optimizer.consolidate_state_dict(to=0)` on every rank first and save from rank 0.
+    rng: the RNG state to store (a checkpoint's `rng` entry); default: this process's.
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
@@ -150,7 +153,7 @@ def save_checkpoint(
         "model": strip_wrapper_prefixes(model_state),
         "optimizer": optimizer_state,
         "config": _config_dict(config, target),
-        "rng": _rng_state(),
+        "rng": rng if rng is not None else _rng_state(),
         "extra": dict(extra) if extra else {},
     }
     payload[CHECKSUM_KEY] = {"sha256": payload_digest(payload, skip=CHECKSUM_KEY)}
@@ -171,6 +174,12 @@ def read_checkpoint(
     written before checkpoints carried a checksum load unverified.
     """
     path = Path(path)
+    if path.is_dir():
+        raise RuntimeError(
+            f"checkpoint {path} is a directory (a sharded checkpoint?), not a checkpoint file: "
+            f"load it with lm_core.dcp_checkpoint.load_dcp_checkpoint, or convert it with "
+            f"python -m lm_core.convert_checkpoint {path} OUT.pt"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     try:

@@ -16,6 +16,7 @@ from torch import nn
 
 from lm_core.checkpoint import unwrap_model
 from lm_core.optim import clip_grad_norm
+from lm_core.optim_state import init_optimizer_state, state_by_index, state_by_name
 
 
 @dataclass
@@ -113,3 +114,39 @@ class ParallelModel:
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load what `full_optimizer_state_dict` returned (every rank passes the same dict)."""
         optimizer.load_state_dict(state)
+
+    # Sharded state for torch.distributed.checkpoint (`lm_core.dcp_checkpoint`): each rank
+    # lists its own shards (and the replicated tensors, which DCP writes once), by name, as
+    # views of the live tensors: `dcp.load` into them loads in place.
+    def param_names(self) -> list[str]:
+        """The names of `parameters()`, in order (the optimizer's parameters)."""
+        return [name for name, _ in self.model.named_parameters()]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model state, keyed as the unwrapped model's state dict
+        (unsharded: the state dict itself)."""
+        return self.model.state_dict()
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a `sharded_state_dict()` that `dcp.load` filled."""
+        self.model.load_state_dict(state)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's part of the optimizer state by parameter name (`lm_core.optim_state`;
+        a ShardedOptimizer lists its own parameters' state only). An optimizer that has not
+        stepped gets its state first (a step at lr 0; a collective for a ShardedOptimizer)."""
+        names = self.param_names()
+        if hasattr(optimizer, "sharded_state_dict"):  # zero_shard.ShardedOptimizer
+            return optimizer.sharded_state_dict(names)
+        init_optimizer_state(optimizer)
+        return state_by_name(optimizer.state_dict(), names)
+
+    def load_sharded_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load a `sharded_optimizer_state_dict()` that `dcp.load` filled."""
+        names = self.param_names()
+        if hasattr(optimizer, "load_sharded_state_dict"):  # zero_shard.ShardedOptimizer
+            optimizer.load_sharded_state_dict(state, names)
+        else:
+            optimizer.load_state_dict(state_by_index(state, names))

@@ -33,6 +33,11 @@ checkpoint from any engine and world size loads into any other:
   optimizer state of an uninterrupted run. For torch: `get_optimizer_state_dict` /
   `set_optimizer_state_dict(full_state_dict=True)`, re-keyed from parameter names to the
   indices of `model.parameters()`.
+
+Sharded checkpoints (`--checkpoint-format dcp`, `lm_core.dcp_checkpoint`) skip the gathers:
+each rank hands torch.distributed.checkpoint its own shards by name (`sharded_state_dict`,
+`sharded_optimizer_state_dict`): zero_shard's `FlatShard`s for ours, torch's DTensors for
+`fully_shard`, in the same full shapes, so these load into either engine at any world size.
 """
 
 from __future__ import annotations
@@ -139,6 +144,23 @@ class ZeroShardFSDP(ParallelModel):
                 entry = {name: self._row(value, key, name) for name, value in entry.items()}
             local[index] = entry
         optimizer.load_state_dict({"state": local, "param_groups": state["param_groups"]})
+
+    def param_names(self) -> list[str]:
+        return list(self._keys)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return self.fsdp.sharded_state_dict()  # zero_shard.FlatShard views of the shards
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        self.fsdp.load_sharded_state_dict(state)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return self.fsdp.sharded_optimizer_state_dict(optimizer)
+
+    def load_sharded_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        self.fsdp.load_sharded_optimizer_state_dict(optimizer, state)
 
     def _gather(self, value: torch.Tensor, key: str) -> torch.Tensor:
         """A shard-shaped state tensor (chunk,) of every rank -> the full shape of `key`."""
@@ -294,6 +316,25 @@ class TorchFSDP(ParallelModel):
             optim_state_dict=named,
             options=api.StateDictOptions(full_state_dict=True),
         )
+
+    def param_names(self) -> list[str]:
+        return list(self._keys)
+
+    # torch's own sharded state dicts (DTensor shards by name), the layout of ours
+    def sharded_state_dict(self) -> dict[str, Any]:
+        return _state_dict_api().get_model_state_dict(self.module)
+
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        _state_dict_api().set_model_state_dict(self.module, state)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return _state_dict_api().get_optimizer_state_dict(self.module, optimizer)
+
+    def load_sharded_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        api = _state_dict_api()
+        api.set_optimizer_state_dict(self.module, optimizer, optim_state_dict=state)
 
 
 def _nothing() -> None:

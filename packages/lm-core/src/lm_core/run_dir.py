@@ -1,6 +1,7 @@
 """A training run's files: never start over an existing run unless told, continue its log.
 
-`python -m lm_core.train --out-dir D` writes `D/checkpoint.pt` and a metrics log. Starting a
+`python -m lm_core.train --out-dir D` writes `D/checkpoint.pt` (or, with `--checkpoint-format
+dcp`, the directory `D/checkpoint.dcp`) and a metrics log. Starting a
 fresh run over a directory that holds one would replace the checkpoint at the first save and
 lose the log, so the trainer asks `existing_run_files` first and refuses unless `--resume` or
 `--overwrite` is given. A resumed run continues the log with `continue_metrics`: lines of
@@ -16,13 +17,22 @@ from pathlib import Path
 from lm_core.ckpt_io import atomic_write
 
 CHECKPOINT_NAME = "checkpoint.pt"  # in --out-dir
+DCP_CHECKPOINT_NAME = "checkpoint.dcp"  # in --out-dir, --checkpoint-format dcp (a directory)
+
+
+def checkpoint_name(checkpoint_format: str | None) -> str:
+    """The checkpoint's name in --out-dir for a `checkpoint.format` ("full" or "dcp")."""
+    return DCP_CHECKPOINT_NAME if checkpoint_format == "dcp" else CHECKPOINT_NAME
 
 
 def existing_run_files(checkpoint: Path | None, metrics: Path | None) -> list[Path]:
-    """Those of `checkpoint` and `metrics` that already hold something (non-empty files)."""
+    """Those of `checkpoint` and `metrics` that already hold something (non-empty files, or
+    a non-empty checkpoint directory)."""
     found = []
     for path in (checkpoint, metrics):
-        if path is not None and path.is_file() and path.stat().st_size > 0:
+        if path is None:
+            continue
+        if (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(path.iterdir())):
             found.append(path)
     return found
 

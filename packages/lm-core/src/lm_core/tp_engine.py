@@ -32,6 +32,14 @@ from lm_core.distributed import DistEnv, ParallelModel
 from lm_core.fsdp import TorchFSDP, torch_fsdp_api
 from lm_core.parallel import apply_tensor_parallel, from_tp_layout, make_mesh, to_tp_layout
 
+# Why --tp refuses sharded (DCP) checkpoints: DCP saves DTensors as they are, and the fused
+# weights' DTensors hold their rows in TP order (lm_core.parallel.to_tp_layout), which no
+# sharding describes: the checkpoint would load into no other TP degree or engine.
+_NO_DCP = (
+    "--tp: sharded (DCP) checkpoints are not supported with tensor parallelism (the fused "
+    "qkv / w13 weights are stored in TP row order); use --checkpoint-format full"
+)
+
 
 class TensorParallel(TorchFSDP):
     """`--tp N` (`fsdp=False`: the world is one TP group) or `--tp N --fsdp torch` (2-D).
@@ -137,6 +145,12 @@ class TensorParallel(TorchFSDP):
     def load_full_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         state = {**state, "state": self._reorder_state(state["state"], to_tp_layout)}
         super().load_full_optimizer_state_dict(optimizer, state)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(_NO_DCP)
+
+    def sharded_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        raise NotImplementedError(_NO_DCP)
 
     def _reorder_state(self, by_index: dict, convert: Any) -> dict:
         """Per-parameter optimizer state (index -> {name: value}) with the fused weights'

@@ -23,9 +23,10 @@ import numpy as np
 from lm_core.activation_ckpt import parse_every
 from lm_core.config import MODEL_SIZES
 from lm_core.data import read_token_meta, token_meta_path
+from lm_core.dcp_io import is_checkpoint_dir
 from lm_core.distributed import FSDP_OURS_NO_COMPILE
 from lm_core.graph_step import check_config as check_cuda_graph
-from lm_core.run_dir import CHECKPOINT_NAME, existing_run_files, same_file
+from lm_core.run_dir import checkpoint_name, existing_run_files, same_file
 from lm_core.train_config import ConfigError, KeyNames, TrainConfig
 
 _POSITIVE = (
@@ -74,6 +75,7 @@ def resolve_config(
         ) from None
     _check_parallel(c, n)
     check_cuda_graph(c, n)
+    _check_checkpoint_format(c, n)
     _check_files(c, n)
     _check_sample(c, n)
     _apply_sidecar(c, n)
@@ -191,10 +193,27 @@ def _check_parallel(c: TrainConfig, n: KeyNames) -> None:
         )
 
 
+def _check_checkpoint_format(c: TrainConfig, n: KeyNames) -> None:
+    """checkpoint.format: sharded (dcp) by default where the state is sharded (--fsdp,
+    --zero), one full file otherwise; tensor parallelism saves full files only."""
+    p, ck = c.parallel, c.checkpoint
+    if ck.format is None:
+        ck.format = "dcp" if (p.fsdp != "none" or p.zero) and p.tp == 1 else "full"
+    if ck.format == "dcp" and p.tp > 1:
+        raise ConfigError(
+            "checkpoint.format",
+            f"{n.setting('checkpoint.format', 'dcp')} is not supported with "
+            f"{n.setting('parallel.tp', p.tp)}: the fused qkv / w13 weights are sharded in "
+            f"tensor-parallel row order; use {n.setting('checkpoint.format', 'full')}",
+        )
+
+
 def _check_files(c: TrainConfig, n: KeyNames) -> None:
     """Input files exist."""
     for key in ("data.path", "data.val_path", "checkpoint.resume", "sample.tokenizer"):
         path = _get(c, key)
+        if key == "checkpoint.resume" and path is not None and is_checkpoint_dir(path):
+            continue  # a sharded checkpoint (lm_core.dcp_checkpoint checks it when loading)
         if path is not None and not path.is_file():
             raise ConfigError(key, f"{n(key)}: file not found: {path}")
     if c.eval.every and c.data.val_path is None and c.data.path is not None:
@@ -306,8 +325,12 @@ def _check_run_dir(c: TrainConfig, n: KeyNames) -> None:
     ck = c.checkpoint
     if ck.overwrite:
         return
-    ckpt = ck.out_dir / CHECKPOINT_NAME if ck.out_dir is not None else None
+    ckpt = ck.out_dir / checkpoint_name(ck.format) if ck.out_dir is not None else None
     existing = existing_run_files(ckpt, c.metrics_path)
+    checkpoints = [ckpt]
+    if ck.out_dir is not None:  # a checkpoint of the other format belongs to a run too
+        checkpoints.append(ck.out_dir / checkpoint_name("full" if ck.format == "dcp" else "dcp"))
+        existing += existing_run_files(checkpoints[-1], None)
     where = (
         n.setting("checkpoint.out_dir", ck.out_dir)
         if ck.out_dir is not None
@@ -318,7 +341,7 @@ def _check_run_dir(c: TrainConfig, n: KeyNames) -> None:
         if ckpt in existing and not same_file(ckpt, ck.resume):
             raise ConfigError(
                 "checkpoint.out_dir",
-                f"{where} holds another run's {CHECKPOINT_NAME}, not the "
+                f"{where} holds another run's {ckpt.name}, not the "
                 f"{n('checkpoint.resume')} checkpoint {ck.resume}; the first save would replace "
                 f"it: choose another {n('checkpoint.out_dir')}, or pass {overwrite} to replace "
                 "that run's files",
@@ -327,7 +350,8 @@ def _check_run_dir(c: TrainConfig, n: KeyNames) -> None:
     if not existing:
         return
     files = ", ".join(str(p) for p in existing)
-    resume = n.setting("checkpoint.resume", ckpt if ckpt in existing else "CHECKPOINT")
+    found = [f for f in checkpoints if f in existing]
+    resume = n.setting("checkpoint.resume", found[0] if found else "CHECKPOINT")
     raise ConfigError(
         "checkpoint.out_dir",
         f"{where} already holds a training run ({files}); refusing to start a new run over "

@@ -177,11 +177,20 @@ class CheckpointOptions:
 
     out_dir: Path | None = _opt(None, "checkpoint.pt and metrics.jsonl go here")
     every: int = _opt(0, "steps between checkpoints (0: at the end only)", flag="--ckpt-every")
-    resume: Path | None = _opt(None, "checkpoint to resume from")
+    resume: Path | None = _opt(
+        None, "checkpoint to resume from: a checkpoint.pt file or a sharded .dcp directory"
+    )
     overwrite: bool = _opt(
         False,
         "start over in an --out-dir that holds a run: its checkpoint is replaced at the first "
         "save, its metrics log restarts (without it the trainer refuses)",
+    )
+    format: Literal["full", "dcp"] | None = _opt(
+        None,
+        "full: one file (checkpoint.pt), gathered to rank 0; dcp: a directory "
+        "(checkpoint.dcp) every rank writes its own shards to, loadable at any world size "
+        "(torch.distributed.checkpoint) [dcp with --fsdp or --zero, else full]",
+        flag="--checkpoint-format",
     )
 
 

@@ -39,6 +39,12 @@ from lm_core.data import (
     synthetic_tokens,
     to_device,
 )
+from lm_core.dcp_checkpoint import (
+    is_dcp_checkpoint,
+    load_dcp_checkpoint,
+    read_dcp_meta,
+    save_dcp_checkpoint,
+)
 from lm_core.distributed import (
     DistEnv,
     ParallelModel,
@@ -55,7 +61,7 @@ from lm_core.graph_step import GraphedStep, check_device
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
-from lm_core.run_dir import CHECKPOINT_NAME, continue_metrics
+from lm_core.run_dir import checkpoint_name, continue_metrics
 from lm_core.train_checks import resolve_config
 from lm_core.train_config import RUN_RECORD, TrainConfig
 from lm_core.train_monitor import Monitor
@@ -327,14 +333,18 @@ def _save(
     config: TrainConfig,
     env: DistEnv,
 ) -> None:
-    """Checkpoint from rank 0: the full model and optimizer states, as one process training
-    alone would have them (sharded parameters gathered, sharded optimizer state consolidated
-    on rank 0 first: every rank takes part)."""
+    """Checkpoint. checkpoint.format "full": from rank 0, the full model and optimizer
+    states, as one process training alone would have them (sharded parameters gathered,
+    sharded optimizer state consolidated on rank 0 first: every rank takes part); "dcp": a
+    directory every rank writes its own shards to (`lm_core.dcp_checkpoint`)."""
+    # the run's options, for lm_core.generate (its tokenizer, the data's end-of-text id)
+    extra = {"data_generator": data.generator.get_state(), RUN_RECORD: config.to_dict()}
+    if config.checkpoint.format == "dcp":
+        save_dcp_checkpoint(path, pm, optimizer, step, config=config.model_config, extra=extra)
+        return
     model_state = pm.full_state_dict()
     optimizer_state = pm.full_optimizer_state_dict(optimizer)
     if env.is_main:
-        # the run's options, for lm_core.generate (its tokenizer, the data's end-of-text id)
-        extra = {"data_generator": data.generator.get_state(), RUN_RECORD: config.to_dict()}
         save_checkpoint(
             path, model_state, optimizer_state, step, config=config.model_config, extra=extra
         )
@@ -365,11 +375,12 @@ def _resume(
     param_shapes: list[tuple[int, ...]],
 ) -> int:
     """Restore model, optimizer, RNG and data-generator state from a checkpoint of any world
-    size and wrapper (full states: see `_save`); returns its step. Every rank reads the file.
+    size and wrapper, of either format (a file: full states, see `_save`; a directory: a
+    sharded checkpoint, `lm_core.dcp_checkpoint`); returns its step. Every rank reads it.
     Model and optimizer state are checked against the model (full shapes `param_shapes`, in
     parameter order) before either is loaded."""
-    payload = read_checkpoint(path)
-    state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
+    sharded = is_dcp_checkpoint(path)
+    payload = read_dcp_meta(path)[1] if sharded else read_checkpoint(path)
     start = payload["step"]
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
@@ -379,6 +390,10 @@ def _resume(
             f"checkpoint.resume (--resume): checkpoint is at step {start}, beyond "
             f"training.steps (--steps) {steps}"
         )
+    if sharded:
+        load_dcp_checkpoint(path, pm, optimizer, config=config.model_config)
+        return _restore_generator(data, payload, start)
+    state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
     if payload["optimizer"] is None:
         raise ValueError(f"checkpoint {path} holds no optimizer state")
     check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
@@ -390,6 +405,10 @@ def _resume(
             f"checkpoint {path}: optimizer state does not match this optimizer: {exc}"
         ) from exc
     restore_rng_state(payload["rng"])
+    return _restore_generator(data, payload, start)
+
+
+def _restore_generator(data: Data, payload: dict[str, Any], start: int) -> int:
     generator_state = payload["extra"].get("data_generator")
     if generator_state is not None:
         data.generator.set_state(generator_state)
@@ -484,7 +503,8 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
     log = _Log(config, env, start)
     tokens_per_step = t.batch_size * t.grad_accum_steps * config.model.context_length
     out_dir, ckpt_every = config.checkpoint.out_dir, config.checkpoint.every
-    ckpt_path = out_dir / CHECKPOINT_NAME if out_dir is not None else None
+    ckpt_name = checkpoint_name(config.checkpoint.format)  # checkpoint.pt or checkpoint.dcp
+    ckpt_path = out_dir / ckpt_name if out_dir is not None else None
     loss_acc = torch.zeros((), device=env.device)
     acc_steps = 0
     t_last = time.perf_counter()

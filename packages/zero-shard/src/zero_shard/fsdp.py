@@ -44,7 +44,6 @@ from torch import nn
 
 from zero_shard._comm import Comm, check_timeout
 from zero_shard.accumulate import GradAccumulator
-from zero_shard.full_state import gather_full_state, load_full_state
 from zero_shard.grads import allreduce_replicated, clip_grad_norm
 from zero_shard.materialize import InitFn, check_init_args, materialize, on_meta, target_device
 from zero_shard.plan import (
@@ -62,6 +61,7 @@ from zero_shard.plan import (
     sharded_params,
 )
 from zero_shard.shard import Collectives, ShardedParam
+from zero_shard.state_dicts import StateDicts
 from zero_shard.tree import cast_float, map_tensors, tensors_in
 from zero_shard.units import Unit, cast_slots
 from zero_shard.waits import GatherWait, WaitRecorder
@@ -94,7 +94,7 @@ class _Gather(torch.autograd.Function):
         return (None, None, *(None for _ in grads))
 
 
-class FSDP(nn.Module):
+class FSDP(StateDicts, nn.Module):
     """Wrap `module` so that its Linear/Embedding weights are sharded across the ranks.
 
     Args:
@@ -357,26 +357,6 @@ class FSDP(nn.Module):
             )
         shards = [sp.shard for sp in {id(sp): sp for sp in self._by_key.values()}.values()]
         return clip_grad_norm(shards, self._replicated, max_norm, self._comm.comm)
-
-    @torch.no_grad()
-    def gather_full_params(self, device: torch.device | str | None = None) -> dict[str, Any]:
-        """The full state dict on every rank: the keys, shapes and dtypes of the unwrapped
-        module's `state_dict()` (tied weights: one tensor under both keys), as copies.
-
-        Collective: every rank must call it. Sharded parameters are all-gathered one at a time
-        from the fp32 shards (and cast back to their original dtype); `device` (default: where
-        the module lives) receives each tensor as soon as it is complete.
-        """
-        self._check_idle("gather_full_params()")
-        return gather_full_state(self.module, self._by_key, self._comm, device)
-
-    @torch.no_grad()
-    def load_full_params(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict (as `gather_full_params()` returns, or the unwrapped module's
-        `state_dict()`): each rank keeps its own rows of the sharded parameters. Local (no
-        communication); every rank must load the same values."""
-        self._check_idle("load_full_params()")
-        load_full_state(self.module, self._by_key, state_dict, self.rank, self.world_size)
 
     @property
     def unit_names(self) -> list[str]:

@@ -13,7 +13,7 @@ after it, so both views agree.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -117,6 +117,7 @@ class ShardedOptimizer(Optimizer):
         self._plan: list[SyncUnit] | None = None
         self._gather_plan: list[GatherGroup] = []
         self._consolidated: dict[str, Any] | None = None
+        self._has_state = False  # set by a step or a load, on every rank alike
 
         super().__init__(params, kwargs)  # calls self.add_param_group for every group
 
@@ -220,6 +221,7 @@ class ShardedOptimizer(Optimizer):
             loss = self.local_optimizer.step(**kwargs)
         self._pull_hparams()
         self._consolidated = None
+        self._has_state = True
         self._sync_params()
         return loss
 
@@ -398,6 +400,7 @@ class ShardedOptimizer(Optimizer):
         self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._pull_hparams()
         self._consolidated = None
+        self._has_state = True
 
     def _match_saved(self, saved_groups: list[dict[str, Any]]) -> dict[Any, torch.Tensor]:
         """Saved parameter index -> our parameter, checking the group layout matches."""
@@ -454,6 +457,91 @@ class ShardedOptimizer(Optimizer):
         self.local_optimizer.load_state_dict(state_dict["optimizer"])
         self._pull_hparams()
         self._consolidated = None
+        self._has_state = True
+
+    def sharded_state_dict(self, param_names: Sequence[str] | None = None) -> dict[str, Any]:
+        """This rank's part of the state for torch.distributed.checkpoint: `{"state": {name:
+        {...}}, "param_groups": [{..., "params": [name, ...]}]}` (torch's `get_state_dict`
+        layout) with the state of the parameters this rank owns only, as they are (views;
+        `dcp.load` into it loads in place).
+
+        `param_names`: a name per parameter, in the order of `param_groups` (e.g. the model's
+        `named_parameters()` names); default "0", "1", ... Each parameter's state is whole on
+        its owner, so DCP writes every rank's part in parallel and any world size loads it.
+        Collective the first time before any step (the state is created by a step at lr 0).
+        """
+        names = self._names(param_names)
+        self._init_state()
+        self._push_hparams()
+        local_sd = self.local_optimizer.state_dict()
+        local_params = [p for g in self.local_optimizer.param_groups for p in g["params"]]
+        index = {p: i for i, p in enumerate(self._all_params())}
+        state = {names[index[local_params[i]]]: v for i, v in local_sd["state"].items()}
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in self._packed_groups()]
+        return {"state": state, "param_groups": groups}
+
+    def load_sharded_state_dict(
+        self, state_dict: dict[str, Any], param_names: Sequence[str] | None = None
+    ) -> None:
+        """Load a `sharded_state_dict()` layout (by parameter name; it needs the state of this
+        rank's parameters only, and may hold more). Local; call it on every rank."""
+        names = self._names(param_names)
+        if not (
+            isinstance(state_dict, dict)
+            and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list | tuple)
+        ):
+            raise ValueError(
+                "state_dict: expected {'state': {name: {...}}, 'param_groups': [...]} by "
+                "parameter name (ShardedOptimizer.sharded_state_dict())"
+            )
+        index = {n: i for i, n in enumerate(names)}
+        unknown = sorted(set(state_dict["state"]) - set(index))
+        if unknown:
+            raise ValueError(f"state_dict: state for {unknown[:5]}, not parameters named here")
+        groups = []
+        for g, saved in enumerate(state_dict["param_groups"]):
+            missing = [n for n in saved.get("params", []) if n not in index]
+            if missing:
+                raise ValueError(f"state_dict: param_groups[{g}] lists {missing[:3]}, not ours")
+            groups.append({**saved, "params": [index[n] for n in saved["params"]]})
+        state = {index[n]: v for n, v in state_dict["state"].items()}
+        self.load_state_dict({"state": state, "param_groups": groups})
+
+    def _names(self, param_names: Sequence[str] | None) -> list[str]:
+        n = len(self._all_params())
+        if param_names is None:
+            return [str(i) for i in range(n)]
+        names = list(param_names)
+        if len(names) != n or len(set(names)) != n:
+            raise ValueError(
+                f"param_names: expected {n} distinct names (one per parameter, in param_groups "
+                f"order), got {len(names)} ({len(set(names))} distinct)"
+            )
+        return names
+
+    @torch.no_grad()
+    def _init_state(self) -> None:
+        """Create the state (a collective step at lr 0 on zero gradients, which changes no
+        parameter) unless a step or a load happened already: the same on every rank."""
+        if self._has_state:
+            return
+        grads = [(p, p.grad) for p in self._all_params()]  # put back afterwards
+        for p, _ in grads:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        lrs = [g.get("lr") for g in self.param_groups]
+        for g, lr in zip(self.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        try:
+            self.step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                if lr is not None:
+                    g["lr"] = lr
+            self._push_hparams()
+            for p, grad in grads:
+                p.grad = grad
 
     def _layout(self) -> dict[str, Any]:
         params = self._all_params()
