@@ -57,7 +57,10 @@ def reference() -> tuple[dict[str, torch.Tensor], list[float]]:
 def test_two_node_agents_train_as_one_process(mode, reference, tmp_path):
     nproc, flags = MODES[mode]
     nodes = _node_dirs(tmp_path)
-    outputs = _two_node_job([*BASE, *flags, "--out-dir", "run"], nproc, nodes)
+    # hosts without a shared filesystem: a sharded (DCP) checkpoint needs one, so the single
+    # file rank 0 writes (--fsdp and --zero default to DCP)
+    argv = [*BASE, *flags, "--checkpoint-format", "full", "--out-dir", "run"]
+    outputs = _two_node_job(argv, nproc, nodes)
     # one global rank 0 between the two agents: it alone prints, logs and checkpoints
     printing = [i for i, text in enumerate(outputs) if "step=4 " in text]
     holding = [i for i, node in enumerate(nodes) if (node / "run").exists()]
@@ -81,6 +84,7 @@ def test_resume_on_two_nodes_and_a_checkpoint_missing_on_one(reference, tmp_path
     nodes = _node_dirs(tmp_path)
     # the schedule of a 4-step run (BASE's --steps): the reference's
     flags = [*BASE, "--ddp", "torch", "--zero", "--cosine-steps", "4"]
+    flags += ["--checkpoint-format", "full"]  # the single file the refusal below names
     main([*flags, "--steps", "2", "--out-dir", str(nodes[0] / "run")])  # a one-process group
     # node 0, holding the checkpoint, starts first and hosts the rendezvous store: were the
     # refusal not shared, its rank would wait in the process group's rendezvous (30 min for
