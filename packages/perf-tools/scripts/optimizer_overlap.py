@@ -2,7 +2,7 @@
 per unit inside it on the backward's stream, or overlapped on a side stream (issue 28).
 
 One model, blocks compiled one by one (`lm_core.compile_blocks`), bf16 autocast; each variant
-captures the whole step in a CUDA graph (`perf_tools.steps.capture_cuda_graph`) and prints the
+captures the whole step in a CUDA graph (`lm_core.graph_step.capture_cuda_graph`) and prints the
 median of `--replays` timed replays (after 3 untimed). Needs a CUDA GPU:
 
     PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') \\

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,3 +28,25 @@ def test_fp32_gemm_dry_run_checks_every_triton_variant():
         for layout in ("nt", "nn", "tn"):
             assert f'"layout": "{layout}", "count": 1, "variant": "{variant}"' in out
     assert "dry run: ok" in out
+
+
+def test_checkpoint_timing_runs_on_two_cpu_ranks(tmp_path):
+    """The sharded-against-single-file checkpoint timing under torchrun on gloo: both saves
+    land, the sharded one loads, and rank 0 prints one JSON row."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--standalone", str(SCRIPTS / "checkpoint_timing.py"), str(tmp_path),
+        "--size", "tiny", "--fsdp", "ours", "--steps", "1", "--synthetic", "random",
+        "--batch-size", "2", "--context-length", "8", "--device", "cpu", "--no-progress",
+        "--out-dir", str(tmp_path / "run"), "--ckpt-every", "1000",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, proc.stdout[-2000:]
+    row = json.loads(rows[0])
+    for key in ("dcp_save_s", "full_save_s", "dcp_load_s", "dcp_gib", "file_gib"):
+        assert row[key] > 0, row
+    assert (tmp_path / "ck.pt").is_file()
+    assert (tmp_path / "ck.dcp").is_dir()

@@ -1,0 +1,85 @@
+"""Sharded (DCP) checkpoints against the single file, timed in a real run (issue 26).
+
+Under torchrun: trains a few steps with the given `lm_core.train` flags, then times, with
+every rank synchronized before and after each:
+- `dcp_save_s`: `lm_core.dcp_checkpoint.save_dcp_checkpoint` (each rank writes its own
+  shards, checksums);
+- `dcp_load_s`: `lm_core.dcp_checkpoint.load_dcp_checkpoint` of it (verified, loaded in place);
+- `full_save_s`: what `--checkpoint-format full` does (parameters gathered and optimizer state
+  consolidated on rank 0, which writes one file).
+Prints one JSON line (rank 0) with the times, the peak GPU memory and both sizes on disk. The
+output folder must be visible to every rank.
+
+    torchrun --nproc-per-node 2 packages/perf-tools/scripts/checkpoint_timing.py OUT_DIR \\
+        --size large --bf16 --fsdp ours --steps 2 --synthetic random --no-progress \\
+        --out-dir OUT_DIR/run --overwrite --ckpt-every 1000
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def _size_gib(path: Path) -> float:
+    files = path.iterdir() if path.is_dir() else [path]
+    return sum(f.stat().st_size for f in files) / 2**30
+
+
+def main() -> int:
+    from lm_core import save_checkpoint
+    from lm_core.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+    from lm_core.train import main as train
+
+    if len(sys.argv) < 3:
+        print(__doc__)
+        return 2
+    out, argv = Path(sys.argv[1]), sys.argv[2:]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")  # the trainer then joins this group
+    result = train(argv)
+    engine, optimizer, config = result.parallel, result.optimizer, result.model.config
+
+    def timed(fn: Callable[[], None]) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def full_save() -> None:
+        model_state = engine.full_state_dict()
+        optim_state = engine.full_optimizer_state_dict(optimizer)
+        if dist.get_rank() == 0:
+            save_checkpoint(out / "ck.pt", model_state, optim_state, result.step, config=config)
+
+    row = {
+        "dcp_save_s": timed(
+            lambda: save_dcp_checkpoint(out / "ck.dcp", engine, optimizer, result.step, config)
+        ),
+        "dcp_load_s": timed(lambda: load_dcp_checkpoint(out / "ck.dcp", engine, optimizer)),
+        "full_save_s": timed(full_save),
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+    }
+    if dist.get_rank() == 0:
+        row["dcp_gib"], row["file_gib"] = _size_gib(out / "ck.dcp"), _size_gib(out / "ck.pt")
+        print(json.dumps(row))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
