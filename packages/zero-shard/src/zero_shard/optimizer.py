@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from zero_shard._comm import Comm, check_timeout
 from zero_shard.partition import greedy_partition
+from zero_shard.sharded_state import zero_lr_and_grads
 from zero_shard.sync import (
     GatherGroup,
     SyncUnit,
@@ -526,22 +527,11 @@ class ShardedOptimizer(Optimizer):
         parameter) unless a step or a load happened already: the same on every rank."""
         if self._has_state:
             return
-        grads = [(p, p.grad) for p in self._all_params()]  # put back afterwards
-        for p, _ in grads:
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-        lrs = [g.get("lr") for g in self.param_groups]
-        for g, lr in zip(self.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
         try:
-            self.step()
+            with zero_lr_and_grads(self.param_groups):
+                self.step()
         finally:
-            for g, lr in zip(self.param_groups, lrs):
-                if lr is not None:
-                    g["lr"] = lr
             self._push_hparams()
-            for p, grad in grads:
-                p.grad = grad
 
     def _layout(self) -> dict[str, Any]:
         params = self._all_params()

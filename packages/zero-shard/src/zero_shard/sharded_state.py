@@ -15,7 +15,8 @@ shards, so every rank writes its own part of a checkpoint in parallel.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -182,26 +183,34 @@ def load_optimizer_sharded_state(
     optimizer.load_state_dict({"state": local, "param_groups": groups})
 
 
-@torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give an optimizer that has not stepped yet its state (as torch's `get_state_dict`
-    does before a load): one step at learning rate 0 on zero gradients, which changes no
-    parameter (AdamW, SGD); gradients present are put back afterwards. Skipped when it has
-    state. For a plain optimizer this is local; `ShardedOptimizer` has its own (a collective)."""
-    if optimizer.state:
-        return
-    grads = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]]
-    for p, _ in grads:  # zeros, whatever gradients are there: they come back afterwards
+@contextmanager
+def zero_lr_and_grads(param_groups: list[dict[str, Any]]) -> Iterator[None]:
+    """Inside: every parameter of `param_groups` has a zero gradient and every group a zero
+    learning rate, so one optimizer step creates the state and changes no parameter (AdamW,
+    SGD); on exit the learning rates and the gradients present before come back."""
+    grads = [(p, p.grad) for g in param_groups for p in g["params"]]
+    for p, _ in grads:
         p.grad = torch.zeros_like(p) if p.requires_grad else None
-    lrs = [g.get("lr") for g in optimizer.param_groups]
-    for g, lr in zip(optimizer.param_groups, lrs):
+    lrs = [g.get("lr") for g in param_groups]
+    for g, lr in zip(param_groups, lrs):
         if lr is not None:
             g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
     try:
-        optimizer.step()
+        yield
     finally:
-        for g, lr in zip(optimizer.param_groups, lrs):
+        for g, lr in zip(param_groups, lrs):
             if lr is not None:
                 g["lr"] = lr
         for p, grad in grads:
             p.grad = grad
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet its state (as torch's `get_state_dict`
+    does before a load): one step inside `zero_lr_and_grads`. Skipped when it has state.
+    For a plain optimizer this is local; `ShardedOptimizer` has its own (a collective)."""
+    if optimizer.state:
+        return
+    with zero_lr_and_grads(optimizer.param_groups):
+        optimizer.step()
