@@ -30,3 +30,32 @@ def train_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict[str, A
             }
         )
     return out
+
+
+def shared_dir_checks(rank: int, world: int, root: str) -> list[str | None]:
+    """`lm_core.shared_dir.start_together` in this rank's process group on out-dirs under
+    `root`: an existing one, a missing one, and one path per rank (`host<rank>/run`, two
+    hosts without a shared filesystem) with the dcp and the full format. Per case: None, or
+    the error as text."""
+    from pathlib import Path
+
+    from lm_core.distributed import setup_distributed
+    from lm_core.shared_dir import start_together
+
+    env = setup_distributed("torch")  # the group spawn initialized
+    base = Path(root)
+    cases = [
+        (base / "existing", "dcp"),
+        (base / "new" / "run", "dcp"),
+        (base / f"host{rank}" / "run", "dcp"),
+        (base / f"host{rank}" / "run", "full"),
+    ]
+    out: list[str | None] = []
+    for out_dir, checkpoint_format in cases:
+        try:
+            start_together(env, out_dir, checkpoint_format)
+        except RuntimeError as exc:
+            out.append(str(exc))
+        else:
+            out.append(None)
+    return out

@@ -7,6 +7,8 @@ worker's traceback, hard timeout) and runs several trainer configurations in it.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from lm_dist_reference import BASE
@@ -68,3 +70,27 @@ def _worker():
     import lm_dist_workers
 
     return lm_dist_workers.train_runs
+
+
+def test_the_out_dir_check_of_sharded_checkpoints(tmp_path):
+    """--checkpoint-format dcp on 2 ranks: an out-dir they share passes, existing or not
+    (nothing is created, the marker is gone); one path per rank (as on two hosts without a
+    shared filesystem) is refused on both ranks with the same message, unless the format is
+    full (no check). The two-host run: test_lm_multinode.py."""
+    import lm_dist_workers
+
+    (tmp_path / "existing").mkdir()
+    for host in ("host0", "host1"):
+        (tmp_path / host).mkdir()
+    r0, r1 = spawn(lm_dist_workers.shared_dir_checks, 2, args=(str(tmp_path),), timeout_s=120)
+    assert r0[:2] == r1[:2] == [None, None]
+    mine = [f"--out-dir {tmp_path / host / 'run'} is not" for host in ("host0", "host1")]
+    assert mine[0] in r0[2], r0[2]
+    assert r1[2] == r0[2].replace(*mine)  # each names the out-dir as given to it
+    assert f"rank 1 (host {socket.gethostname()}) does not see the file" in r0[2]
+    assert f"created in {tmp_path / 'host0'} (it looked in {tmp_path / 'host1'})" in r0[2]
+    assert "--checkpoint-format full" in r0[2]
+    assert r0[3] is None, r0[3]
+    assert r1[3] is None, r1[3]
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["existing", "host0", "host1"]  # no marker left, no out-dir created

@@ -77,6 +77,22 @@ def test_two_node_agents_train_as_one_process(mode, reference, tmp_path):
     assert_same_weights(payload["model"], ref_weights, mode)
 
 
+def test_sharded_checkpoints_without_a_shared_filesystem_are_refused_at_start(tmp_path):
+    """--fsdp ours saves a sharded (DCP) checkpoint by default: one directory every rank
+    writes into. The two "hosts" see two directories under the relative --out-dir, so both
+    agents exit before training with the check's message (not a save's FileNotFoundError
+    after it) and leave nothing behind."""
+    nodes = _node_dirs(tmp_path)
+    outputs = _two_node_job([*BASE, "--fsdp", "ours", "--out-dir", "run"], 1, nodes, True)
+    for i, text in enumerate(outputs):
+        said = "--checkpoint-format dcp: --out-dir run is not one directory shared by all 2"
+        assert said in text, _tails(outputs, f"node agent {i}: no refusal of the out-dir")
+        assert "or pass --checkpoint-format full" in text, _tails(outputs, "no remedy")
+        assert "FileNotFoundError" not in text, _tails(outputs, "a save failed")
+        assert "step=" not in text, _tails(outputs, "it trained")
+    assert [sorted(node.iterdir()) for node in nodes] == [[], []]  # no run, no marker left
+
+
 def test_resume_on_two_nodes_and_a_checkpoint_missing_on_one(reference, tmp_path):
     """A 2-step checkpoint of one process, on one host only: resuming it on two nodes under
     ZeRO is refused together (no rank waits for the one that exits); with a copy at the same
@@ -91,8 +107,8 @@ def test_resume_on_two_nodes_and_a_checkpoint_missing_on_one(reference, tmp_path
     # gloo) and the job would end at AGENT_TIMEOUT_S
     resume = [*flags, "--out-dir", "run", "--resume", str(CKPT)]
     outputs = _two_node_job(resume, 1, nodes, expect_failure=True)
-    assert f"--resume: file not found: {CKPT}" in outputs[1], _tails(outputs, "no refusal")
-    assert "refused the options: --resume: file not found" in outputs[0], _tails(
+    assert f"--resume: not found: {CKPT}" in outputs[1], _tails(outputs, "no refusal")
+    assert "refused the options: --resume: not found" in outputs[0], _tails(
         outputs, "the node holding the checkpoint did not quote the other's refusal"
     )
     shutil.copytree(nodes[0] / "run", nodes[1] / "run")  # a copy at the same path

@@ -182,6 +182,27 @@ def test_bad_flags_exit_with_a_message_naming_the_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "sharded"),
+    [
+        (["--resume", "{tmp}/run/checkpoint.dcp"], True),  # the name of a sharded checkpoint
+        (["--fsdp", "ours", "--resume", "{tmp}/run"], True),  # format dcp (--fsdp's default)
+        (["--resume", "{tmp}/run"], False),  # a missing directory, full format
+        (["--fsdp", "ours", "--resume", "{tmp}/checkpoint.pt"], False),  # a file's name
+    ],
+)
+def test_a_missing_resume_path_is_not_found_file_or_directory(tmp_path, argv, sharded, capsys):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*FAST, *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--resume: not found: {argv[-1]}" in err  # neither "file" nor "directory"
+    assert "file not found" not in err
+    said = "expected a sharded checkpoint directory (OUT/checkpoint.dcp, written by a run with "
+    assert (said + "--out-dir OUT and --checkpoint-format dcp)" in err) == sharded, err
+
+
 def test_ddp_none_inside_a_process_group_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--ddp"):

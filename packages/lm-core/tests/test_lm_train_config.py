@@ -183,7 +183,7 @@ def test_toml_errors_name_the_key(tmp_path, text, message, capsys):
         (
             "[checkpoint]\nresume = 'nope.pt'\n",
             [],
-            "run.toml: checkpoint.resume: file not found: nope.pt",
+            "run.toml: checkpoint.resume: not found: nope.pt",
         ),
     ],
 )

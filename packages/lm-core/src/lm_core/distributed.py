@@ -115,18 +115,19 @@ def setup_distributed(
     )
 
 
-def agree_to_start(env: DistEnv, refusal: str | None = None) -> None:
+def agree_to_start(env: DistEnv, refusal: str | None = None, share: Any = None) -> Any:
     """Every rank's verdict on its options, gathered: the first collective of a multi-rank
     run. A rank that refused them (`refuse_together`) passes its message; on the others this
     raises a RuntimeError quoting it. The options are the same on every rank, so a refusal
     on some ranks only comes from what their host sees (a file missing, an old run in
     --out-dir): without this, those ranks would exit and the rest wait for them until the
-    process group's timeout."""
+    process group's timeout. Returns rank 0's small picklable `share` on every rank (the
+    marker of `lm_core.shared_dir`, riding on this gather)."""
     if env.world_size == 1:
-        return
-    verdicts: list[str | None] = [None] * env.world_size
-    dist.all_gather_object(verdicts, refusal)
-    refused = [(rank, msg) for rank, msg in enumerate(verdicts) if msg is not None]
+        return share
+    gathered: list[Any] = [None] * env.world_size
+    dist.all_gather_object(gathered, (refusal, share))
+    refused = [(rank, msg) for rank, (msg, _) in enumerate(gathered) if msg is not None]
     if refusal is None and refused:
         rank, msg = refused[0]
         raise RuntimeError(
@@ -135,6 +136,7 @@ def agree_to_start(env: DistEnv, refusal: str | None = None) -> None:
             "on a shared filesystem or as copies, for --data, --val-data, --resume, "
             "--tokenizer and --out-dir)"
         )
+    return gathered[0][1]
 
 
 def refuse_together(

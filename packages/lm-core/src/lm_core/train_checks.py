@@ -210,12 +210,21 @@ def _check_checkpoint_format(c: TrainConfig, n: KeyNames) -> None:
 
 def _check_files(c: TrainConfig, n: KeyNames) -> None:
     """Input files exist."""
-    for key in ("data.path", "data.val_path", "checkpoint.resume", "sample.tokenizer"):
+    for key in ("data.path", "data.val_path", "sample.tokenizer"):
         path = _get(c, key)
-        if key == "checkpoint.resume" and path is not None and is_checkpoint_dir(path):
-            continue  # a sharded checkpoint (lm_core.dcp_checkpoint checks it when loading)
         if path is not None and not path.is_file():
             raise ConfigError(key, f"{n(key)}: file not found: {path}")
+    resume = c.checkpoint.resume  # a file, or a sharded checkpoint's directory
+    if resume is not None and not resume.is_file() and not is_checkpoint_dir(resume):
+        expected = ""
+        if resume.suffix == ".dcp" or (c.checkpoint.format == "dcp" and resume.suffix != ".pt"):
+            expected = (
+                "; expected a sharded checkpoint directory (OUT/checkpoint.dcp, written by a "
+                f"run with {n.setting('checkpoint.out_dir', 'OUT')} and "
+                f"{n.setting('checkpoint.format', 'dcp')})"
+            )
+        key = "checkpoint.resume"
+        raise ConfigError(key, f"{n(key)}: not found: {resume}{expected}")
     if c.eval.every and c.data.val_path is None and c.data.path is not None:
         raise ConfigError(
             "eval.every",

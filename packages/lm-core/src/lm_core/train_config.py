@@ -188,7 +188,8 @@ class CheckpointOptions:
     format: Literal["full", "dcp"] | None = _opt(
         None,
         "full: one file (checkpoint.pt), gathered to rank 0; dcp: a directory "
-        "(checkpoint.dcp) every rank writes its own shards to, loadable at any world size "
+        "(checkpoint.dcp) every rank writes its own shards to (so on a filesystem every host "
+        "mounts: checked at start), loadable at any world size "
         "(torch.distributed.checkpoint) [dcp with --fsdp or --zero, else full]",
         flag="--checkpoint-format",
     )

@@ -48,7 +48,6 @@ from lm_core.dcp_checkpoint import (
 from lm_core.distributed import (
     DistEnv,
     ParallelModel,
-    agree_to_start,
     all_reduce_mean,
     build_optimizer,
     model_init_device,
@@ -62,6 +61,7 @@ from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
 from lm_core.run_dir import checkpoint_name, continue_metrics
+from lm_core.shared_dir import start_together
 from lm_core.train_checks import resolve_config
 from lm_core.train_config import RUN_RECORD, TrainConfig
 from lm_core.train_monitor import Monitor
@@ -427,7 +427,8 @@ def train(config: TrainConfig) -> TrainResult:
     p = config.parallel
     env = setup_distributed(p.ddp, config.training.device, p.backend, fsdp=p.fsdp, tp=p.tp)
     try:
-        agree_to_start(env)  # first collective: every rank accepted the options
+        # first collective: every rank accepted the options (and sees one --out-dir for dcp)
+        start_together(env, config.checkpoint.out_dir, config.checkpoint.format)
         return _train(config, env)
     finally:
         teardown_distributed(env)
