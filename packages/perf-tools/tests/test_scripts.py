@@ -50,3 +50,22 @@ def test_checkpoint_timing_runs_on_two_cpu_ranks(tmp_path):
         assert row[key] > 0, row
     assert (tmp_path / "ck.pt").is_file()
     assert (tmp_path / "ck.dcp").is_dir()
+
+
+@pytest.mark.parametrize("fsdp", ["ours", "torch"])
+def test_init_memory_rows_per_rank(fsdp):
+    """The sharded-build memory script on two gloo ranks: one row per rank, the build named."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(SCRIPTS / "init_memory.py"), "--size", "tiny", "--fsdp", fsdp, "--build", "meta",
+        "--device", "cpu",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["rank"] for r in rows] == [0, 1], proc.stdout[-2000:]
+    for r in rows:
+        assert r["build"] == "meta"
+        assert r["fsdp"] == fsdp
+        assert r["peak_rss_gib"] > 0
