@@ -69,3 +69,22 @@ def test_init_memory_rows_per_rank(fsdp):
         assert r["build"] == "meta"
         assert r["fsdp"] == fsdp
         assert r["peak_rss_gib"] > 0
+
+
+def test_fsdp_options_times_every_variant():
+    """Accumulation without sync and reshard_after_forward=False, timed on two gloo ranks:
+    one row per variant, in order."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(SCRIPTS / "fsdp_options.py"), "--size", "tiny", "--fsdp", "ours", "--device", "cpu",
+        "--context", "16", "--accum", "2", "--warmup", "0", "--steps", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["variant"] for r in rows] == [
+        "sync", "no_sync", "keep_gathered", "keep_gathered_no_sync"
+    ], proc.stdout[-2000:]  # fmt: skip
+    assert all(r["median_ms"] > 0 for r in rows)
+    assert rows[0]["tokens_per_step"] == 2 * 16 * 2 * 2

@@ -1,0 +1,163 @@
+"""What FSDP's accumulation without sync and `reshard_after_forward=False` buy (issue 26).
+
+Under torchrun, each rank builds lm_core's model on the meta device, shards it with
+`--fsdp ours` (`zero_shard.FSDP`) or `--fsdp torch` (`fully_shard` per block, then the root)
+and times optimizer steps of `--accum` micro-steps each, in four variants:
+- `sync`: every micro-step's backward reduce-scatters its gradients;
+- `no_sync`: the non-final micro-steps keep unsharded gradients (`FSDP.no_sync()` /
+  `set_requires_gradient_sync(False)`), one reduce-scatter per step (what `lm_core.train
+  --grad-accum-steps` does);
+- `keep_gathered` / `keep_gathered_no_sync`: the same with `reshard_after_forward=False`
+  (parameters stay gathered from the forward to the backward: one all-gather per micro-step
+  instead of two, more memory).
+Rank 0 prints one JSON row per variant: median step ms over `--steps` (after `--warmup`),
+the slowest rank's, and the peak device memory (GPU only).
+
+    torchrun --nproc-per-node 2 packages/perf-tools/scripts/fsdp_options.py --size xl \\
+        --fsdp ours --context 512 --batch 2 --accum 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = {  # name -> (reshard_after_forward, accumulate without sync)
+    "sync": (True, False),
+    "no_sync": (True, True),
+    "keep_gathered": (False, False),
+    "keep_gathered_no_sync": (False, True),
+}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="tiny")
+    p.add_argument("--fsdp", choices=("ours", "torch"), default="ours")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank and micro-step")
+    p.add_argument("--accum", type=int, default=4, help="micro-steps per optimizer step")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--device", default="auto", help="auto: cuda:LOCAL_RANK if any, else cpu")
+    return p.parse_args(argv)
+
+
+def _wrap(model: torch.nn.Module, fsdp: str, device: torch.device, keep: bool, bf16: bool):
+    """(runner, no-sync context factory, gradient sync after backward or None)."""
+    if fsdp == "ours":
+        from zero_shard import FSDP
+
+        dtype = torch.bfloat16 if bf16 else None
+        wrapped = FSDP(model, compute_dtype=dtype, device=device, reshard_after_forward=not keep)
+        return wrapped, wrapped.no_sync, wrapped.finish_gradient_synchronization
+    from lm_core.fsdp import materialize_fully_sharded
+    from perf_tools.bench_dist import torch_fully_shard
+
+    fully_shard, policy_cls = torch_fully_shard()
+    kwargs = {"reshard_after_forward": not keep}
+    if bf16:
+        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    materialize_fully_sharded(model, device)
+
+    def no_sync() -> AbstractContextManager[None]:
+        class _NoSync:
+            def __enter__(self) -> None:
+                model.set_requires_gradient_sync(False)
+
+            def __exit__(self, *exc: object) -> None:
+                model.set_requires_gradient_sync(True)
+
+        return _NoSync()
+
+    return model, no_sync, None
+
+
+def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> dict:
+    from lm_core import AdamW, cross_entropy
+    from perf_tools.models import build_model, resolve_config
+
+    keep, skip_sync = VARIANTS[name]
+    cuda = device.type == "cuda"
+    config = resolve_config(args.size, context_length=args.context)
+    torch.manual_seed(0)
+    model = build_model(config, "meta")
+    runner, no_sync, finish = _wrap(model, args.fsdp, device, keep, bf16=cuda)
+    opt = AdamW(runner.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), generator=gen)
+    x = x.to(device)
+    inputs, targets = x[:, :-1], x[:, 1:]
+
+    def step() -> None:
+        for i in range(args.accum):
+            last = i == args.accum - 1
+            ctx: Callable[[], AbstractContextManager[None]] = nullcontext
+            if skip_sync and not last:
+                ctx = no_sync
+            with ctx(), torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+                loss = cross_entropy(runner(inputs), targets) / args.accum
+                loss.backward()
+        if finish is not None:
+            finish()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    mine = statistics.median(times)
+    slowest = [None] * dist.get_world_size()
+    dist.all_gather_object(slowest, mine)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return {
+        "variant": name, "size": args.size, "fsdp": args.fsdp, "accum": args.accum,
+        "tokens_per_step": args.batch * args.context * args.accum * dist.get_world_size(),
+        "median_ms": round(max(slowest), 2), "peak_device_gib": round(peak, 3),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    cuda = args.device != "cpu" and torch.cuda.is_available()
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    for name in args.variants:
+        row = _time_variant(args, name, device)  # its model and optimizer are freed here
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            print(json.dumps(row), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
