@@ -14,10 +14,10 @@ or torch's fully_shard, or replicated under torch's DistributedDataParallel (`--
 `--batch` is per rank; `--compile` compiles each block (the whole model under DDP). Rows
 report the slowest rank's step time (median over steps), tokens/s over all ranks, MFU and peak
 memory per GPU, and for `--fsdp ours` how long the compute waited for the all-gathers
-(`gather_wait_ms`, `units_waited`). `--tp K`
-(`perf_tools.bench_tp`): tensor parallel over K ranks, with `--fsdp torch` data parallel over
-N / K (2-D); `--batch` is then per data-parallel group. Train rows on a known GPU add the
-planner's prediction (`pred_step_ms`, `pred_mem_gib`; `perf_tools.bench_predict`).
+(`gather_wait_ms`, `units_waited`). `--tp K` (`perf_tools.bench_tp`): tensor parallel over
+K ranks, with `--fsdp torch` data parallel over N / K (2-D); `--batch` is then per
+data-parallel group. Train rows on a known GPU add the planner's prediction (`pred_step_ms`,
+`pred_mem_gib`; `perf_tools.bench_predict`).
 
 This module is the command line (flags, the sweep's cells, the table); the cells are measured
 by `perf_tools.cells` (one process) or `perf_tools.bench_dist` (N ranks) through the harness.
