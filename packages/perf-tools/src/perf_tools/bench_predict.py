@@ -9,9 +9,9 @@ ranks (`--ddp`, the planner's "dp"), FSDP over N (`--fsdp`), TP over N (`--tp N`
 on the (N/K, K) mesh; the row's global batch in one micro-step, checkpointing of every block
 when `--activation-checkpointing` is on, bf16 activations and communication (fp32 for
 `--precision fp32`, and for DDP, whose buckets hold the fp32 gradients of the fp32 weights:
-bf16 runs under autocast there). Hardware: the planner's
-preset of the GPU the ranks ran on (memory, NVLink bandwidth), with the row's peak FLOP/s (the
-precision's, or `--peak-tflops`). On a CPU or a GPU the planner has no preset for: none.
+bf16 runs under autocast there). Hardware: the planner's preset of the GPU the ranks ran on
+(memory, NVLink bandwidth), with the row's peak FLOP/s (the precision's, or `--peak-tflops`).
+On a CPU or a GPU the planner has no preset for: none.
 
 The planner computes at the peak (100% MFU) and counts no transient buffers, so the measured
 step is slower and the measured memory higher by those; and it counts the embedding and LM
