@@ -46,8 +46,21 @@
 #   ddp        xl, 2 sequences of 512 per rank, fp32: every ddp-kit wrapper, the bucket-size
 #              sweep and torch DDP side by side                                     ~2 min
 #   zero       xl AdamW memory and step time: DDP, our ShardedOptimizer, torch ZeRO  ~2 min
+#   parallel   xl --num-heads 20 (heads split by TP), ctx 512, bf16 train, 4 sequences per step
+#              in total: DP (--ddp, batch 2 per rank), FSDP torch (batch 2 per rank), TP 2
+#              (batch 4), each eager and compiled (--compile both: DDP the whole model,
+#              FSDP / TP each block), 3 warm-up + 8 measured steps, the planner's
+#              prediction beside each row; one command per layout     ~6-9 min (compilation)
+#   sharded_ckpt  scripts/checkpoint_timing.py under torchrun on 2 GPUs: xl bf16, --fsdp ours
+#              then torch, 2 steps of 4 x 512 tokens, then DCP save / load and the single-file
+#              save timed (one JSON line each in its log)                         ~2-3 min
+#   step8b     issue 7: the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
+#              1 per rank, fused loss, every block checkpointed, sdpa then flash-triton, 1
+#              warm-up + 3 steps. NEEDS 2 GPUs OF 141 GB (H200): ~69 GB per rank plus the
+#              32.5 GB transient of the build; OOM on 80 GB H100s              ~4-6 min
 # Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
-# (~4-7 min). Each call stays under ten minutes.
+# (~4-7 min). Each call stays under ten minutes; run parallel, sharded_ckpt and step8b each in
+# a call of its own.
 set -uo pipefail
 
 OUT=${OUT:?set OUT to the directory that should receive the results}
@@ -144,6 +157,29 @@ if want ddp; then
 fi
 if want zero; then
   run zero $PY -m perf_tools.zero --quiet --csv "$WORK/zero.csv" --json "$WORK/zero.json" --plot "$WORK/zero.png"
+fi
+if want parallel; then
+  P="$B --size xl --num-heads 20 --context 512 --precision bf16 --mode train --nprocs 2"
+  P="$P --warmup 3 --steps 8 --compile both"
+  run parallel_dp $P --batch 2 --ddp --csv "$WORK/parallel_dp.csv" --json "$WORK/parallel_dp.json"
+  run parallel_fsdp $P --batch 2 --fsdp torch \
+    --csv "$WORK/parallel_fsdp.csv" --json "$WORK/parallel_fsdp.json"
+  run parallel_tp $P --batch 4 --tp 2 --csv "$WORK/parallel_tp.csv" --json "$WORK/parallel_tp.json"
+fi
+if want sharded_ckpt; then
+  for fsdp in ours torch; do  # --batch-size is the trainer's global batch: 2 sequences per rank
+    run "sharded_ckpt_$fsdp" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+      "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$WORK/ckpt_$fsdp" \
+      --size xl --bf16 --fsdp "$fsdp" --steps 2 --synthetic random --batch-size 4 \
+      --context-length 512 --out-dir "$WORK/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
+      --no-progress
+  done
+fi
+if want step8b; then
+  RUN_TIMEOUT=${STEP8B_TIMEOUT:-570} run step8b $B --size 8B --context 32768 --batch 1 \
+    --nprocs 2 --fsdp ours --precision bf16 --mode train --fused-loss \
+    --activation-checkpointing 1 --attention sdpa flash-triton --warmup 1 --steps 3 \
+    --csv "$WORK/step8b.csv" --json "$WORK/step8b.json"
 fi
 if want mixed; then
   run mixed_accumulate $PY -m perf_tools.mixed_precision accumulate --json "$WORK/accumulate.json"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from perf_tools import bench, bench_dist
+from perf_tools import bench, bench_dist, bench_multi
 from perf_tools.flops import formula_forward_flops
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
@@ -316,7 +316,8 @@ def test_8b_memory_estimate_per_gpu():
         (["--nprocs", "-1", "--fsdp", "ours"], "--nprocs"),
         (["--nprocs", "2", "--fsdp", "fully"], "--fsdp"),
         (["--nprocs", "2", "--fsdp", "ours", "--mode", "forward"], "--fsdp"),
-        (["--nprocs", "2", "--fsdp", "ours", "--compile"], "--compile"),
+        (["--nprocs", "2", "--fsdp", "ours", "--compile", "--warmup", "0"], "--warmup"),
+        (["--nprocs", "2", "--fsdp", "ours", "--cuda-graph"], "--cuda-graph"),
         (["--nprocs", "2", "--fsdp", "ours", "--compare", "hf"], "--compare"),
         (["--nprocs", "2", "--fsdp", "ours", "--timeout-s", "0"], "--timeout-s"),
         (["--activation-checkpointing", "0"], "--activation-checkpointing"),
@@ -336,7 +337,7 @@ def test_fsdp_torch_where_torch_lacks_fully_shard(capsys, monkeypatch):
     def missing():
         raise ImportError("torch 2.3 has no torch.distributed.fsdp.fully_shard (torch >= 2.4)")
 
-    monkeypatch.setattr(bench, "torch_fully_shard", missing)
+    monkeypatch.setattr(bench_multi, "torch_fully_shard", missing)
     with pytest.raises(SystemExit):
         bench.main([*MULTI, "--fsdp", "torch"])
     err = capsys.readouterr().err

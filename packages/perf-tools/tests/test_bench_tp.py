@@ -97,6 +97,25 @@ def test_sequence_parallel_bf16_fused_loss_checkpointed(tmp_path):
     assert r["params_per_rank_M"] * 1e6 == pytest.approx(_local_params(2, 1))
 
 
+def test_compiled_tp_row_compiles_each_block(tmp_path):
+    """--compile with --tp: each block compiled in place after TP and checkpointing (lm_core's
+    engine, torchtitan's order); aot_eager traces as inductor would, without CPU kernel builds
+    (test_bench_parallel.py says why)."""
+    out = tmp_path / "c.json"
+    argv = [*TINY, *FAST, "--nprocs", "2", "--tp", "2", "--compile", "--activation-checkpointing"]
+    assert bench.main([*argv, "1", "--compile-backend", "aot_eager", "--json", str(out)]) == 0
+    (r,) = _rows(out)
+    assert r["status"] == "ok", r
+    assert (r["tp"], r["compile"], r["compile_backend"], r["act_ckpt_k"]) == (
+        2,
+        "blocks",
+        "aot_eager",
+        1,
+    )
+    assert r["measured_compiles"] == 0  # the warm-up step compiled
+    assert r["params_per_rank_M"] * 1e6 == pytest.approx(_local_params(2, 1))
+
+
 @pytest.mark.slow  # 4 ranks on 2 cores: 12-20 s
 def test_2d_mesh_on_four_ranks(tmp_path):
     """--nprocs 4 --tp 2 --fsdp torch: 2 data-parallel groups of 2 TP ranks."""
@@ -151,7 +170,10 @@ def test_fsdp_rows_record_their_layout():
             ["argument --tp", "sequence length 15"],
         ),
         (["--nprocs", "2", "--tp", "2", "--d-ff", "129"], ["d_ff=129", "--d-ff 128"]),
-        (["--nprocs", "2", "--tp", "2", "--compile"], ["argument --compile", "(--tp)"]),
+        (
+            ["--nprocs", "2", "--tp", "2", "--optimizer-overlap"],
+            ["argument --optimizer-overlap", "(--tp)"],
+        ),
         (["--nprocs", "2", "--tp", "2", "--mode", "forward"], ["argument --tp", "forward"]),
         (["--nprocs", "2", "--tp", "0"], ["argument --tp"]),
     ],

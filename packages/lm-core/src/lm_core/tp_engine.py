@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ _NO_DCP = (
 
 class TensorParallel(TorchFSDP):
     """`--tp N` (`fsdp=False`: the world is one TP group) or `--tp N --fsdp torch` (2-D).
+    `compile`: True, or torch.compile's keyword arguments for each block (e.g. a backend).
 
     A `TorchFSDP` for its full-state checkpoint methods (torch's `get/set_*_state_dict`
     gather and scatter TP and 2-D DTensors alike) and `no_sync`; it builds the model itself
@@ -57,7 +59,7 @@ class TensorParallel(TorchFSDP):
         sequence_parallel: bool = False,
         fsdp: bool = False,
         bf16: bool = False,
-        compile: bool = False,
+        compile: bool | Mapping[str, Any] = False,
         activation_checkpointing: str | int | None = None,
         activation_ratio: float = 1.0,
     ) -> None:
@@ -78,8 +80,9 @@ class TensorParallel(TorchFSDP):
             model, activation_checkpointing, activation_ratio=activation_ratio
         )
         if compile:
+            options = dict(compile) if isinstance(compile, Mapping) else {}
             for block in model.layers:
-                block.compile()  # in place: keeps the module (and its state-dict keys)
+                block.compile(**options)  # in place: keeps the module (and its state-dict keys)
         if fsdp:
             fully_shard, policy_cls = torch_fsdp_api()
             kwargs: dict[str, Any] = {"mesh": self.mesh["dp"]}

@@ -8,14 +8,16 @@ included), then measured steps, each followed by a device synchronize. Reports m
 median ms, per-phase ms (forward, backward, optimizer; CUDA events, no extra sync), tokens/s,
 achieved TFLOP/s, MFU and peak memory. Out-of-memory configurations are rows saying OOM.
 
-Multi-GPU mode (`--nprocs N --fsdp ours|torch`, see `perf_tools.bench_dist`): every cell
-trains on N ranks (spawned here, or under torchrun), the model sharded by zero_shard.FSDP or
-torch's fully_shard; `--batch` is per rank. Rows report the slowest rank's step time (median
-over steps), tokens/s over all ranks, MFU and peak memory per GPU, and for `--fsdp ours` how
-long the compute waited for the all-gathers (`gather_wait_ms`, `units_waited`). `--tp K`
-(`perf_tools.bench_tp`): tensor parallel over K ranks, with `--fsdp torch` data parallel over
-N / K (2-D); `--batch` is then per data-parallel group. Train rows on a known GPU add the
-planner's prediction (`pred_step_ms`, `pred_mem_gib`; `perf_tools.bench_predict`).
+Multi-GPU mode (`--nprocs N --fsdp ours|torch`, `--ddp`, see `perf_tools.bench_dist`): every
+cell trains on N ranks (spawned here, or under torchrun), the model sharded by zero_shard.FSDP
+or torch's fully_shard, or replicated under torch's DistributedDataParallel (`--ddp`);
+`--batch` is per rank; `--compile` compiles each block (the whole model under DDP). Rows
+report the slowest rank's step time (median over steps), tokens/s over all ranks, MFU and peak
+memory per GPU, and for `--fsdp ours` how long the compute waited for the all-gathers
+(`gather_wait_ms`, `units_waited`). `--tp K` (`perf_tools.bench_tp`): tensor parallel over
+K ranks, with `--fsdp torch` data parallel over N / K (2-D); `--batch` is then per
+data-parallel group. Train rows on a known GPU add the planner's prediction (`pred_step_ms`,
+`pred_mem_gib`; `perf_tools.bench_predict`).
 
 This module is the command line (flags, the sweep's cells, the table); the cells are measured
 by `perf_tools.cells` (one process) or `perf_tools.bench_dist` (N ranks) through the harness.
@@ -30,6 +32,8 @@ Examples:
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
   python -m perf_tools.bench --size xl --num-heads 20 --nprocs 2 --tp 2 --precision bf16
+  python -m perf_tools.bench --size xl --num-heads 20 --nprocs 2 --ddp --fsdp torch \
+      --precision bf16 --batch 2 --compile both
   python -m perf_tools.bench --size 2.7B --nprocs 4 --tp 2 --fsdp torch --sequence-parallel
   python -m perf_tools.bench --size 8B --context 32768 --batch 1 --nprocs 2 --fsdp ours \\
       --precision bf16 --mode train --fused-loss --activation-checkpointing 1 \\
@@ -46,20 +50,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from perf_tools import _cli, _dist, harness, report
 from perf_tools.bench_dist import (
-    FSDP_KINDS,
     gather_wait_notes,
     run_dist_sweep,
     run_torchrun_sweep,
     set_blas,
     set_tf32,
-    torch_fully_shard,
 )
-from perf_tools.bench_tp import add_tp_args, check_tp_args
+from perf_tools.bench_multi import add_multi_args, check_multi_args, multi_specs
 from perf_tools.cells import HF, OURS, BenchOptions, BenchSpec, run_sweep
 from perf_tools.model_args import (
     GPU_DEFAULT_SIZES,
@@ -100,6 +99,7 @@ TABLE_COLUMNS = [
     "context",
     "nprocs",
     "fsdp",
+    "ddp",
     "tp",
     "dp",
     "seq_parallel",
@@ -132,12 +132,14 @@ OPTIONAL_CONFIG_COLUMNS = {
     "act_ckpt": "none",
     "fused_loss": False,
     "seq_parallel": False,
+    "ddp": "none",
     "blas": "default",
     "matmul": "default",
     "opt_overlap": False,
 }
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 COMPILE_CHOICES = ("off", "on", "blocks", "both")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # --compile value -> BenchSpec.compile values
 _COMPILES = {"off": [False], "on": [True], "blocks": ["blocks"], "both": [False, True]}
 
@@ -169,7 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile: on (the whole model), blocks (each block on its own, "
         "lm_core.compile_blocks: one backward node per block, what --optimizer-overlap "
         "needs), off; several for a sweep axis (--compile off on blocks); --compile alone: "
-        "on; both: off and on",
+        "on; both: off and on. Multi-GPU mode: on = each block for --fsdp and --tp "
+        "(torchtitan's way), the whole model for --ddp",
+    )
+    g.add_argument(
+        "--compile-backend",
+        choices=COMPILE_BACKENDS,
+        default="inductor",
+        help="torch.compile's backend for compiled rows (default inductor; aot_eager traces "
+        "forward and backward without generating kernels, eager runs dynamo's graphs as "
+        "they are: both isolate tracing from code generation)",
     )
     g.add_argument(
         "--cuda-graph",
@@ -201,31 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time a competitor at the same dims: hf = transformers LlamaForCausalLM "
         "(SDPA attention, fused torch AdamW); skipped with a note if not installed",
     )
-    m = p.add_argument_group(
-        "multi-GPU (FSDP)",
-        "train each cell on N ranks with a sharded model (spawned here, or run the command "
-        "under torchrun); --batch is then per rank",
-    )
-    m.add_argument(
-        "--nprocs",
-        type=_cli.positive_int,
-        help="ranks per cell: one GPU each over NCCL (gloo on CPU); needs --fsdp",
-    )
-    m.add_argument(
-        "--fsdp",
-        nargs="+",
-        type=_cli.listed(_cli.choice(FSDP_KINDS)),
-        help="ours = zero_shard.FSDP (bf16 compute for --precision bf16), torch = "
-        "torch.distributed.fsdp.fully_shard per block and root (MixedPrecisionPolicy bf16, "
-        "fp32 reduce); both: one row each",
-    )
-    m.add_argument(
-        "--timeout-s",
-        type=_cli.positive_float,
-        default=1800.0,
-        help="multi-GPU mode: kill a cell's ranks after this long (default 1800)",
-    )
-    add_tp_args(m)
+    add_multi_args(p)
     t = p.add_argument_group("timing")
     t.add_argument(
         "--batch",
@@ -322,91 +309,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Validate the multi-GPU flags; sets args.fsdps (None: one process), args.backend."""
-    args.fsdps = _cli.flatten(args.fsdp)
-    args.backend = "nccl" if args.device.type == "cuda" else "gloo"
-    torchrun = _dist.under_torchrun()
-    if args.fsdps is None and args.tp == 1:
-        if args.sequence_parallel:
-            parser.error("argument --sequence-parallel: needs --tp K with K > 1")
-        if args.nprocs is not None:
-            parser.error(
-                "argument --nprocs: the multi-GPU mode trains a sharded model; add "
-                "--fsdp ours or --fsdp torch (or --tp N: tensor parallel)"
-            )
-        return
-    if args.matmuls != ["default"]:
-        parser.error("argument --matmul: the multi-GPU mode runs the default matmul only")
-    via = "--fsdp" if args.fsdps else "--tp"  # the flag that asked for the multi-GPU mode
-    if args.nprocs is None and not torchrun:
-        parser.error(
-            f"argument {via}: needs --nprocs N (ranks to spawn), or run the command under torchrun"
-        )
-    if torchrun:
-        world = int(os.environ["WORLD_SIZE"])
-        if args.nprocs is not None and args.nprocs != world:
-            parser.error(
-                f"argument --nprocs: {args.nprocs} ranks asked, torchrun started {world}; "
-                "leave --nprocs out under torchrun"
-            )
-        args.nprocs = world
-    check_tp_args(parser, args)  # pure TP (no --fsdp) sets args.fsdps = ["none"]
-    if args.mode is None:
-        args.modes = ["train"]
-    if "forward" in args.modes:
-        parser.error(
-            f"argument {via}: the multi-GPU mode times fwd-bwd and train steps; drop --mode forward"
-        )
-    for flag, used in (
-        ("--compile", args.compiles != [False]),
-        ("--optimizer-overlap", args.optimizer_overlap != "off"),
-        ("--cuda-graph", args.cuda_graph != "off"),
-        ("--compare", bool(args.competitors)),
-        ("--nvtx", args.nvtx),
-        ("--memory-snapshot", args.memory_snapshot is not None),
-        ("--profile", args.profile is not None),
-    ):
-        if used:
-            parser.error(f"argument {flag}: not available in the multi-GPU mode ({via})")
-    if args.backend == "nccl":
-        have = torch.cuda.device_count()
-        if not torchrun and args.nprocs > have:
-            parser.error(
-                f"argument --nprocs: {args.nprocs} ranks need {args.nprocs} GPUs (one each), "
-                f"{have} visible"
-            )
-        if not (dist.is_available() and dist.is_nccl_available()):
-            parser.error("argument --nprocs: this torch has no NCCL for GPU ranks")
-    elif not dist.is_available():
-        parser.error("argument --nprocs: this torch has no torch.distributed")
-    if "torch" in args.fsdps:
-        try:
-            torch_fully_shard()
-        except ImportError as exc:
-            parser.error(f"argument --fsdp: torch is not available here: {exc}; use --fsdp ours")
-    if "ours" in args.fsdps:
-        try:
-            import zero_shard  # noqa: F401
-        except ImportError:
-            parser.error(
-                "argument --fsdp: ours needs the zero-shard package (pip install zero-shard)"
-            )
-
-
 def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     """The cartesian product, grouped so each model is built once and reused."""
-    fsdps = getattr(args, "fsdps", None)
-    if fsdps:
-        return [
-            BenchSpec(OURS, size, attention, False, precision, mode, context, fsdp=kind)
-            for size in args.sizes
-            for attention in args.attentions
-            for kind in fsdps
-            for precision in args.precisions
-            for context in sorted(args.contexts)
-            for mode in args.modes
-        ]
+    if getattr(args, "fsdps", None) is not None:
+        return multi_specs(args)
     specs = []
     impls = [OURS] + ([HF] if "hf" in args.competitors else [])
     for impl in impls:
@@ -492,13 +398,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         blas=args.blas,
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
+        compile_backend=args.compile_backend,
     )
     specs = specs_from_args(args)
-    if args.fsdps and _dist.under_torchrun():
+    multi = args.fsdps is not None
+    if multi and _dist.under_torchrun():
         rows = run_torchrun_sweep(specs, opts)
         if rows is None:  # ranks other than 0 print nothing
             return 0
-    elif args.fsdps:
+    elif multi:
         rows = run_dist_sweep(specs, opts)
     else:
         rows = run_sweep(specs, opts)
@@ -524,8 +432,11 @@ def _shown(col: str, rows: Sequence[dict[str, Any]]) -> bool:
     """A column is in the table when some row has it (config columns: a non-default value)."""
     if col in OPTIONAL_CONFIG_COLUMNS:
         return any(r.get(col) not in (None, OPTIONAL_CONFIG_COLUMNS[col]) for r in rows)
-    if col in ("compile", "cuda_graph") and rows and all(r.get("fsdp") for r in rows):
-        return False  # not available in the multi-GPU mode
+    if rows and all(r.get("fsdp") for r in rows):  # the multi-GPU mode
+        if col == "cuda_graph":
+            return False  # not available there
+        if col == "compile":
+            return any(r.get("compile") for r in rows)
     return any(r.get(col) is not None for r in rows)
 
 

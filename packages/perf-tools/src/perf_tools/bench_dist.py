@@ -1,31 +1,34 @@
-"""The multi-GPU mode of `python -m perf_tools.bench`: sharded (FSDP) training steps on N ranks.
+"""The multi-GPU mode of `python -m perf_tools.bench`: training steps on N ranks, data parallel
+(DDP), sharded (FSDP) or tensor parallel.
 
-`bench --nprocs N --fsdp ours|torch` runs each cell of the sweep on N ranks (`run_dist_sweep`):
-spawned by the tool itself (`_dist.run_ranks`, i.e. `ddp_kit.launch.spawn`: file-store
-rendezvous, NCCL with one GPU per rank, gloo on CPU), fresh processes for every cell so that no
-cell inherits another one's memory; or, under `torchrun` (`run_torchrun_sweep`), the ranks
-torchrun started (every cell in turn). The rank side (`run_rank`) builds, wraps and times; the
-parent side (`aggregate`) turns every rank's measurements into the row.
+`bench --nprocs N --fsdp ours|torch` (`--ddp`, `--tp K`) runs each cell of the sweep on N ranks
+(`run_dist_sweep`): spawned by the tool itself (`_dist.run_ranks`, i.e. `ddp_kit.launch.spawn`:
+file-store rendezvous, NCCL with one GPU per rank, gloo on CPU), fresh processes for every cell
+so that no cell inherits another one's memory; or, under `torchrun` (`run_torchrun_sweep`), the
+ranks torchrun started (every cell in turn). The rank side (`run_rank`) builds, wraps and
+times; the parent side (`aggregate`) turns every rank's measurements into the row.
 
-Each rank builds the model on the meta device, applies activation checkpointing, wraps it
-(the wrapper materializes only this rank's shards on its device, as the full build for the
-seed would be) and trains on its own random batch (`--batch` sequences per rank):
+Each rank builds, checkpoints, compiles and wraps its model as `perf_tools.bench_wrap` says
+(the FSDP rows build on the meta device and materialize only this rank's shards, as the full
+build for the seed would be) and trains on its own random batch (`--batch` sequences per rank;
+per data-parallel group with `--tp K`, whose K ranks share it):
 
-  ours   zero_shard.FSDP(model, compute_dtype=bf16 for --precision bf16, else None); lm_core
-         AdamW over fsdp.parameters() (the fp32 shards and the replicated norms); the step is
-         zero_grad, forward, backward, finish_gradient_synchronization() ("sync"), AdamW.
-  torch  torch.distributed.fsdp.fully_shard on every block, then on the root, with
-         MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for bf16, then
-         lm_core.fsdp.materialize_fully_sharded (the shards of the full build); lm_core AdamW
-         over the (DTensor) parameters. Gradients are reduced inside backward (no sync phase).
+  ours   zero_shard.FSDP; lm_core AdamW over fsdp.parameters() (the fp32 shards and the
+         replicated norms); the step is zero_grad, forward, backward,
+         finish_gradient_synchronization() ("sync"), AdamW.
+  torch  torch's fully_shard per block and root; lm_core AdamW over the (DTensor)
+         parameters. Gradients are reduced inside backward (no sync phase).
+  --ddp  torch's DistributedDataParallel over a replicated model; gradients all-reduced
+         inside backward.
   --tp K tensor parallel over K ranks, data parallel (fully_shard) over N / K with --fsdp
-         torch: `perf_tools.bench_tp` (lm_core's trainer engine); `--batch` is then per
-         data-parallel group, shared by the K ranks of a TP group.
+         torch: `perf_tools.bench_tp` (lm_core's trainer engine).
 
-No autocast in this mode: the wrapper's compute dtype is the precision (bf16 weights,
-activations and matmuls; fp32 master weights, gradients and optimizer state); pure TP (no
-wrapper) runs bf16 under autocast. Train rows also get the planner's prediction
-(`perf_tools.bench_predict`).
+Precision: the FSDP wrappers' compute dtype is the precision (bf16 weights, activations and
+matmuls; fp32 master weights, gradients and optimizer state), no autocast; pure TP and DDP
+(no casting wrapper) run bf16 under autocast. `--compile`: per block for FSDP and TP, the
+whole model for DDP (`bench_wrap`); the warm-up steps compile, and `measured_compiles` counts
+graphs compiled during the measured steps (0 unless a step recompiled). Train rows also get
+the planner's prediction (`perf_tools.bench_predict`).
 
 Per cell: warm-up steps, then measured steps, each ending with a device synchronize. A step's
 time is the slowest rank's (a collective step ends when every rank is done); the row shows the
@@ -59,123 +62,38 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from perf_tools import _dist, hardware, harness, timing
 from perf_tools.bench_predict import fsdp_memory_estimate, planner_columns
-from perf_tools.bench_tp import wrap_tp
-from perf_tools.cells import BenchOptions, BenchSpec, cell_row
-from perf_tools.models import (
-    build_model,
-    count_local_params,
-    count_params,
-    random_batch,
-    resolve_config,
+from perf_tools.bench_wrap import (
+    DDP_KINDS,
+    FSDP_KINDS,
+    DistJob,
+    build_and_wrap,
+    torch_fully_shard,
 )
+from perf_tools.cells import BenchOptions, BenchSpec, cell_row
+from perf_tools.models import count_local_params, random_batch, resolve_config
 from perf_tools.steps import PhaseTimer, make_step
 
-FSDP_KINDS = ("ours", "torch")
+# DistJob and torch_fully_shard live in perf_tools.bench_wrap (the rank's model); their names
+# stay reachable here
+__all__ = [
+    "DDP_KINDS",
+    "FSDP_KINDS",
+    "DistJob",
+    "aggregate",
+    "run_dist_sweep",
+    "run_rank",
+    "run_torchrun_sweep",
+    "spawn_cell",
+    "torch_fully_shard",
+]
+
 WAIT_THRESHOLD_MS = 0.05  # a wait above this is compute stalled on an all-gather (events: ~us)
 
 
-@dataclasses.dataclass(frozen=True)
-class DistJob:
-    """One cell of the multi-GPU mode; picklable (it travels to the spawned ranks)."""
-
-    size: str
-    attention: str | None
-    precision: str
-    mode: str
-    context: int
-    fsdp: str
-    batch: int  # per rank
-    warmup: int
-    steps: int
-    overrides: dict[str, Any]
-    backend: str
-    seed: int = 0
-    fused_loss: bool = False
-    act_ckpt: str | int = "none"
-    peak_tflops: float | None = None
-    quiet: bool = True
-    tf32: bool = False  # TF32 matmuls; each spawned rank sets the flag (it is per process)
-    blas: str = "default"  # CUDA BLAS library, likewise set by each rank
-    # tensor parallel over groups of tp ranks (perf_tools.bench_tp); with fsdp "none" the
-    # world is one TP group (pure TP), with "torch" the mesh is 2-D
-    tp: int = 1
-    sequence_parallel: bool = False
-
-
-def torch_fully_shard() -> tuple[Callable[..., Any], type]:
-    """torch's `fully_shard` and `MixedPrecisionPolicy` (public since torch 2.6, under
-    `torch.distributed._composable.fsdp` since 2.4); ImportError naming the need otherwise."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        return fully_shard, MixedPrecisionPolicy
-    except ImportError:
-        pass
-    try:
-        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-
-        return fully_shard, MixedPrecisionPolicy
-    except ImportError:
-        raise ImportError(
-            f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard "
-            "(torch >= 2.4 needed)"
-        ) from None
-
-
 # ----------------------------------------------------------------------------- rank side
-
-
-def _build(job: DistJob, config: Any, device: torch.device) -> tuple[nn.Module, int]:
-    """The lm_core model, checkpointed as asked: on the meta device for the FSDP rows (`_wrap`
-    materializes this rank's shards), on `device` for TP (its engine broadcasts rank 0's
-    weights before sharding)."""
-    torch.manual_seed(job.seed)
-    model = build_model(config, "meta" if job.tp == 1 else device)
-    model.train()
-    k = 0
-    if job.act_ckpt != "none" and job.tp == 1:  # TP checkpoints after sharding (bench_tp)
-        from lm_core.activation_ckpt import (
-            apply_activation_checkpointing,
-            block_activation_ratio,
-            checkpoint_group_size,
-        )
-
-        # one dtype throughout under FSDP (no autocast): the single-dtype ratio
-        ratio = block_activation_ratio(config)
-        apply_activation_checkpointing(model, job.act_ckpt, activation_ratio=ratio)
-        k = checkpoint_group_size(model)
-    return model, k
-
-
-def _wrap(
-    job: DistJob, model: nn.Module, device: torch.device
-) -> tuple[nn.Module, Callable[[], None] | None, Any]:
-    """(runner, gradient sync to call after backward, our FSDP or None); the meta-device
-    `model` sharded and materialized on `device`."""
-    bf16 = job.precision == "bf16"
-    if job.fsdp == "ours":
-        from zero_shard import FSDP
-
-        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None, device=device)
-        return fsdp, fsdp.finish_gradient_synchronization, fsdp
-    fully_shard, policy_cls = torch_fully_shard()
-    kwargs: dict[str, Any] = {}
-    if bf16:
-        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    from lm_core.fsdp import materialize_fully_sharded
-
-    materialize_fully_sharded(model, device)
-    return model, None, None
 
 
 def _wait_summary(waits: Sequence[Any]) -> dict[str, Any]:
@@ -215,24 +133,8 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         job.size, context_length=job.context, attention=job.attention, overrides=job.overrides
     )
     t0 = time.perf_counter()
-    model, k = _build(job, config, device)
-    n_params = count_params(model)
-    if job.tp > 1:
-        fsdp = None
-        runner, sync, k = wrap_tp(
-            model,
-            config,
-            rank=rank,
-            world=dist.get_world_size(),
-            device=device,
-            tp=job.tp,
-            sequence_parallel=job.sequence_parallel,
-            fsdp=job.fsdp == "torch",
-            bf16=job.precision == "bf16",
-            act_ckpt=job.act_ckpt,
-        )
-    else:
-        runner, sync, fsdp = _wrap(job, model, device)
+    built = build_and_wrap(job, config, rank=rank, world=dist.get_world_size(), device=device)
+    runner, sync, fsdp = built.runner, built.sync, built.fsdp
     timing.synchronize(device)
     build_s = time.perf_counter() - t0
     optimizer = None
@@ -250,8 +152,8 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         inputs=x,
         targets=y,
         loss_fn=None if job.fused_loss else cross_entropy,
-        # the FSDP wrapper casts: no autocast on top; pure TP has no wrapper: autocast
-        precision=job.precision if job.fsdp == "none" else "fp32",
+        # the FSDP wrapper casts: no autocast on top; pure TP and DDP: autocast
+        precision=job.precision if job.autocast else "fp32",
         optimizer=optimizer,
         timer=timer,
         sync=sync,
@@ -264,11 +166,14 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
         if fsdp is not None:
             waits.append(_wait_summary(fsdp.gather_waits()))
 
+    graphs: list[int] = []
+
     def on_measure() -> None:
         timing.reset_peak_memory(device)
         waits.clear()
+        graphs.append(_compiled_graphs())
 
-    label = None if job.quiet or rank != 0 else f"{job.size} {job.fsdp} FSDP tp {job.tp} rank 0"
+    label = None if job.quiet or rank != 0 else f"{job.size} {job.layout()} rank 0"
     result = timing.time_steps(
         step,
         warmup=job.warmup,
@@ -289,10 +194,12 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
             int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
         ),
         "waits": waits,
-        "params": n_params,
+        "params": built.params,
         "local_params": count_local_params(runner),
         "build_s": build_s,
-        "act_ckpt_k": k,
+        "act_ckpt_k": built.act_ckpt_k,
+        # graphs dynamo compiled during the measured steps: 0 unless a step recompiled
+        "measured_compiles": _compiled_graphs() - graphs[0] if job.compile else None,
         "config": dataclasses.asdict(config),
     }
     if rank == 0:
@@ -301,8 +208,17 @@ def _measure(job: DistJob, rank: int, device: torch.device) -> dict[str, Any]:
             peak = hardware.peak_tflops(job.precision, device)
         out["peak_tflops"] = peak
         out["gpu"] = hardware.device_key(device)  # the planner's hardware (bench_predict)
-    del step, optimizer, runner, model
+    del step, optimizer, runner, built
+    if job.compile:
+        torch._dynamo.reset()  # under torchrun the next cell runs in this process
     return out
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def run_rank(rank: int, world: int, job: DistJob) -> dict[str, Any]:
@@ -385,6 +301,7 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
         "params_per_rank_M": max(r["local_params"] for r in per_rank) / 1e6,
         "build_s": max(r["build_s"] for r in per_rank),
         "act_ckpt_k": r0["act_ckpt_k"],
+        "measured_compiles": _most(r.get("measured_compiles") for r in per_rank),
         "d_model": config.d_model,
         "num_layers": config.num_layers,
         "num_heads": config.num_heads,
@@ -398,6 +315,7 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
                 config,
                 nprocs=world,
                 tp=job.tp,
+                ddp=job.ddp != "none",
                 batch=job.batch,
                 context=job.context,
                 precision=job.precision,
@@ -419,6 +337,12 @@ def aggregate(job: DistJob, per_rank: Sequence[dict[str, Any]]) -> dict[str, Any
             )
             row["est_peak_mem_gib"] = est["peak"] / 2**30
     return row
+
+
+def _most(values: Any) -> int | None:
+    """The largest of the values that are not None; None when all are."""
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def _first_step(per_rank: Sequence[dict[str, Any]]) -> float | None:
@@ -538,6 +462,9 @@ def dist_job(spec: BenchSpec, opts: BenchOptions) -> DistJob:
         blas=opts.blas,
         tp=opts.tp,
         sequence_parallel=opts.sequence_parallel,
+        ddp=spec.ddp,
+        compile=spec.compile,
+        compile_backend=opts.compile_backend,
     )
 
 

@@ -4,12 +4,14 @@
 `est_peak_mem_gib` column; its docstring writes out the terms).
 
 `planner_columns` (the `pred_*` columns of every train row) asks `perf_tools.plan_model.predict`
-(the closed forms of `python -m perf_tools.plan`) for the configuration a row ran: FSDP over N
-ranks (`--fsdp`), TP over N (`--tp N`) or FSDP x TP on the (N/K, K) mesh; the row's global
-batch in one micro-step, checkpointing of every block when `--activation-checkpointing` is on,
-bf16 activations and communication (fp32 for `--precision fp32`). Hardware: the planner's
-preset of the GPU the ranks ran on (memory, NVLink bandwidth), with the row's peak FLOP/s (the
-precision's, or `--peak-tflops`). On a CPU or a GPU the planner has no preset for: none.
+(the closed forms of `python -m perf_tools.plan`) for the configuration a row ran: DP over N
+ranks (`--ddp`, the planner's "dp"), FSDP over N (`--fsdp`), TP over N (`--tp N`) or FSDP x TP
+on the (N/K, K) mesh; the row's global batch in one micro-step, checkpointing of every block
+when `--activation-checkpointing` is on, bf16 activations and communication (fp32 for
+`--precision fp32`, and for DDP, whose buckets hold the fp32 gradients of the fp32 weights:
+bf16 runs under autocast there). Hardware: the planner's preset of the GPU the ranks ran on
+(memory, NVLink bandwidth), with the row's peak FLOP/s (the precision's, or `--peak-tflops`).
+On a CPU or a GPU the planner has no preset for: none.
 
 The planner computes at the peak (100% MFU) and counts no transient buffers, so the measured
 step is slower and the measured memory higher by those; and it counts the embedding and LM
@@ -34,11 +36,13 @@ def planner_columns(
     act_ckpt: str | int,
     gpu: str | None,
     peak_tflops: float | None,
+    ddp: bool = False,
 ) -> dict[str, Any]:
     """`pred_step_ms` (communication overlapped), `pred_serial_ms` (not), `pred_compute_ms`,
     `pred_comm_ms`, `pred_mem_gib` (per GPU) for the row's configuration; {} when the GPU
     (`hardware.device_key` name, e.g. 'H100 SXM') is not one of the planner's presets.
-    `batch` is per data-parallel group (N / tp of them)."""
+    `batch` is per data-parallel group (N / tp of them); `ddp`: replicated data parallelism
+    (tp 1)."""
     from dataclasses import replace
 
     from perf_tools.accounting import Dtypes, ModelDims
@@ -50,7 +54,11 @@ def planner_columns(
     if peak_tflops is not None:
         hw = replace(hw, flops=peak_tflops * 1e12)
     dp = nprocs // tp
-    if tp == 1:
+    if ddp:
+        if tp != 1:
+            raise ValueError(f"ddp: data parallelism over replicas has tp 1, got tp {tp}")
+        layout = Layout("dp", nprocs, 1)
+    elif tp == 1:
         layout = Layout("fsdp", nprocs, 1)
     elif dp == 1:
         layout = Layout("tp", 1, tp)
@@ -65,6 +73,8 @@ def planner_columns(
         config.num_heads,
     )
     dtypes = Dtypes() if precision == "bf16" else Dtypes(activation=4, comm=4)
+    if ddp:
+        dtypes = replace(dtypes, comm=4)
     work = Workload(dims, batch * dp * context, context, dtypes)
     row = predict(layout, work, hw, micro_batch=batch, ckpt=act_ckpt != "none")
     return {

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from perf_tools import _cli
+from perf_tools._compile import allow_recompiles
 
 __all__ = ["add_tp_args", "check_tp_args", "heads_advice", "wrap_tp"]
 
@@ -157,14 +158,18 @@ def wrap_tp(
     fsdp: bool,
     bf16: bool,
     act_ckpt: str | int,
+    compile: bool | dict[str, Any] = False,
 ) -> tuple[nn.Module, Callable[[], None], int]:
     """On every rank: `model` tensor parallel over groups of `tp` ranks through lm_core's
-    trainer engine (TP, checkpointing, then fully_shard on the "dp" axis with `fsdp`);
-    returns (what to call, the gradient sync to run after backward, checkpoint group size)."""
+    trainer engine (TP, checkpointing, each block compiled in place with `compile`'s
+    torch.compile options, then fully_shard on the "dp" axis with `fsdp`); returns (what to
+    call, the gradient sync to run after backward, checkpoint group size)."""
     from lm_core.activation_ckpt import block_activation_ratio, checkpoint_group_size
     from lm_core.engine import DistEnv
     from lm_core.tp_engine import TensorParallel
 
+    if compile:
+        allow_recompiles()
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=device, tp=tp)
     # FSDP's policy computes in one dtype; pure TP runs bf16 under autocast
     ratio = block_activation_ratio(config, autocast=bf16 and not fsdp)
@@ -177,5 +182,6 @@ def wrap_tp(
         bf16=bf16,
         activation_checkpointing=act_ckpt,
         activation_ratio=ratio,
+        compile=compile,
     )
     return pm.module, pm.finish_sync, checkpoint_group_size(model)

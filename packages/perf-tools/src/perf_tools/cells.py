@@ -48,7 +48,8 @@ class BenchSpec:
     mode: str
     context: int
     graph: bool = False  # the whole step captured in one CUDA graph and replayed
-    fsdp: str | None = None  # multi-GPU mode: "ours" or "torch" (None: one process)
+    fsdp: str | None = None  # multi-GPU mode: "ours", "torch" or "none" (None: one process)
+    ddp: str = "none"  # multi-GPU mode: "torch" (DistributedDataParallel; fsdp "none")
     matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
     overlap: bool = False  # train rows of lm_core: lm_core.OverlappedOptimizer
 
@@ -68,8 +69,10 @@ class BenchSpec:
             parts.append(f"matmul-{self.matmul}")
         if self.overlap:
             parts.append("opt-overlap")
-        if self.fsdp:
+        if self.fsdp and self.fsdp != "none":
             parts.append(f"fsdp-{self.fsdp}")
+        if self.ddp != "none":
+            parts.append(f"ddp-{self.ddp}")
         return "-".join(str(p) for p in parts)
 
 
@@ -96,6 +99,7 @@ class BenchOptions:
     blas: str = "default"  # CUDA BLAS library (recorded; set process-wide by set_blas)
     tp: int = 1  # multi-GPU mode: tensor-parallel degree (perf_tools.bench_tp)
     sequence_parallel: bool = False  # multi-GPU mode with tp > 1
+    compile_backend: str = "inductor"  # torch.compile's backend for compiled cells
 
 
 def _loss_fn(impl: str) -> Any:
@@ -384,23 +388,26 @@ def _build_runner(
     torch.manual_seed(opts.seed)
     model = _build(spec, config, opts.device)
     model.train()
+    backend = opts.compile_backend
     if compiled == "blocks":
-        compile_blocks_for_bench(model)
+        compile_blocks_for_bench(model, backend=backend)
         return model, model
-    return model, compile_for_bench(model) if compiled else model
+    return model, compile_for_bench(model, backend=backend) if compiled else model
 
 
-def compile_blocks_for_bench(model: nn.Module) -> None:
+def compile_blocks_for_bench(model: nn.Module, **kwargs: Any) -> None:
     """Compile each block in place: lm_core's `compile_blocks`, or each decoder layer of the
-    HF competitor (`model.model.layers`), with `dynamic=False` and enough recompiles."""
+    HF competitor (`model.model.layers`), with `dynamic=False` (unless `kwargs`, torch.compile's
+    options, say otherwise) and enough recompiles."""
     allow_recompiles()
+    kwargs.setdefault("dynamic", False)
     if hasattr(model, "layers"):
         from lm_core import compile_blocks
 
-        compile_blocks(model, dynamic=False)
+        compile_blocks(model, **kwargs)
         return
     for layer in model.model.layers:
-        layer.compile(dynamic=False)
+        layer.compile(**kwargs)
 
 
 def _drop_grads(model: nn.Module) -> None:
@@ -439,10 +446,12 @@ def cell_row(
         "steps": opts.steps,
         "device": str(opts.device),
     }
+    if spec.compile:
+        row["compile_backend"] = opts.compile_backend
     if spec.fsdp is not None:
         assert opts.nprocs is not None
         dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
-        row.update(nprocs=opts.nprocs, fsdp=spec.fsdp, global_batch=opts.batch * dp)
+        row.update(nprocs=opts.nprocs, fsdp=spec.fsdp, ddp=spec.ddp, global_batch=opts.batch * dp)
         row.update(tp=opts.tp, dp=dp, mesh=f"{dp}x{opts.tp}", seq_parallel=opts.sequence_parallel)
         row["device"] = f"{opts.backend}: {opts.nprocs} x {opts.device.type}"
     row.update(info)

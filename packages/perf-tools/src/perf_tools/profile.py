@@ -314,6 +314,7 @@ def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         progress=not args.quiet,
         fused_loss=getattr(args, "fused_loss", False),
         act_ckpt=getattr(args, "activation_checkpointing", "none"),
+        compile_backend=getattr(args, "compile_backend", "inductor"),
     )
     profiler = Profiler(
         out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)
