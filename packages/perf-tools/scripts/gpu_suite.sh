@@ -54,6 +54,10 @@
 #   sharded_ckpt  scripts/checkpoint_timing.py under torchrun on 2 GPUs: xl bf16, --fsdp ours
 #              then torch, 2 steps of 4 x 512 tokens, then DCP save / load and the single-file
 #              save timed (one JSON line each in its log)                         ~2-3 min
+#   init8b     scripts/init_memory.py: the 8B build sharded by our FSDP on 2 GPUs, on the meta
+#              device against whole on each GPU first (peak RSS, device memory)   ~2-4 min
+#   fsdp_options  scripts/fsdp_options.py: xl, 2 sequences x 4 micro-steps per rank, sync /
+#              no_sync / reshard_after_forward=False, ours and torch's FSDP       ~3-5 min
 #   step8b     issue 7: the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
 #              1 per rank, fused loss, every block checkpointed, sdpa then flash-triton, 1
 #              warm-up + 3 steps. NEEDS 2 GPUs OF 141 GB (H200): ~69 GB per rank plus the
@@ -173,6 +177,19 @@ if want sharded_ckpt; then
       --size xl --bf16 --fsdp "$fsdp" --steps 2 --synthetic random --batch-size 4 \
       --context-length 512 --out-dir "$WORK/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
       --no-progress
+  done
+fi
+if want init8b; then  # peak host RSS and device memory per rank of the 8B build, meta vs whole
+  for build in meta device; do
+    run "init8b_$build" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+      "$ROOT/packages/perf-tools/scripts/init_memory.py" --size 8B --fsdp ours --build "$build"
+  done
+fi
+if want fsdp_options; then  # accumulation without sync, reshard_after_forward=False: xl, 2 GPUs
+  for fsdp in ours torch; do
+    run "fsdp_options_$fsdp" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+      "$ROOT/packages/perf-tools/scripts/fsdp_options.py" --size xl --fsdp "$fsdp" \
+      --context 512 --batch 2 --accum 4 --warmup 2 --steps 5
   done
 fi
 if want step8b; then
