@@ -70,12 +70,14 @@ def test_default_states_are_torchs_adamw_bitwise(fused, ref_kw):
 
 
 def test_bf16_states_have_their_dtype_and_other_params_keep_theirs():
-    p32, p16, p64 = (torch.nn.Parameter(torch.randn(8, dtype=d)) for d in (torch.float32, BF16, torch.float64))
+    dtypes = (torch.float32, BF16, torch.float64)
+    p32, p16, p64 = (torch.nn.Parameter(torch.randn(8, dtype=d)) for d in dtypes)
     opt = _train(lambda ps: AdamW(ps, state_dtype=BF16, **KW), [p32, p16, p64], steps=2)
     assert {n: opt.state[p32][n].dtype for n in lowp.MOMENTS} == dict.fromkeys(lowp.MOMENTS, BF16)
     assert opt.state[p64]["exp_avg"].dtype == torch.float64  # only fp32 weights get bf16 moments
     assert opt.state[p16]["exp_avg_sq"].dtype == BF16
-    assert p32.dtype == torch.float32 and opt.state[p32]["step"].item() == 2.0
+    assert p32.dtype == torch.float32
+    assert opt.state[p32]["step"].item() == 2.0
     assert opt.state[p32]["step"].device.type == "cpu"  # host bias corrections off CUDA
 
 
@@ -140,7 +142,8 @@ def test_stochastic_rounding_is_unbiased_between_the_two_neighbours():
     assert torch.equal(neg, -out)
     special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
     got = lowp.round_to_bf16(special, "stochastic", 1, 1).float()
-    assert got[0].isnan() and got[1:].tolist() == [float("inf"), -float("inf"), 0.0]
+    assert got[0].isnan()
+    assert got[1:].tolist() == [float("inf"), -float("inf"), 0.0]
     # other bits at another step or for the other moment; the same bits again for the same
     a = lowp.stochastic_bits(torch.Size([1000]), 5, 0, torch.device("cpu"))
     assert torch.equal(a, lowp.stochastic_bits(torch.Size([1000]), 5, 0, torch.device("cpu")))
@@ -226,7 +229,8 @@ def test_triton_kernel_edge_cases():
             opt.step()
         results.append((strided, opt.state[strided]))
     (a, sa), (b, sb) = results
-    assert not a.is_contiguous() and not sa["exp_avg"].is_contiguous()
+    assert not a.is_contiguous()
+    assert not sa["exp_avg"].is_contiguous()
     torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
     for n in lowp.MOMENTS:
         assert torch.equal(sa[n], sb[n])
@@ -246,7 +250,7 @@ def test_kernel_choice(monkeypatch):
 
 @pytest.mark.parametrize("bad", [torch.float16, torch.float64, "bf16", None])
 def test_bad_state_dtype_is_refused_naming_it(bad):
-    with pytest.raises(ValueError, match="state_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"state_dtype must be torch\.float32 or torch\.bfloat16"):
         AdamW(_params(), state_dtype=bad)
 
 
@@ -347,3 +351,45 @@ def test_deepcopy_keeps_the_state_dtype():
     opt = AdamW(_params(), state_dtype=BF16, state_rounding="nearest")
     clone = copy.deepcopy(opt)
     assert (clone.state_dtype, clone.state_rounding) == (BF16, "nearest")
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+FAST = ["--size", "tiny", "--context-length", "32", "--batch-size", "4", "--no-progress"]
+
+
+def test_trainer_flag_and_toml_key(tmp_path, capsys):
+    from lm_core.train import parse_args
+    from lm_core.train_config import ConfigError, TrainConfig
+
+    assert parse_args(FAST).optim.state_dtype == "fp32"
+    assert parse_args([*FAST, "--optimizer-state-dtype", "bf16"]).optim.state_dtype == "bf16"
+    with pytest.raises(SystemExit):
+        parse_args([*FAST, "--optimizer-state-dtype", "fp16"])
+    assert "--optimizer-state-dtype" in capsys.readouterr().err
+    toml = tmp_path / "run.toml"
+    toml.write_text('[optim]\nstate_dtype = "bf16"\n')
+    assert TrainConfig.from_toml(toml).optim.state_dtype == "bf16"
+    assert parse_args(["--config", str(toml), *FAST]).optim.state_dtype == "bf16"
+    toml.write_text('[optim]\nstate_dtype = "int8"\n')
+    with pytest.raises(ConfigError, match=r"optim\.state_dtype") as err:
+        TrainConfig.from_toml(toml)
+    assert err.value.key == "optim.state_dtype"
+
+
+def test_trainer_trains_with_bf16_states_and_resumes_a_sharded_checkpoint(tmp_path):
+    """Through `python -m lm_core.train`: bf16 moments in the optimizer and in the sharded
+    (DCP) checkpoint; 3 + 2 resumed steps equal 5 uninterrupted ones bitwise; the same
+    checkpoint resumes with fp32 states (converted on load)."""
+    from lm_core.train import main
+
+    bf16 = [*FAST, "--optimizer-state-dtype", "bf16", "--checkpoint-format", "dcp"]
+    whole = main([*bf16, "--steps", "5", "--cosine-steps", "5"])
+    assert {s[n].dtype for s in whole.optimizer.state.values() for n in lowp.MOMENTS} == {BF16}
+    main([*bf16, "--steps", "3", "--cosine-steps", "5", "--out-dir", str(tmp_path / "a")])
+    ckpt = str(tmp_path / "a" / "checkpoint.dcp")
+    resumed = main([*bf16, "--steps", "5", "--cosine-steps", "5", "--resume", ckpt])
+    for (k, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    as_fp32 = main([*FAST, "--steps", "4", "--cosine-steps", "5", "--resume", ckpt])
+    assert {s["exp_avg_sq"].dtype for s in as_fp32.optimizer.state.values()} == {torch.float32}
