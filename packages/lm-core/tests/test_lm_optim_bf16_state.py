@@ -393,3 +393,22 @@ def test_trainer_trains_with_bf16_states_and_resumes_a_sharded_checkpoint(tmp_pa
         assert torch.equal(a, b), k
     as_fp32 = main([*FAST, "--steps", "4", "--cosine-steps", "5", "--resume", ckpt])
     assert {s["exp_avg_sq"].dtype for s in as_fp32.optimizer.state.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=needs_interpreter)], ids=["torch-ops", "kernel"]
+)
+def test_dtensor_parameters_on_two_ranks(fused):
+    """DTensor parameters (sharded and replicated, as --fsdp torch and --tp make them): each
+    rank updates its shards in place, and the full weights and bf16 moments equal those of
+    the same update on plain tensors bit for bit (rounded to nearest: the bits of stochastic
+    rounding follow the shard's element indices)."""
+    spawn = pytest.importorskip("ddp_kit.launch").spawn
+    import lm_dist_workers
+
+    env = {"TRITON_INTERPRET": "1"} if fused else None
+    for result in spawn(lm_dist_workers.dtensor_bf16_adamw, 2, args=(fused,), env=env):
+        dist, plain = result
+        for key, value in plain.items():
+            assert value.dtype == (torch.float32 if key[0] == "p" else BF16), key
+            assert torch.equal(dist[key], value), key

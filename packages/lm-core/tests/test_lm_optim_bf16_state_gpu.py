@@ -58,38 +58,40 @@ def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
 def test_captured_update_replays_the_eager_one_bitwise():
     """The kernel reads step and LR from device memory: a CUDA graph of one update, replayed,
     gives the eager updates' results bit for bit (a baked-in step or LR would not)."""
-    results = []
-    for graphed in (False, True):
-        params = _params()
-        opt = AdamW(params, state_dtype=BF16, **KW)
-        lr = torch.tensor(KW["lr"], device="cuda")
-        grads = [torch.zeros_like(p) for p in params]
-        for p, g in zip(params, grads):
-            p.grad = g
-
-        def step():
-            opt.param_groups[0]["lr"] = lr
-            opt.step()
-
-        replay = None
-        for i in range(6):
-            lr.fill_(KW["lr"] * (1 + i) / 6)
-            g = torch.Generator().manual_seed(100 + i)
-            for p, buf in zip(params, grads):
-                buf.copy_(torch.randn(p.shape, generator=g))
-            if graphed and i >= 2:
-                if replay is None:  # capture_cuda_graph's warm-up steps count: rewind them
-                    replay = _capture_after_rewind(step, opt, params, grads)
-                replay()
-            else:
-                step()
-        torch.cuda.synchronize()
-        results.append([p.detach().clone() for p in params])
-    for a, b in zip(*results):
+    for a, b in zip(_six_updates(graphed=False), _six_updates(graphed=True)):
         assert torch.equal(a, b)
 
 
-def _capture_after_rewind(step, opt, params, grads):
+def _six_updates(graphed: bool) -> list[torch.Tensor]:
+    """Six updates with a new LR and gradients each; the last four replayed from a graph."""
+    params = _params()
+    opt = AdamW(params, state_dtype=BF16, **KW)
+    lr = torch.tensor(KW["lr"], device="cuda")
+    grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+
+    def step():
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+
+    replay = None
+    for i in range(6):
+        lr.fill_(KW["lr"] * (1 + i) / 6)
+        g = torch.Generator().manual_seed(100 + i)
+        for p, buf in zip(params, grads):
+            buf.copy_(torch.randn(p.shape, generator=g))
+        if graphed and i >= 2:
+            if replay is None:
+                replay = _capture_after_rewind(step, opt, params)
+            replay()
+        else:
+            step()
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in params]
+
+
+def _capture_after_rewind(step, opt, params):
     """Capture `step` (warm-up 1); the warm-up call is an update too, so restore the
     parameters, moments and counts it changed before returning the replay."""
     saved = [p.detach().clone() for p in params]
