@@ -154,6 +154,8 @@ def adamw_bf16_state_step(
         raise ValueError("the bf16-state kernel takes contiguous tensors")
     if n == 0:
         return
+    if isinstance(lr, torch.Tensor) and lr.device != param.device:
+        lr = float(lr)  # a host tensor: its value (a device tensor is read where it lives)
     lr_on_device = isinstance(lr, torch.Tensor)
     lr_ptr = lr if lr_on_device else step  # unused when the lr is a float
     guard = torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext()
