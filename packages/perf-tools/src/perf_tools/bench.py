@@ -203,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=_cli.listed(_cli.choice(OPT_STATE_DTYPES)),
         default=None,
+        metavar="{fp32,bf16}",
         help="train rows of lm_core: the dtype of AdamW's moments (weights stay fp32); "
         "bf16 changes the numerics (lm_core.optim_lowp). Several for a sweep axis "
         "(--optimizer-state-dtype fp32 bf16); default fp32",
