@@ -59,3 +59,41 @@ def shared_dir_checks(rank: int, world: int, root: str) -> list[str | None]:
         else:
             out.append(None)
     return out
+
+
+def dtensor_bf16_adamw(rank: int, world: int, fused: bool) -> list[dict[str, torch.Tensor]]:
+    """lm_core's AdamW with bf16 moments (rounded to nearest) over DTensor parameters sharded
+    (Shard(0)) and replicated on a 1-D mesh of all ranks, and over the same parameters as
+    plain tensors; returns, per run, the full weights and moments after 3 steps (fused=True:
+    the Triton kernel, in its interpreter on CPU)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lm_core import AdamW
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(4 * world, 6, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) for t in full] for _ in range(3)]
+    out = []
+    for distributed in (True, False):
+        placements = ([Shard(0)], [Replicate()])
+        params = [
+            # (a replicated DTensor may share the given tensor's storage: a copy each time)
+            torch.nn.Parameter(distribute_tensor(t.clone(), mesh, pl) if distributed else t.clone())
+            for t, pl in zip(full, placements)
+        ]
+        opt = AdamW(params, lr=1e-2, fused=fused, state_dtype=torch.bfloat16,
+                    state_rounding="nearest")  # fmt: skip
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = distribute_tensor(gr.clone(), mesh, p.placements) if distributed else gr
+            opt.step()
+        whole = {}
+        for i, p in enumerate(params):
+            state = opt.state[p]
+            for name, t in (("p", p), ("m", state["exp_avg"]), ("v", state["exp_avg_sq"])):
+                t = t.detach()
+                whole[f"{name}{i}"] = t.full_tensor() if distributed else t
+        out.append(whole)
+    return out

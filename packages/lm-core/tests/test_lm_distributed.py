@@ -15,6 +15,8 @@ from lm_dist_reference import BASE
 from lm_dist_reference import assert_same_weights as _assert_same
 from lm_dist_reference import single_process as _single
 
+from lm_core import read_checkpoint
+
 spawn = pytest.importorskip("ddp_kit.launch").spawn
 FULL = ["--checkpoint-format", "full", "--out-dir"]  # one file (sharded: test_lm_dcp.py)
 
@@ -64,6 +66,42 @@ def test_sharded_optimizer_with_wrappers_and_exact_resume(tmp_path):
     for key, value in r0[2]["weights"].items():
         assert torch.equal(r0[4]["weights"][key], value), key
     assert r0[3]["losses"] + r0[4]["losses"] == r0[2]["losses"]
+
+
+def test_bf16_optimizer_states_under_zero_and_fsdp_and_resume_across_state_dtypes(tmp_path):
+    """--optimizer-state-dtype bf16 on 2 ranks, against one process with bf16 states. ZeRO
+    steps whole parameters on their owners with lm_core's AdamW, FSDP flat shards (other
+    element indices, so other stochastic rounding bits); and two ranks sum gradients in
+    another order, so a moment next to a rounding threshold may round the other way: an
+    update then moves by up to 2^-7 of itself, ~2.3e-5 at lr 3e-3, which 6 steps bound by
+    1.4e-4 (measured: 1.9e-5 ZeRO, 7.9e-5 FSDP); a wrong shard or a missed sync moves
+    weights by ~1e-3. A resume equals the uninterrupted run bitwise (the bits depend on the
+    step, not on a generator); a checkpoint with fp32 states resumes with bf16 ones."""
+    pytest.importorskip("zero_shard")
+    bf16 = ["--optimizer-state-dtype", "bf16"]
+    long = [*BASE, "--steps", "6", "--cosine-steps", "6"]
+    zero = [*long, "--ddp", "individual", "--zero"]
+    ckpt = [str(tmp_path / d / "checkpoint.pt") for d in ("a", "b")]
+    runs = [
+        [*zero, *bf16],
+        [*zero, *bf16, "--steps", "3", *FULL, str(tmp_path / "a")],
+        [*zero, *bf16, "--resume", ckpt[0]],
+        [*zero, "--steps", "3", *FULL, str(tmp_path / "b")],  # fp32 states
+        [*zero, *bf16, "--resume", ckpt[1]],
+        [*long, "--fsdp", "ours", *bf16],
+    ]
+    r0, _ = spawn(_worker(), 2, args=(runs,), timeout_s=600)
+    ref, _ = _single(["--steps", "6", "--cosine-steps", "6", *bf16])
+    for key, value in r0[0]["weights"].items():
+        torch.testing.assert_close(value, ref[key], rtol=0, atol=2e-4)
+        torch.testing.assert_close(r0[5]["weights"][key], ref[key], rtol=0, atol=2e-4)
+        assert torch.equal(r0[2]["weights"][key], value), key
+        torch.testing.assert_close(r0[4]["weights"][key], value, rtol=0, atol=2e-4)
+    assert r0[1]["losses"] + r0[2]["losses"] == r0[0]["losses"]
+    assert r0[4]["step"] == 6
+    for path, dtype in zip(ckpt, (torch.bfloat16, torch.float32)):  # saved in their dtype
+        states = read_checkpoint(path)["optimizer"]["state"].values()
+        assert {s[n].dtype for s in states for n in ("exp_avg", "exp_avg_sq")} == {dtype}
 
 
 def _worker():

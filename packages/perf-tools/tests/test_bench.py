@@ -365,3 +365,34 @@ def test_optimizer_overlap_needs_train_and_one_process(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([*TINY, "--optimizer-overlap", "--nprocs", "2", "--fsdp", "ours"])
     assert "argument --optimizer-overlap: not available" in capsys.readouterr().err
+
+
+def test_optimizer_state_dtype_is_a_sweep_axis_of_train_rows(tmp_path, capsys):
+    """--optimizer-state-dtype fp32 bf16: two train rows of lm_core, whose AdamW keeps its
+    moments in that dtype; other modes get one row; refused without train rows and in the
+    multi-GPU mode."""
+    argv = [*TINY, *FAST, "--mode", "fwd-bwd", "train", "--optimizer-state-dtype", "fp32,bf16"]
+    specs = bench.specs_from_args(bench.parse_args(argv))
+    assert [(s.mode, s.opt_state) for s in specs] == [
+        ("fwd-bwd", "fp32"),
+        ("train", "fp32"),
+        ("train", "bf16"),
+    ]
+    assert specs[2].label().endswith("-opt-state-bf16")
+    model = torch.nn.Linear(2, 2)
+    opt = cells._optimizer(specs[2], model, torch.device("cpu"))
+    assert opt.state_dtype == torch.bfloat16
+    out = tmp_path / "s.csv"
+    assert bench.main([*argv, "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["opt_state"] for r in rows] == ["fp32", "fp32", "bf16"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert "opt_state" in capsys.readouterr().out  # a column of the table once bf16 is in
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--mode", "forward", "--optimizer-state-dtype", "bf16"])
+    assert "--optimizer-state-dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(
+            [*TINY, "--optimizer-state-dtype", "bf16", "--nprocs", "2", "--fsdp", "ours"]
+        )
+    assert "argument --optimizer-state-dtype: not available" in capsys.readouterr().err

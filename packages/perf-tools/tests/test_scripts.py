@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -88,3 +89,30 @@ def test_fsdp_options_times_every_variant():
     ], proc.stdout[-2000:]  # fmt: skip
     assert all(r["median_ms"] > 0 for r in rows)
     assert rows[0]["tokens_per_step"] == 2 * 16 * 2 * 2
+
+
+def test_optimizer_state_accuracy_dry_run(tmp_path):
+    """The bf16-optimizer-state accuracy script on a few steps of a very small model: its CSV
+    has every step and variant, its JSON the differences from fp32, and the plot is written."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("matplotlib")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [
+        sys.executable, str(SCRIPTS / "optimizer_state_accuracy.py"), "--out", str(tmp_path),
+        "--steps", "4", "--eval-every", "2", "--batch", "2", "--context", "16", "--d-model", "16",
+        "--layers", "1", "--heads", "2", "--d-ff", "32", "--vocab", "300", "--val-batches", "1",
+        "--variants", "fp32", "bf16-stochastic",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stem = tmp_path / "optimizer_state_accuracy"
+    with open(stem.with_suffix(".csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[4]["bf16-stochastic_train"]
+    assert rows[2]["fp32_val"]
+    assert not rows[1]["fp32_val"]  # evaluations every 2 steps
+    summary = json.loads(stem.with_suffix(".json").read_text())["summary"]
+    assert summary["fp32"]["final_val_minus_fp32"] == 0.0
+    assert abs(summary["bf16-stochastic"]["final_val_minus_fp32"]) < 0.05
+    assert stem.with_suffix(".png").stat().st_size > 0

@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from lm_core import optim_lowp
 from lm_core.optim import AdamW, _fused_available, implementation
 from lm_core.train_config import ConfigError, KeyNames, TrainConfig
 
@@ -104,7 +105,9 @@ def check_device(device: torch.device, option: str = f"--cuda-graph ({KEY})") ->
 def check_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """RuntimeError unless every group of `optimizer` steps with torch's fused AdamW kernel
     taking a tensor learning rate: its step counts live on the device and it reads the LR
-    from device memory, so one captured update serves every step of the schedule."""
+    from device memory, so one captured update serves every step of the schedule. With bf16
+    moments (`state_dtype`) the Triton kernel of `lm_core.adamw_triton` must serve, which
+    does the same."""
     where = f"--cuda-graph ({KEY})"
     if not isinstance(optimizer, AdamW):
         raise RuntimeError(f"{where} needs lm_core.AdamW, got {type(optimizer).__name__}")
@@ -115,6 +118,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> N
             "(torch._fused_adamw_.tensor_lr); train without --cuda-graph"
         )
     for i, group in enumerate(optimizer.param_groups):
+        lowp = any(
+            optim_lowp.moment_dtype(p, optimizer.state_dtype) != p.dtype for p in group["params"]
+        )
+        if lowp and optim_lowp.backend(group.get("fused"), device) != "triton":
+            raise RuntimeError(
+                f"{where}: parameter group {i} keeps bf16 moments (state_dtype, "
+                "--optimizer-state-dtype bf16) and steps them without the Triton kernel "
+                f"(fused={group.get('fused')!r}, or triton is not installed); its step counts "
+                "would stay on the host"
+            )
         if implementation(group.get("fused"), device) != "fused":
             raise RuntimeError(
                 f"{where}: parameter group {i} does not use the fused AdamW kernel "

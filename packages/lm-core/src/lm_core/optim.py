@@ -18,6 +18,11 @@ serves, so a torch that renames or drops them still trains, only slower. The cla
 ours (it is lm_core's public optimizer, the course's exercise); torch.optim.AdamW gives the
 same update and loads the same state dicts. State keys and layout ("step",
 "exp_avg", "exp_avg_sq") match torch's, so state dicts load into either optimizer.
+
+Opt-in, numerics-changing: `state_dtype=torch.bfloat16` keeps the moments of fp32 parameters
+in bf16 (the parameters stay fp32 master weights): half the state memory and 20 instead of 28
+bytes of traffic per parameter on CUDA, where a Triton kernel does the update
+(`lm_core.optim_lowp` says how, and how the moments are rounded).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from lm_core import optim_lowp
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -95,7 +102,17 @@ class AdamW(torch.optim.Optimizer):
         fused: True -> torch's fused kernel (CPU or CUDA; RuntimeError if this torch lacks
             it); False -> foreach ops; None (default) -> fused for CUDA parameters, else
             foreach. Where this torch lacks the private op chosen, the next one serves
-            (fused -> foreach -> plain; see the module docstring).
+            (fused -> foreach -> plain; see the module docstring). With bf16 states: True ->
+            the Triton kernel (RuntimeError where it cannot run), None -> that kernel for
+            CUDA parameters, False -> PyTorch ops (`optim_lowp.backend`).
+        state_dtype: dtype of exp_avg and exp_avg_sq of fp32 parameters: torch.float32 (the
+            default: torch's AdamW exactly) or torch.bfloat16 (opt-in; changes numerics:
+            see `lm_core.optim_lowp`). Other parameters' moments keep their own dtype.
+            State dicts hold the moments in their dtype; loading converts them to this one
+            (fp32 -> bf16 rounds to nearest, bf16 -> fp32 is exact).
+        state_rounding: how bf16 moments are rounded after each update: "stochastic"
+            (default: unbiased, keeps updates below half a bf16 ulp on average) or "nearest"
+            (half to even). Ignored for fp32 states.
     """
 
     def __init__(
@@ -107,9 +124,15 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         fused: bool | None = None,
+        state_dtype: torch.dtype = torch.float32,
+        state_rounding: str = "stochastic",
     ) -> None:
         _check_hparams(lr, betas, eps, weight_decay)
-        if fused:
+        # optimizer-wide, not per group: they say what this optimizer stores, whatever dtype
+        # a loaded state dict had (`load_state_dict` converts)
+        self.state_dtype = optim_lowp.check_state_dtype(state_dtype)
+        self.state_rounding = optim_lowp.check_rounding(state_rounding)
+        if fused and state_dtype == torch.float32:
             implementation(True, torch.device("cpu"))  # raises if the fused op is unusable
         defaults = {
             "lr": lr,
@@ -120,11 +143,52 @@ class AdamW(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups only (copy.deepcopy, pickle)
+        extra = {"state_dtype": self.state_dtype, "state_rounding": self.state_rounding}
+        return {**super().__getstate__(), **extra}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # kept when torch's load_state_dict passes state and groups only; an older pickle
+        # had fp32 states
+        self.__dict__.setdefault("state_dtype", torch.float32)
+        self.__dict__.setdefault("state_rounding", "stochastic")
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (validating its hyperparameters), as torch.optim.Optimizer does."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim.Optimizer.load_state_dict, with the moments converted to this
+        optimizer's `state_dtype` (torch's casts them to the parameter's dtype)."""
+        if self.state_dtype == torch.float32:
+            super().load_state_dict(state_dict)  # torch's behaviour exactly
+            return
+        # Take the moments out so torch does not make fp32 copies of bf16 moments first.
+        moments: dict[Any, dict[str, Any]] = {}
+        stripped: dict[Any, Any] = {}
+        for key, entry in state_dict["state"].items():
+            if isinstance(entry, dict):
+                moments[key] = {n: v for n, v in entry.items() if n in optim_lowp.MOMENTS}
+                entry = {n: v for n, v in entry.items() if n not in optim_lowp.MOMENTS}
+            stripped[key] = entry
+        super().load_state_dict({**state_dict, "state": stripped})
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        param_of = dict(zip(saved_ids, params))
+        for key, entry in moments.items():
+            p = param_of.get(key)
+            if p is None:  # torch keeps state it cannot place under its key, as it came
+                self.state[key].update(entry)
+                continue
+            dtype = optim_lowp.moment_dtype(p, self.state_dtype)
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    value = value.to(device=p.device, dtype=dtype)
+                self.state[p][name] = value
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -138,9 +202,10 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        # (device, dtype, DTensor mesh or None) -> lists of params, grads, exp_avgs,
-        # exp_avg_sqs, steps: a foreach op takes no mix of tensors and DTensors (tensor
-        # parallelism leaves the replicated parameters plain) nor DTensors of two meshes.
+        # (device, dtype, moments' dtype, DTensor mesh or None) -> lists of params, grads,
+        # exp_avgs, exp_avg_sqs, steps: a foreach op takes no mix of tensors and DTensors
+        # (tensor parallelism leaves the replicated parameters plain) nor DTensors of two
+        # meshes; moments of another dtype than the parameter's take the bf16-state update.
         buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(
             lambda: [[], [], [], [], []]
         )
@@ -151,25 +216,80 @@ class AdamW(torch.optim.Optimizer):
                 raise RuntimeError("AdamW does not support sparse gradients")
             state = self.state[p]
             if len(state) == 0:
-                # fused: the step count lives on the parameter's device (the kernel reads it);
-                # foreach: on the CPU (bias corrections are host math). Created in place, so
-                # the first step does not copy host -> device either.
-                fused = implementation(group.get("fused"), p.device) == "fused"
-                step_device = p.device if fused else "cpu"
+                # fused (and the bf16-state kernel): the step count lives on the parameter's
+                # device (the kernel reads it); foreach: on the CPU (bias corrections are host
+                # math). Created in place, so the first step does not copy host -> device.
+                dtype = optim_lowp.moment_dtype(p, self.state_dtype)
+                if dtype != p.dtype:
+                    on_device = optim_lowp.backend(group.get("fused"), p.device) == "triton"
+                else:
+                    on_device = implementation(group.get("fused"), p.device) == "fused"
+                step_device = p.device if on_device else "cpu"
                 state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            lists = buckets[(p.device, p.dtype, getattr(p, "device_mesh", None))]
+                for name in optim_lowp.MOMENTS:
+                    state[name] = torch.zeros_like(
+                        p, dtype=dtype, memory_format=torch.preserve_format
+                    )
+            key = (p.device, p.dtype, state["exp_avg"].dtype, getattr(p, "device_mesh", None))
+            lists = buckets[key]
             for i, t in enumerate((p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                 lists[i].append(t)
             lists[4].append(state["step"])
-        for (device, _, _), (params, grads, exp_avgs, exp_avg_sqs, steps) in buckets.items():
+        for (device, dtype, moments, _), lists in buckets.items():
+            if moments != dtype:
+                self._lowp_update(group, *lists)
+                continue
             update = {
                 "fused": self._fused_update,
                 "foreach": self._foreach_update,
                 "plain": self._plain_update,
             }[implementation(group.get("fused"), device)]
-            update(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+            update(group, *lists)
+
+    def _lowp_update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        """fp32 parameters with bf16 moments (`lm_core.optim_lowp`): the Triton kernel, or
+        the foreach / plain update on fp32 copies of the moments, rounded back."""
+        device = params[0].device
+        if optim_lowp.backend(group.get("fused"), device) == "triton":
+            steps = self._device_steps(params, steps)
+            self._advance(steps)
+            for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+                ts = [optim_lowp.local(t) for t in (p, g, m, v)]
+                work = [t.contiguous() for t in ts]  # the kernel's flat indexing (rarely a copy)
+                optim_lowp.kernel_step(*work, s, group, self.state_rounding)
+                for t, w in zip(ts, work):
+                    if w is not t and t is not ts[1]:
+                        t.copy_(w)
+            return
+        self._lowp_torch(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+
+    def _lowp_torch(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+    ) -> None:
+        # The fp32 update on fp32 copies (scratch), then the moments rounded back into bf16.
+        m32 = [m.float() for m in exp_avgs]
+        v32 = [v.float() for v in exp_avg_sqs]
+        update = self._foreach_update if _foreach_available() else self._plain_update
+        update(group, params, grads, m32, v32, steps)
+        counts = [int(self.state[p]["step"].item()) for p in params]  # CPU tensors by now
+        rounding = self.state_rounding
+        moments = [[optim_lowp.local(t) for t in ts] for ts in (exp_avgs, exp_avg_sqs)]
+        optim_lowp.round_into(moments[0], [optim_lowp.local(t) for t in m32], counts, 0, rounding)
+        optim_lowp.round_into(moments[1], [optim_lowp.local(t) for t in v32], counts, 1, rounding)
 
     def _fused_update(
         self,
@@ -180,17 +300,8 @@ class AdamW(torch.optim.Optimizer):
         exp_avg_sqs: list[torch.Tensor],
         steps: list[torch.Tensor],
     ) -> None:
-        # The fused kernel reads the step count from device tensors; move them once.
-        device = params[0].device
-        if steps[0].device != device:
-            for p, s in zip(params, steps):
-                self.state[p]["step"] = s.to(device)
-            steps = [self.state[p]["step"] for p in params]
-        if _foreach_available():
-            torch._foreach_add_(steps, 1.0)
-        else:
-            for s in steps:
-                s.add_(1.0)
+        steps = self._device_steps(params, steps)
+        self._advance(steps)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             params,
@@ -260,6 +371,24 @@ class AdamW(torch.optim.Optimizer):
             denom.div_(math.sqrt(1.0 - beta2**t))
             denom.add_(eps)
             p.addcdiv_(m, denom, value=-lr / (1.0 - beta1**t))
+
+    def _device_steps(self, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list:
+        """The step counts on the parameters' device (moved once): fused kernels read them
+        there."""
+        device = params[0].device
+        if steps[0].device != device:
+            for p, s in zip(params, steps):
+                self.state[p]["step"] = s.to(device)
+            steps = [self.state[p]["step"] for p in params]
+        return steps
+
+    @staticmethod
+    def _advance(steps: list[torch.Tensor]) -> None:
+        if _foreach_available():
+            torch._foreach_add_(steps, 1.0)
+        else:
+            for s in steps:
+                s.add_(1.0)
 
     def _host_steps(self, params: list[torch.Tensor], steps: list[torch.Tensor]) -> list:
         """The step counts as CPU tensors (moved once if they were on a device)."""

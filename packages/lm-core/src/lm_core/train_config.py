@@ -143,6 +143,12 @@ class OptimOptions:
     beta1: float = _opt(0.9, "AdamW beta1")
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW epsilon", flag="--adam-eps")
+    state_dtype: Literal["fp32", "bf16"] = _opt(
+        "fp32",
+        "dtype of AdamW's moments (weights stay fp32): bf16 halves the optimizer state and "
+        "its traffic on CUDA, changing the numerics (stochastic rounding; lm_core.optim_lowp)",
+        flag="--optimizer-state-dtype",
+    )
     grad_clip: float = _opt(1.0, "max gradient L2 norm (0: off)")
 
 

@@ -60,6 +60,7 @@ from lm_core.graph_step import GraphedStep, check_device
 from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
+from lm_core.optim_lowp import STATE_DTYPE_NAMES
 from lm_core.run_dir import checkpoint_name, continue_metrics
 from lm_core.shared_dir import start_together
 from lm_core.train_checks import resolve_config
@@ -493,6 +494,7 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
         betas=(o.beta1, o.beta2),
         eps=o.eps,
         weight_decay=o.weight_decay,
+        state_dtype=STATE_DTYPE_NAMES[o.state_dtype],
     )
     start = 0
     if config.checkpoint.resume is not None:

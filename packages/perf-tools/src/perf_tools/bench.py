@@ -28,6 +28,8 @@ Examples:
   python -m perf_tools.bench --size xl --precision bf16 --compile both --compare hf
   python -m perf_tools.bench --size xl --precision bf16 --mode train --compile on blocks \\
       --cuda-graph both --optimizer-overlap both
+  python -m perf_tools.bench --size xl --precision bf16 --mode train --compile \\
+      --cuda-graph --optimizer-state-dtype fp32 bf16
   python -m perf_tools.bench --size 2.7B --mode train --steps 3 --memory-snapshot mem.pickle
   nsys profile -c cudaProfilerApi -o trace python -m perf_tools.bench --size small --nvtx
   python -m perf_tools.bench --size xl --nprocs 2 --fsdp ours torch --precision bf16
@@ -108,6 +110,7 @@ TABLE_COLUMNS = [
     "blas",
     "matmul",
     "opt_overlap",
+    "opt_state",
     "status",
     "mean_ms",
     "std_ms",
@@ -136,7 +139,9 @@ OPTIONAL_CONFIG_COLUMNS = {
     "blas": "default",
     "matmul": "default",
     "opt_overlap": False,
+    "opt_state": "fp32",
 }
+OPT_STATE_DTYPES = ("fp32", "bf16")
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
 COMPILE_CHOICES = ("off", "on", "blocks", "both")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -203,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of one AdamW step after it: --optimizer-overlap (on), both (after and "
         "overlapped). Overlaps only eager or with --compile blocks; opt_ms is then the "
         "optimizer time left after the backward",
+    )
+    g.add_argument(
+        "--optimizer-state-dtype",
+        nargs="+",
+        type=_cli.listed(_cli.choice(OPT_STATE_DTYPES)),
+        default=None,
+        metavar="{fp32,bf16}",
+        help="train rows of lm_core: the dtype of AdamW's moments (weights stay fp32); "
+        "bf16 changes the numerics (lm_core.optim_lowp). Several for a sweep axis "
+        "(--optimizer-state-dtype fp32 bf16); default fp32",
     )
     g.add_argument(
         "--compare",
@@ -287,6 +302,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.compiles = list(dict.fromkeys(c for p in picked for c in _COMPILES[p]))
     args.overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.optimizer_overlap]
     args.graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
+    args.opt_states = _cli.flatten(args.optimizer_state_dtype) or ["fp32"]
     args.competitors = _cli.flatten(args.compare) or []
     if args.no_warmup:
         args.warmup = 0
@@ -300,6 +316,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(
             "argument --optimizer-overlap: overlaps the train step's optimizer; add --mode train"
         )
+    if args.opt_states != ["fp32"] and "train" not in args.modes:
+        parser.error("argument --optimizer-state-dtype: a train step's option; add --mode train")
     if args.memory_snapshot is not None and not on_gpu:
         parser.error(
             "argument --memory-snapshot: the allocator history is recorded by the CUDA "
@@ -323,9 +341,11 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
         ):
             for context in sorted(args.contexts):
                 for mode, graph in itertools.product(args.modes, args.graphs):
-                    # the optimizer overlap: train rows of lm_core only
-                    overlaps = args.overlaps if impl == OURS and mode == "train" else [False]
-                    for overlap in overlaps:
+                    # the optimizer overlap and state dtype: train rows of lm_core only
+                    ours_train = impl == OURS and mode == "train"
+                    overlaps = args.overlaps if ours_train else [False]
+                    opt_states = getattr(args, "opt_states", ["fp32"]) if ours_train else ["fp32"]
+                    for overlap, opt_state in itertools.product(overlaps, opt_states):
                         specs.append(
                             BenchSpec(
                                 impl,
@@ -338,6 +358,7 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                                 graph,
                                 matmul=matmul,
                                 overlap=overlap,
+                                opt_state=opt_state,
                             )
                         )
     return specs
@@ -350,7 +371,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Step time against context (several contexts) or against model size (one context)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     cols = ["model", "size", "attention", "compile", "cuda_graph", "opt_overlap", "precision"]
-    cols.append("mode")
+    cols += ["opt_state", "mode"]
     contexts = {r["context"] for r in rows}
     x = "context" if len(contexts) > 1 else "params_M"
     group = [c for c in cols if (len({r.get(c) for r in rows}) > 1 and c != "size") or c == "mode"]

@@ -108,6 +108,7 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         )
     for flag, used in (
         ("--optimizer-overlap", args.optimizer_overlap != "off"),
+        ("--optimizer-state-dtype", args.opt_states != ["fp32"]),
         ("--cuda-graph", args.cuda_graph != "off"),
         ("--compare", bool(args.competitors)),
         ("--nvtx", args.nvtx),

@@ -52,6 +52,7 @@ class BenchSpec:
     ddp: str = "none"  # multi-GPU mode: "torch" (DistributedDataParallel; fsdp "none")
     matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
     overlap: bool = False  # train rows of lm_core: lm_core.OverlappedOptimizer
+    opt_state: str = "fp32"  # train rows of lm_core: AdamW's moments, fp32 or bf16
 
     @property
     def model_key(self) -> tuple[str, str, str | None, bool | str, str]:
@@ -69,6 +70,8 @@ class BenchSpec:
             parts.append(f"matmul-{self.matmul}")
         if self.overlap:
             parts.append("opt-overlap")
+        if self.opt_state != "fp32":
+            parts.append(f"opt-state-{self.opt_state}")
         if self.fsdp and self.fsdp != "none":
             parts.append(f"fsdp-{self.fsdp}")
         if self.ddp != "none":
@@ -112,6 +115,10 @@ def _loss_fn(impl: str) -> Any:
 
 def _optimizer(spec: BenchSpec, model: nn.Module, device: torch.device) -> Any:
     kwargs = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if spec.impl == OURS:
+        from lm_core.optim_lowp import STATE_DTYPE_NAMES
+
+        kwargs["state_dtype"] = STATE_DTYPE_NAMES[spec.opt_state]
     if spec.impl == OURS and spec.overlap:
         from lm_core import OverlappedOptimizer
 
@@ -437,6 +444,7 @@ def cell_row(
         "blas": opts.blas,
         "matmul": spec.matmul,
         "opt_overlap": spec.overlap,
+        "opt_state": spec.opt_state,
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,

@@ -1,0 +1,168 @@
+"""Triton kernel of AdamW with bf16 moments and fp32 master weights (`AdamW(state_dtype=
+torch.bfloat16)` on CUDA).
+
+One program per BLOCK elements of one parameter tensor reads the fp32 parameter and gradient
+and the two bf16 moments, does the whole update in fp32 registers (the same math as
+`lm_core.optim.AdamW`'s foreach update), and writes the parameter and the moments rounded back
+to bf16: 12 bytes read and 8 written per parameter, where the fp32 fused update moves 16 + 12.
+The moments are passed as int16 views of their bf16 storage and converted with bit operations
+(bf16 is the top half of an fp32), which is exact, runs the same in Triton's CPU interpreter
+(numpy has no bfloat16) and fixes the rounding to what `lm_core.optim_lowp` does in PyTorch:
+
+- nearest: round half to even, as `Tensor.to(torch.bfloat16)`; NaN -> 0x7FC0;
+- stochastic: add 16 random bits below the bf16 mantissa, then truncate (rounds up with the
+  probability of the dropped fraction, so the stored moment is unbiased). The bits are
+  `hash32(i ^ hash32(2 * step + k))` for element i (k = 0: exp_avg, 1: exp_avg_sq): no RNG
+  state, the same bits in PyTorch (`optim_lowp.stochastic_bits`), and a resumed run draws
+  what an uninterrupted one would.
+
+The step count and (optionally) the learning rate are read from device memory, so a CUDA graph
+captures one launch per tensor that serves every step of the schedule. Bias corrections are
+fp32 (`exp2(step * log2(beta))`), as in torch's fused AdamW kernel.
+
+This module imports triton at the top; `lm_core.optim_lowp` imports it lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lm_core._triton_util import is_interpreted
+
+BLOCK = 1024  # elements per program: 8 per thread at 4 warps (memory-bound, no reuse)
+
+
+@triton.jit
+def _hash32(x):
+    # "lowbias32" (uint32 -> uint32, a bijection); mirrored in optim_lowp.hash32
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _bf16_bits_to_f32(bits):
+    # int16 storage of bf16 -> fp32 (exact: bf16 is the high half of an fp32)
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _f32_to_bf16_bits(x, idx, key, STOCHASTIC: tl.constexpr):
+    u = x.to(tl.uint32, bitcast=True)
+    if STOCHASTIC:
+        u = u + (_hash32(idx ^ key) & 0xFFFF)
+    else:
+        u = u + 0x7FFF + ((u >> 16) & 1)  # round half to even
+    out = tl.where(x != x, 0x7FC0, u >> 16)  # NaN: torch's canonical bf16 NaN
+    return out.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def adamw_bf16_state_kernel(
+    P,  # (n,) float32 parameter, updated in place
+    G,  # (n,) gradient (any float dtype; read as fp32)
+    M,  # (n,) int16 view of the bf16 exp_avg, updated in place
+    V,  # (n,) int16 view of the bf16 exp_avg_sq, updated in place
+    STEP,  # () float32: this step's count (already advanced)
+    LR,  # () float32 learning rate when LR_ON_DEVICE, else unused
+    lr,  # float learning rate when not LR_ON_DEVICE
+    beta1,
+    beta2,
+    log2_beta1,  # log2(beta1) (-inf for beta1 = 0)
+    log2_beta2,
+    eps,
+    weight_decay,
+    n,
+    LR_ON_DEVICE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    step = tl.load(STEP)
+    if LR_ON_DEVICE:
+        lr = tl.load(LR).to(tl.float32)
+    p = tl.load(P + offs, mask=mask, other=0.0)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    m = _bf16_bits_to_f32(tl.load(M + offs, mask=mask, other=0))
+    v = _bf16_bits_to_f32(tl.load(V + offs, mask=mask, other=0))
+
+    # the foreach update's ops in its order: decay, lerp, v * beta2 + (1 - beta2) g^2, step
+    p = p * (1.0 - lr * weight_decay)
+    w = 1.0 - beta1
+    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))  # torch.lerp's two forms
+    v = v * beta2
+    v = v + (1.0 - beta2) * g * g
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    denom = tl.sqrt(v) / bias2_sqrt + eps
+    p = p + (-lr / bias1) * (m / denom)
+    tl.store(P + offs, p, mask=mask)
+
+    t = step.to(tl.uint32)
+    idx = offs.to(tl.uint32)  # the low 32 bits of the element index
+    key_m = _hash32(t * 2)
+    key_v = _hash32(t * 2 + 1)
+    tl.store(M + offs, _f32_to_bf16_bits(m, idx, key_m, STOCHASTIC), mask=mask)
+    tl.store(V + offs, _f32_to_bf16_bits(v, idx, key_v, STOCHASTIC), mask=mask)
+
+
+def interpreting() -> bool:
+    """True when the kernel was built for Triton's CPU interpreter (TRITON_INTERPRET=1 was set
+    before this module was first imported)."""
+    return is_interpreted(adamw_bf16_state_kernel)
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else float("-inf")
+
+
+def adamw_bf16_state_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    stochastic: bool,
+) -> None:
+    """One AdamW update of one tensor in place (module docstring): `param` fp32, `grad` of
+    the parameter's shape, `exp_avg` / `exp_avg_sq` bf16, all contiguous on one device;
+    `step` a 0-dim float32 tensor there holding this step's count (already advanced); `lr` a
+    float or a 0-dim tensor on the device."""
+    n = param.numel()
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.shape != param.shape or t.device != param.device:
+            raise ValueError(f"{name}: expected the parameter's shape and device")
+    if param.dtype != torch.float32 or exp_avg.dtype != torch.bfloat16:
+        raise TypeError("the bf16-state kernel takes a float32 parameter and bf16 moments")
+    if not all(t.is_contiguous() for t in (param, grad, exp_avg, exp_avg_sq)):
+        raise ValueError("the bf16-state kernel takes contiguous tensors")
+    if n == 0:
+        return
+    if isinstance(lr, torch.Tensor) and lr.device != param.device:
+        lr = float(lr)  # a host tensor: its value (a device tensor is read where it lives)
+    lr_on_device = isinstance(lr, torch.Tensor)
+    lr_ptr = lr if lr_on_device else step  # unused when the lr is a float
+    guard = torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext()
+    with guard:
+        adamw_bf16_state_kernel[(triton.cdiv(n, BLOCK),)](
+            param, grad, exp_avg.view(torch.int16), exp_avg_sq.view(torch.int16), step, lr_ptr,
+            0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            weight_decay, n, LR_ON_DEVICE=lr_on_device, STOCHASTIC=stochastic, BLOCK=BLOCK,
+            num_warps=4,
+        )  # fmt: skip
