@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 
 from zero_shard._comm import Comm, check_timeout
 from zero_shard.partition import greedy_partition
-from zero_shard.sharded_state import zero_lr_and_grads
+from zero_shard.sharded_state import check_by_name, zero_lr_and_grads
 from zero_shard.sync import (
     GatherGroup,
     SyncUnit,
@@ -487,15 +487,7 @@ class ShardedOptimizer(Optimizer):
         """Load a `sharded_state_dict()` layout (by parameter name; it needs the state of this
         rank's parameters only, and may hold more). Local; call it on every rank."""
         names = self._names(param_names)
-        if not (
-            isinstance(state_dict, dict)
-            and isinstance(state_dict.get("state"), dict)
-            and isinstance(state_dict.get("param_groups"), list | tuple)
-        ):
-            raise ValueError(
-                "state_dict: expected {'state': {name: {...}}, 'param_groups': [...]} by "
-                "parameter name (ShardedOptimizer.sharded_state_dict())"
-            )
+        check_by_name(state_dict, "ShardedOptimizer.sharded_state_dict()")
         index = {n: i for i, n in enumerate(names)}
         unknown = sorted(set(state_dict["state"]) - set(index))
         if unknown:

@@ -142,6 +142,20 @@ def optimizer_sharded_state(
     return {"state": state, "param_groups": groups}
 
 
+def check_by_name(state_dict: Any, source: str) -> None:
+    """Raise ValueError unless `state_dict` is an optimizer state keyed by parameter name,
+    {'state': {name: {...}}, 'param_groups': [...]}, as `source` returns it."""
+    if not (
+        isinstance(state_dict, Mapping)
+        and isinstance(state_dict.get("state"), Mapping)
+        and isinstance(state_dict.get("param_groups"), list | tuple)
+    ):
+        raise ValueError(
+            "state_dict: expected {'state': {name: {...}}, 'param_groups': [...]} by parameter "
+            f"name ({source})"
+        )
+
+
 def load_optimizer_sharded_state(
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
@@ -152,15 +166,7 @@ def load_optimizer_sharded_state(
 ) -> None:
     """Local: load what `optimizer_sharded_state` returned (in this or another layout: its
     `FlatShard`s or full-shape tensors) into `optimizer`."""
-    if not (
-        isinstance(state_dict, Mapping)
-        and isinstance(state_dict.get("state"), Mapping)
-        and isinstance(state_dict.get("param_groups"), list | tuple)
-    ):
-        raise ValueError(
-            "state_dict: expected {'state': {name: {...}}, 'param_groups': [...]} by parameter "
-            "name (FSDP.sharded_optimizer_state_dict())"
-        )
+    check_by_name(state_dict, "FSDP.sharded_optimizer_state_dict()")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     index = {names[id(p)]: i for i, p in enumerate(params) if id(p) in names}
     unknown = sorted(set(state_dict["state"]) - set(index))
