@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zero_shard._comm import install_exit_guard
+
 
 def _size_gib(path: Path) -> float:
     files = path.iterdir() if path.is_dir() else [path]
@@ -46,6 +48,8 @@ def main() -> int:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")  # the trainer then joins this group
+    # gloo's worker threads can abort the process at exit unless they finish first
+    install_exit_guard()
     result = train(argv)
     engine, optimizer, config = result.parallel, result.optimizer, result.model.config
 

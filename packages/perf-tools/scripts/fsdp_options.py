@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
+from zero_shard._comm import install_exit_guard
+
 VARIANTS = {  # name -> (reshard_after_forward, accumulate without sync)
     "sync": (True, False),
     "no_sync": (True, True),
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
+    # gloo's worker threads can abort the process at exit unless they finish first
+    install_exit_guard()
     for name in args.variants:
         row = _time_variant(args, name, device)  # its model and optimizer are freed here
         gc.collect()

@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from zero_shard._comm import install_exit_guard
+
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
+    # gloo's worker threads can abort the process at exit unless they finish first
+    install_exit_guard()
     config = resolve_config(args.size, context_length=512)
     start = time.perf_counter()
     torch.manual_seed(0)
