@@ -7,6 +7,8 @@ every rank synchronized before and after each:
 - `dcp_load_s`: `lm_core.dcp_checkpoint.load_dcp_checkpoint` of it (verified, loaded in place);
 - `full_save_s`: what `--checkpoint-format full` does (parameters gathered and optimizer state
   consolidated on rank 0, which writes one file).
+The sharded checkpoint is measured and deleted before the single file is written, so that a
+disk that holds one copy of the state (the 8B model's is ~91 GiB) holds the run.
 Prints one JSON line (rank 0) with the times, the peak GPU memory and both sizes on disk. The
 output folder must be visible to every rank.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -75,11 +78,14 @@ def main() -> int:
             lambda: save_dcp_checkpoint(out / "ck.dcp", engine, optimizer, result.step, config)
         ),
         "dcp_load_s": timed(lambda: load_dcp_checkpoint(out / "ck.dcp", engine, optimizer)),
-        "full_save_s": timed(full_save),
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
     }
     if dist.get_rank() == 0:
-        row["dcp_gib"], row["file_gib"] = _size_gib(out / "ck.dcp"), _size_gib(out / "ck.pt")
+        row["dcp_gib"] = _size_gib(out / "ck.dcp")
+        shutil.rmtree(out / "ck.dcp")
+    row["full_save_s"] = timed(full_save)
+    row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    if dist.get_rank() == 0:
+        row["file_gib"] = _size_gib(out / "ck.pt")
         print(json.dumps(row))
     dist.destroy_process_group()
     return 0

@@ -54,10 +54,17 @@
 #   sharded_ckpt  scripts/checkpoint_timing.py under torchrun on 2 GPUs: xl bf16, --fsdp ours
 #              then torch, 2 steps of 4 x 512 tokens, then DCP save / load and the single-file
 #              save timed (one JSON line each in its log)                         ~2-3 min
+#   sharded_ckpt8b  the same at 8B (--fsdp ours, 1 step of 2 x 512 tokens per rank; ~91 GiB of
+#              state: the sharded copy is deleted before the single file is written; needs
+#              2 GPUs of 141 GB, ~250 GB of host memory for rank 0's gather and ~100 GB of
+#              disk)                                                              ~5-7 min
 #   init8b     scripts/init_memory.py: the 8B build sharded by our FSDP on 2 GPUs, on the meta
 #              device against whole on each GPU first (peak RSS, device memory)   ~2-4 min
 #   fsdp_options  scripts/fsdp_options.py: xl, 2 sequences x 4 micro-steps per rank, sync /
 #              no_sync / reshard_after_forward=False, ours and torch's FSDP       ~3-5 min
+#   parallel8b the 8B model at 2 x 8192 tokens per step, bf16 train, every block checkpointed,
+#              fused loss, SDPA: TP 2 (batch 2) against FSDP torch (batch 1 per rank), eager,
+#              the planner's prediction beside each row. NEEDS 2 GPUs OF 141 GB ~4-6 min
 #   step8b     issue 7: the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
 #              1 per rank, fused loss, every block checkpointed, sdpa then flash-triton, 1
 #              warm-up + 3 steps. NEEDS 2 GPUs OF 141 GB (H200): ~69 GB per rank plus the
@@ -177,7 +184,16 @@ if want sharded_ckpt; then
       --size xl --bf16 --fsdp "$fsdp" --steps 2 --synthetic random --batch-size 4 \
       --context-length 512 --out-dir "$WORK/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
       --no-progress
+    rm -rf "$WORK/ckpt_$fsdp"  # gigabytes of state: timed, not kept
   done
+fi
+if want sharded_ckpt8b; then
+  run sharded_ckpt8b $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
+    "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$WORK/ckpt_8b" \
+    --size 8B --bf16 --fsdp ours --steps 1 --synthetic random --batch-size 4 \
+    --context-length 512 --out-dir "$WORK/ckpt_8b/run" --overwrite --ckpt-every 1000 \
+    --no-progress
+  rm -rf "$WORK/ckpt_8b"
 fi
 if want init8b; then  # peak host RSS and device memory per rank of the 8B build, meta vs whole
   for build in meta device; do
@@ -191,6 +207,13 @@ if want fsdp_options; then  # accumulation without sync, reshard_after_forward=F
       "$ROOT/packages/perf-tools/scripts/fsdp_options.py" --size xl --fsdp "$fsdp" \
       --context 512 --batch 2 --accum 4 --warmup 2 --steps 5
   done
+fi
+if want parallel8b; then
+  P="$B --size 8B --context 8192 --nprocs 2 --precision bf16 --mode train --fused-loss"
+  P="$P --activation-checkpointing 1 --attention sdpa --warmup 1 --steps 3"
+  run parallel8b_tp $P --batch 2 --tp 2 --csv "$WORK/parallel8b_tp.csv" --json "$WORK/parallel8b_tp.json"
+  run parallel8b_fsdp $P --batch 1 --fsdp torch \
+    --csv "$WORK/parallel8b_fsdp.csv" --json "$WORK/parallel8b_fsdp.json"
 fi
 if want step8b; then
   RUN_TIMEOUT=${STEP8B_TIMEOUT:-570} run step8b $B --size 8B --context 32768 --batch 1 \
