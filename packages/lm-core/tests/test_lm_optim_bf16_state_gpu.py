@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 BF16 = torch.bfloat16
 KW = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
+STEPS = 5
 SHAPES = [(1000, 77), (4097,), (3, 5, 7)]  # block-multiple and ragged ends
 
 
@@ -34,12 +35,14 @@ def _grads(params, step):
 def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
     """fused=None takes the Triton kernel on CUDA, fused=False PyTorch ops: the fp32 math may
     contract differently (FMA), so a moment within an fp32 ulp of a rounding threshold may
-    land one bf16 ulp apart: >= 99.9% equal, all within 1 ulp; weights to 1e-5."""
+    land one bf16 ulp apart: >= 99.9% equal, all within 1 ulp. A weight whose moments were
+    an ulp apart moves by up to lr * 2^-7 more or less per step (the update's relative
+    change), so weights: >= 99.9% within 1e-5, all within steps * lr * 2^-7."""
     runs = []
     for fused in (None, False):
         params = _params()
         opt = AdamW(params, fused=fused, state_dtype=BF16, state_rounding=rounding, **KW)
-        for step in range(5):
+        for step in range(STEPS):
             _grads(params, step)
             opt.step()
         runs.append((params, opt))
@@ -47,7 +50,9 @@ def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
     assert ok.state[pk[0]]["step"].is_cuda  # the kernel's counts live on the device
     assert not ot.state[pt[0]]["step"].is_cuda
     for a, b in zip(pk, pt):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        diff = (a - b).abs()
+        assert diff.max() <= STEPS * KW["lr"] * 2**-7, diff.max()
+        assert (diff <= 1e-5 + 1e-5 * b.abs()).float().mean() >= 0.999
         for n in lowp.MOMENTS:
             x, y = ok.state[a][n], ot.state[b][n]
             ulps = (x.view(torch.int16).int() - y.view(torch.int16).int()).abs()
