@@ -35,7 +35,8 @@ def _grads(params, step):
 def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
     """fused=None takes the Triton kernel on CUDA, fused=False PyTorch ops: the fp32 math may
     contract differently (FMA), so a moment within an fp32 ulp of a rounding threshold may
-    land one bf16 ulp apart: >= 99.9% equal, all within 1 ulp. A weight whose moments were
+    land one bf16 ulp apart: >= 99.9% equal, the rest within an ulp of the moment's scale
+    (measured on an H200: up to 10 ulps of a moment near zero, by cancellation). A weight whose moments were
     an ulp apart moves by up to lr * 2^-7 more or less per step (the update's relative
     change), so weights: >= 99.9% within 1e-5, all within steps * lr * 2^-7."""
     runs = []
@@ -54,10 +55,12 @@ def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
         assert diff.max() <= STEPS * KW["lr"] * 2**-7, diff.max()
         assert (diff <= 1e-5 + 1e-5 * b.abs()).float().mean() >= 0.999
         for n in lowp.MOMENTS:
-            x, y = ok.state[a][n], ot.state[b][n]
-            ulps = (x.view(torch.int16).int() - y.view(torch.int16).int()).abs()
-            assert ulps.max() <= 1, n
-            assert (ulps == 0).float().mean() >= 0.999, n
+            x, y = ok.state[a][n].float(), ot.state[b][n].float()
+            assert (x == y).float().mean() >= 0.999, n
+            # bounded by a bf16 ulp of the values it came from, not of the result: where
+            # beta * m and (1 - beta) * g nearly cancel, one ulp of m is many of the sum
+            bound = 2**-7 * (y.abs() + y.abs().mean())
+            assert ((x - y).abs() <= bound).all(), (n, (x - y).abs().max())
 
 
 def test_captured_update_replays_the_eager_one_bitwise():
