@@ -36,9 +36,9 @@ def test_kernel_matches_the_pytorch_update_on_cuda(rounding):
     """fused=None takes the Triton kernel on CUDA, fused=False PyTorch ops: the fp32 math may
     contract differently (FMA), so a moment within an fp32 ulp of a rounding threshold may
     land one bf16 ulp apart: >= 99.9% equal, the rest within an ulp of the moment's scale
-    (measured on an H200: up to 10 ulps of a moment near zero, by cancellation). A weight whose moments were
-    an ulp apart moves by up to lr * 2^-7 more or less per step (the update's relative
-    change), so weights: >= 99.9% within 1e-5, all within steps * lr * 2^-7."""
+    (measured on an H200: up to 10 ulps of a moment near zero, by cancellation). A weight
+    whose moments were an ulp apart moves by up to lr * 2^-7 more or less per step (the
+    update's relative change), so weights: >= 99.9% within 1e-5, all within steps * lr * 2^-7."""
     runs = []
     for fused in (None, False):
         params = _params()
