@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from zero_shard._comm import install_exit_guard
 
-VARIANTS = {  # name -> (reshard_after_forward, accumulate without sync)
-    "sync": (True, False),
-    "no_sync": (True, True),
-    "keep_gathered": (False, False),
-    "keep_gathered_no_sync": (False, True),
+VARIANTS = {  # name -> (keep gathered: reshard_after_forward=False, accumulate without sync)
+    "sync": (False, False),
+    "no_sync": (False, True),
+    "keep_gathered": (True, False),
+    "keep_gathered_no_sync": (True, True),
 }
 
 
@@ -57,13 +57,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _wrap(model: torch.nn.Module, fsdp: str, device: torch.device, keep: bool, bf16: bool):
-    """(runner, no-sync context factory, gradient sync after backward or None)."""
+    """(runner, no-sync context factory, gradient sync after backward or None, the wrapper's
+    own reshard_after_forward where it reports one)."""
     if fsdp == "ours":
         from zero_shard import FSDP
 
         dtype = torch.bfloat16 if bf16 else None
         wrapped = FSDP(model, compute_dtype=dtype, device=device, reshard_after_forward=not keep)
-        return wrapped, wrapped.no_sync, wrapped.finish_gradient_synchronization
+        no_sync, finish = wrapped.no_sync, wrapped.finish_gradient_synchronization
+        return wrapped, no_sync, finish, wrapped._reshard
     from lm_core.fsdp import materialize_fully_sharded
     from perf_tools.bench_dist import torch_fully_shard
 
@@ -86,7 +88,7 @@ def _wrap(model: torch.nn.Module, fsdp: str, device: torch.device, keep: bool, b
 
         return _NoSync()
 
-    return model, no_sync, None
+    return model, no_sync, None, not keep
 
 
 def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> dict:
@@ -98,7 +100,7 @@ def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> 
     config = resolve_config(args.size, context_length=args.context)
     torch.manual_seed(0)
     model = build_model(config, "meta")
-    runner, no_sync, finish = _wrap(model, args.fsdp, device, keep, bf16=cuda)
+    runner, no_sync, finish, reshard = _wrap(model, args.fsdp, device, keep, bf16=cuda)
     opt = AdamW(runner.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), generator=gen)
@@ -138,6 +140,7 @@ def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> 
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     return {
         "variant": name, "size": args.size, "fsdp": args.fsdp, "accum": args.accum,
+        "reshard_after_forward": reshard, "no_sync": skip_sync,
         "tokens_per_step": args.batch * args.context * args.accum * dist.get_world_size(),
         "median_ms": round(max(slowest), 2), "peak_device_gib": round(peak, 3),
     }  # fmt: skip

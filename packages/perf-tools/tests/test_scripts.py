@@ -75,7 +75,8 @@ def test_init_memory_rows_per_rank(fsdp):
 
 def test_fsdp_options_times_every_variant():
     """Accumulation without sync and reshard_after_forward=False, timed on two gloo ranks:
-    one row per variant, in order."""
+    one row per variant, in order, each with the options its wrapper was really built with
+    (a name once ran the opposite reshard setting)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -90,6 +91,8 @@ def test_fsdp_options_times_every_variant():
     ], proc.stdout[-2000:]  # fmt: skip
     assert all(r["median_ms"] > 0 for r in rows)
     assert rows[0]["tokens_per_step"] == 2 * 16 * 2 * 2
+    assert [r["reshard_after_forward"] for r in rows] == [True, True, False, False]
+    assert [r["no_sync"] for r in rows] == [False, True, False, True]
 
 
 def test_optimizer_state_accuracy_dry_run(tmp_path):
