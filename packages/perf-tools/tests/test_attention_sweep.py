@@ -50,3 +50,25 @@ def test_bad_arguments_are_refused_by_name(capsys):
     assert "HEADSxN" in capsys.readouterr().err
     with pytest.raises(ValueError, match="providers"):
         sweep.SweepConfig(shapes=((1, 8),), providers=("fa3",))
+
+
+def test_autograd_threads_axis_times_each_setting(tmp_path, monkeypatch):
+    """--autograd-threads on off: a row per setting, each timed with autograd's device
+    threads switched as its label says (and torch's default restored afterwards)."""
+    seen = []
+
+    def fake_bench(fn, cfg):
+        seen.append(torch._C._is_multithreading_enabled())
+        return 1.0
+
+    monkeypatch.setattr(sweep, "_bench", fake_bench)
+    out = tmp_path / "s.json"
+    rc = sweep.main(
+        ["--shapes", "2x32", "--d", "16", "--causal", "yes", "--modes", "eager",
+         "--device", "cpu", "--quiet", "--json", str(out), "--autograd-threads", "on", "off"]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["autograd_threads"] for r in rows] == ["on", "off"]
+    assert seen == [True, False]
+    assert torch._C._is_multithreading_enabled()

@@ -396,3 +396,37 @@ def test_optimizer_state_dtype_is_a_sweep_axis_of_train_rows(tmp_path, capsys):
             [*TINY, "--optimizer-state-dtype", "bf16", "--nprocs", "2", "--fsdp", "ours"]
         )
     assert "argument --optimizer-state-dtype: not available" in capsys.readouterr().err
+
+
+def test_autograd_threads_is_an_axis_of_rows_with_a_backward(tmp_path, monkeypatch, capsys):
+    """--autograd-threads on off: a row per setting for fwd-bwd and train (forward rows one),
+    each timed with autograd's device threads switched as its label says; refused for
+    forward-only runs and in the multi-GPU mode."""
+    argv = [*TINY, *FAST, "--mode", "forward", "fwd-bwd", "--autograd-threads", "on", "off"]
+    specs = bench.specs_from_args(bench.parse_args(argv))
+    assert [(s.mode, s.autograd_threads) for s in specs] == [
+        ("forward", True),
+        ("fwd-bwd", True),
+        ("fwd-bwd", False),
+    ]
+    assert specs[2].label().endswith("-autograd-threads-off")
+    seen = []
+    real = cells.timing.time_steps
+
+    def spy(*a, **kw):
+        seen.append(torch._C._is_multithreading_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cells.timing, "time_steps", spy)
+    out = tmp_path / "s.csv"
+    assert bench.main([*argv, "--csv", str(out)]) == 0
+    assert [r["autograd_threads"] for r in _rows(out)] == ["on", "on", "off"]
+    assert seen == [True, True, False]
+    assert torch._C._is_multithreading_enabled()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--mode", "forward", "--autograd-threads", "off"])
+    assert "--autograd-threads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--autograd-threads", "off", "--nprocs", "2", "--fsdp", "ours"])
+    assert "argument --autograd-threads: not available" in capsys.readouterr().err

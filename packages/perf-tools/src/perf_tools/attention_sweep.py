@@ -10,6 +10,13 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
     python -m perf_tools.attention_sweep --csv sweep.csv --plot sweep.png
     python -m perf_tools.attention_sweep --d 64 --modes eager --shapes 128x512 32x2048
     python -m perf_tools.attention_sweep --graphed   # + GPU-only time (one CUDA graph per call)
+    python -m perf_tools.attention_sweep --modes eager --autograd-threads on off
+
+`--autograd-threads off` runs the backward on the calling thread
+(`torch.autograd.set_multithreading_enabled(False)`) instead of autograd's device thread. A
+Python autograd Function (ours) pays for that thread on every backward (the Function's
+Python backward needs the interpreter from the device thread); SDPA's C++ backward does not,
+so the eager rows of the two settings measure that cost side by side.
 
 Providers: `ours` (`flashattn_triton.flash_attention`), `sdpa-flash` and `sdpa-cudnn`
 (`F.scaled_dot_product_attention` pinned to one backend for the whole timing, so the pin
@@ -64,6 +71,8 @@ class SweepConfig:
     warmup_ms: float = 50.0
     graphed: bool = False
     quiet: bool = False
+    # autograd's device thread on (torch's default) / off (the backward on the calling thread)
+    autograd_threads: tuple[bool, ...] = (True,)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -183,25 +192,37 @@ def _shapes_for(d: int, cfg: SweepConfig) -> list[tuple[int, int]]:
 
 
 def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
-    """One row per (mode, causal, d, heads, N): each provider's ms and ours / best SDPA."""
+    """One row per (mode, causal, d, heads, N, autograd threads): each provider's ms and ours /
+    best SDPA."""
     allow_recompiles()
     rows: list[dict[str, Any]] = []
-    groups = [(m, c, d) for m in cfg.modes for c in cfg.causal for d in cfg.head_dims]
-    total = sum(len(_shapes_for(d, cfg)) for _, _, d in groups) * len(cfg.providers)
+    groups = [
+        (m, c, d, t)
+        for m in cfg.modes
+        for t in cfg.autograd_threads
+        for c in cfg.causal
+        for d in cfg.head_dims
+    ]
+    total = sum(len(_shapes_for(d, cfg)) for _, _, d, _ in groups) * len(cfg.providers)
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc="attention sweep", disable=cfg.quiet, leave=False)
-    for mode, causal, d in groups:
+    for mode, causal, d, threads in groups:
         fns = {p: _attention(p, causal, mode == "compiled") for p in cfg.providers}
         for heads, n in _shapes_for(d, cfg):
             row: dict[str, Any] = {"mode": mode, "causal": causal, "d": d, "heads": heads, "N": n}
+            if cfg.autograd_threads != (True,):
+                row["autograd_threads"] = "on" if threads else "off"
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             for p in cfg.providers:
                 bar.set_postfix_str(f"{mode} causal={causal} d={d} {heads}x{n} {p}")
                 why = _runs_here(p, cfg.device)
                 if why is None:
                     try:
-                        with _pinned(p) if mode == "eager" else contextlib.nullcontext():
+                        with (
+                            _pinned(p) if mode == "eager" else contextlib.nullcontext(),
+                            torch.autograd.set_multithreading_enabled(threads),
+                        ):
                             cell = _cell(fns[p], q, k, v, do, cfg)
                     except torch.OutOfMemoryError:
                         why = "OOM"
@@ -236,6 +257,12 @@ def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
         row["ours_wins"] = ours <= best
 
 
+def _mode(row: dict[str, Any]) -> str:
+    """The row's mode, with the autograd-thread setting where the sweep had both."""
+    threads = row.get("autograd_threads")
+    return row["mode"] if threads is None else f"{row['mode']} (autograd threads {threads})"
+
+
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """One line: rows where ours is at or under the best SDPA, and the worst ratio."""
     rated = [r for r in rows if "ours_vs_best" in r]
@@ -243,7 +270,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
         return "no row has both ours and an SDPA time"
     wins = sum(r["ours_wins"] for r in rated)
     worst = max(rated, key=lambda r: r["ours_vs_best"])
-    where = f"{worst['mode']} causal={worst['causal']} d={worst['d']} {worst['heads']}x{worst['N']}"
+    where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {worst['heads']}x{worst['N']}"
     return (
         f"ours <= best SDPA on {wins}/{len(rated)} rows; "
         f"worst ratio {worst['ours_vs_best']:.3f} ({where})"
@@ -260,16 +287,16 @@ def plot(rows: Sequence[dict[str, Any]], path) -> None:
 
     shapes = sorted({(r["heads"], r["N"]) for r in rows}, key=lambda s: (s[1], s[0]))
     fig, ax = plt.subplots(figsize=(9, 5))
-    groups = sorted({(r["mode"], r["causal"], r["d"]) for r in rows}, key=str)
+    groups = sorted({(_mode(r), r["causal"], r["d"]) for r in rows}, key=str)
     for mode, causal, d in groups:
         pts = [
             (shapes.index((r["heads"], r["N"])), r["ours_vs_best"])
             for r in rows
-            if (r["mode"], r["causal"], r["d"]) == (mode, causal, d) and "ours_vs_best" in r
+            if (_mode(r), r["causal"], r["d"]) == (mode, causal, d) and "ours_vs_best" in r
         ]
         if pts:
             xs, ys = zip(*sorted(pts))
-            style = "-" if mode == "eager" else "--"
+            style = "-" if mode.startswith("eager") else "--"
             label = f"{mode}, {'causal' if causal else 'full'}, d={d}"
             ax.plot(xs, ys, style, marker="o", label=label)
     ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
@@ -312,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=_cli.positive_float, default=200.0)
     p.add_argument("--warmup-ms", type=_cli.positive_float, default=50.0)
     p.add_argument("--graphed", action="store_true", help="also the GPU-only (CUDA graph) time")
+    p.add_argument(
+        "--autograd-threads",
+        nargs="+",
+        choices=("on", "off"),
+        default=["on"],
+        help="on: the backward on autograd's device thread (torch's default); off: on the "
+        "calling thread (torch.autograd.set_multithreading_enabled(False)); both: a row each",
+    )
     _cli.add_output_args(p)
     return p
 
@@ -335,12 +370,14 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         warmup_ms=a.warmup_ms,
         graphed=a.graphed,
         quiet=a.quiet,
+        autograd_threads=tuple(dict.fromkeys(t == "on" for t in a.autograd_threads)),
     )
 
 
 COLUMNS = (
-    "mode", "causal", "d", "heads", "N", "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms",
-    "ours_vs_best", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
+    "mode", "autograd_threads", "causal", "d", "heads", "N", "ours_ms", "sdpa-flash_ms",
+    "sdpa-cudnn_ms", "ours_vs_best", "ours_graphed_ms", "sdpa-flash_graphed_ms",
+    "sdpa-cudnn_graphed_ms",
 )  # fmt: skip
 
 

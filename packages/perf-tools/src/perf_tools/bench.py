@@ -111,6 +111,7 @@ TABLE_COLUMNS = [
     "matmul",
     "opt_overlap",
     "opt_state",
+    "autograd_threads",
     "status",
     "mean_ms",
     "std_ms",
@@ -140,6 +141,7 @@ OPTIONAL_CONFIG_COLUMNS = {
     "matmul": "default",
     "opt_overlap": False,
     "opt_state": "fp32",
+    "autograd_threads": "on",
 }
 OPT_STATE_DTYPES = ("fp32", "bf16")
 BLAS_LIBRARIES = ("default", "cublas", "cublaslt")
@@ -218,6 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="train rows of lm_core: the dtype of AdamW's moments (weights stay fp32); "
         "bf16 changes the numerics (lm_core.optim_lowp). Several for a sweep axis "
         "(--optimizer-state-dtype fp32 bf16); default fp32",
+    )
+    g.add_argument(
+        "--autograd-threads",
+        nargs="+",
+        type=_cli.listed(_cli.choice(("on", "off"))),
+        default=None,
+        metavar="{on,off}",
+        help="fwd-bwd and train rows, one process: on runs the backward on autograd's device thread "
+        "(torch's default), off on the calling thread "
+        "(torch.autograd.set_multithreading_enabled(False): no hand-off per backward, "
+        "which Python autograd Functions such as flash-triton's pay for). Both for an axis",
     )
     g.add_argument(
         "--compare",
@@ -303,6 +316,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.optimizer_overlap]
     args.graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     args.opt_states = _cli.flatten(args.optimizer_state_dtype) or ["fp32"]
+    threads = _cli.flatten(args.autograd_threads) or ["on"]
+    args.autograd_threads = [t == "on" for t in dict.fromkeys(threads)]
     args.competitors = _cli.flatten(args.compare) or []
     if args.no_warmup:
         args.warmup = 0
@@ -318,6 +333,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.opt_states != ["fp32"] and "train" not in args.modes:
         parser.error("argument --optimizer-state-dtype: a train step's option; add --mode train")
+    if args.autograd_threads != [True] and args.modes == ["forward"]:
+        parser.error("argument --autograd-threads: where the backward runs; add --mode train")
     if args.memory_snapshot is not None and not on_gpu:
         parser.error(
             "argument --memory-snapshot: the allocator history is recorded by the CUDA "
@@ -345,7 +362,12 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                     ours_train = impl == OURS and mode == "train"
                     overlaps = args.overlaps if ours_train else [False]
                     opt_states = getattr(args, "opt_states", ["fp32"]) if ours_train else ["fp32"]
-                    for overlap, opt_state in itertools.product(overlaps, opt_states):
+                    threads = (
+                        getattr(args, "autograd_threads", [True]) if mode != "forward" else [True]
+                    )
+                    for overlap, opt_state, thread in itertools.product(
+                        overlaps, opt_states, threads
+                    ):
                         specs.append(
                             BenchSpec(
                                 impl,
@@ -359,6 +381,7 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                                 matmul=matmul,
                                 overlap=overlap,
                                 opt_state=opt_state,
+                                autograd_threads=thread,
                             )
                         )
     return specs

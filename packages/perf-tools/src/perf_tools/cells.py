@@ -53,6 +53,9 @@ class BenchSpec:
     matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
     overlap: bool = False  # train rows of lm_core: lm_core.OverlappedOptimizer
     opt_state: str = "fp32"  # train rows of lm_core: AdamW's moments, fp32 or bf16
+    # train rows: the backward on autograd's device thread (torch's default) or, False, on
+    # the calling thread (torch.autograd.set_multithreading_enabled(False))
+    autograd_threads: bool = True
 
     @property
     def model_key(self) -> tuple[str, str, str | None, bool | str, str]:
@@ -72,6 +75,8 @@ class BenchSpec:
             parts.append("opt-overlap")
         if self.opt_state != "fp32":
             parts.append(f"opt-state-{self.opt_state}")
+        if not self.autograd_threads:
+            parts.append("autograd-threads-off")
         if self.fsdp and self.fsdp != "none":
             parts.append(f"fsdp-{self.fsdp}")
         if self.ddp != "none":
@@ -247,7 +252,10 @@ def measure_cell(
 
     label = spec.label() if opts.progress else None
     try:
-        with lm_core_annotations(opts.nvtx and spec.impl == OURS):
+        with (
+            torch.autograd.set_multithreading_enabled(spec.autograd_threads),
+            lm_core_annotations(opts.nvtx and spec.impl == OURS),
+        ):
             nvtx = torch.autograd.profiler.emit_nvtx() if opts.nvtx else contextlib.nullcontext()
             with nvtx:
                 try:
@@ -445,6 +453,7 @@ def cell_row(
         "matmul": spec.matmul,
         "opt_overlap": spec.overlap,
         "opt_state": spec.opt_state,
+        "autograd_threads": "on" if spec.autograd_threads else "off",
         "mode": spec.mode,
         "context": spec.context,
         "batch": opts.batch,
