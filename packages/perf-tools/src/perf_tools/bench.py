@@ -227,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_cli.listed(_cli.choice(("on", "off"))),
         default=None,
         metavar="{on,off}",
-        help="fwd-bwd and train rows, one process: on runs the backward on autograd's device thread "
-        "(torch's default), off on the calling thread "
+        help="fwd-bwd and train rows, one process: on runs the backward on autograd's "
+        "device thread (torch's default), off on the calling thread "
         "(torch.autograd.set_multithreading_enabled(False): no hand-off per backward, "
         "which Python autograd Functions such as flash-triton's pay for). Both for an axis",
     )
