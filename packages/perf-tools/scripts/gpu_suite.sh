@@ -54,6 +54,7 @@
 #   sharded_ckpt  scripts/checkpoint_timing.py under torchrun on 2 GPUs: xl bf16, --fsdp ours
 #              then torch, 2 steps of 4 x 512 tokens, then DCP save / load and the single-file
 #              save timed (one JSON line each in its log)                         ~2-3 min
+#              (CKPT_ROOT=/dev/shm/x: checkpoints in RAM instead of $WORK on disk)
 #   sharded_ckpt8b  the same at 8B (--fsdp ours, 1 step of 2 x 512 tokens per rank; ~91 GiB of
 #              state: the sharded copy is deleted before the single file is written; needs
 #              2 GPUs of 141 GB, ~250 GB of host memory for rank 0's gather and ~100 GB of
@@ -79,6 +80,9 @@ SECTIONS=${SECTIONS:-"bench hf profile mixed"}
 TAG=$(echo "$SECTIONS" | tr ' ' '_')
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
 WORK=${WORK:-/tmp/perf-suite-$TAG}
+# where the checkpoint sections write (default: the work tree; a RAM-backed /dev/shm times the
+# software path apart from the disk)
+CKPT_ROOT=${CKPT_ROOT:-$WORK}
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
 export PYTHONPATH="$ROOT/packages/lm-core/src:$ROOT/packages/flashattn-triton/src:$ROOT/packages/ddp-kit/src:$ROOT/packages/zero-shard/src:$ROOT/packages/perf-tools/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -180,20 +184,20 @@ fi
 if want sharded_ckpt; then
   for fsdp in ours torch; do  # --batch-size is the trainer's global batch: 2 sequences per rank
     run "sharded_ckpt_$fsdp" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-      "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$WORK/ckpt_$fsdp" \
+      "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$CKPT_ROOT/ckpt_$fsdp" \
       --size xl --bf16 --fsdp "$fsdp" --steps 2 --synthetic random --batch-size 4 \
-      --context-length 512 --out-dir "$WORK/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
+      --context-length 512 --out-dir "$CKPT_ROOT/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
       --no-progress
-    rm -rf "$WORK/ckpt_$fsdp"  # gigabytes of state: timed, not kept
+    rm -rf "$CKPT_ROOT/ckpt_$fsdp"  # gigabytes of state: timed, not kept
   done
 fi
 if want sharded_ckpt8b; then
   run sharded_ckpt8b $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
-    "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$WORK/ckpt_8b" \
+    "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$CKPT_ROOT/ckpt_8b" \
     --size 8B --bf16 --fsdp ours --steps 1 --synthetic random --batch-size 4 \
-    --context-length 512 --out-dir "$WORK/ckpt_8b/run" --overwrite --ckpt-every 1000 \
+    --context-length 512 --out-dir "$CKPT_ROOT/ckpt_8b/run" --overwrite --ckpt-every 1000 \
     --no-progress
-  rm -rf "$WORK/ckpt_8b"
+  rm -rf "$CKPT_ROOT/ckpt_8b"
 fi
 if want init8b; then  # peak host RSS and device memory per rank of the 8B build, meta vs whole
   for build in meta device; do
