@@ -10,11 +10,11 @@ every rank synchronized before and after each:
 The sharded checkpoint is measured and deleted before the single file is written, so that a
 disk that holds one copy of the state (the 8B model's is ~91 GiB) holds the run.
 Prints one JSON line (rank 0) with the times, the peak GPU memory and both sizes on disk. The
-output folder must be visible to every rank.
+output folder must be visible to every rank. Without `--out-dir` the trainer itself saves
+nothing (with one, it also saves at its last step, which the timings do not include).
 
     torchrun --nproc-per-node 2 packages/perf-tools/scripts/checkpoint_timing.py OUT_DIR \\
-        --size large --bf16 --fsdp ours --steps 2 --synthetic random --no-progress \\
-        --out-dir OUT_DIR/run --overwrite --ckpt-every 1000
+        --size large --bf16 --fsdp ours --steps 2 --synthetic random --no-progress
 """
 
 from __future__ import annotations

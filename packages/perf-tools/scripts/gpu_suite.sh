@@ -186,8 +186,7 @@ if want sharded_ckpt; then
     run "sharded_ckpt_$fsdp" $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
       "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$CKPT_ROOT/ckpt_$fsdp" \
       --size xl --bf16 --fsdp "$fsdp" --steps 2 --synthetic random --batch-size 4 \
-      --context-length 512 --out-dir "$CKPT_ROOT/ckpt_$fsdp/run" --overwrite --ckpt-every 1000 \
-      --no-progress
+      --context-length 512 --no-progress  # no --out-dir: the trainer saves nothing itself
     rm -rf "$CKPT_ROOT/ckpt_$fsdp"  # gigabytes of state: timed, not kept
   done
 fi
@@ -195,8 +194,7 @@ if want sharded_ckpt8b; then
   run sharded_ckpt8b $PY -m torch.distributed.run --standalone --nproc-per-node 2 \
     "$ROOT/packages/perf-tools/scripts/checkpoint_timing.py" "$CKPT_ROOT/ckpt_8b" \
     --size 8B --bf16 --fsdp ours --steps 1 --synthetic random --batch-size 4 \
-    --context-length 512 --out-dir "$CKPT_ROOT/ckpt_8b/run" --overwrite --ckpt-every 1000 \
-    --no-progress
+    --context-length 512 --no-progress
   rm -rf "$CKPT_ROOT/ckpt_8b"
 fi
 if want init8b; then  # peak host RSS and device memory per rank of the 8B build, meta vs whole
