@@ -9,7 +9,8 @@ every rank synchronized before and after each:
   consolidated on rank 0, which writes one file).
 The sharded checkpoint is measured and deleted before the single file is written, so that a
 disk that holds one copy of the state (the 8B model's is ~91 GiB) holds the run.
-Prints one JSON line (rank 0) with the times, the peak GPU memory and both sizes on disk. The
+Rank 0 reports each phase on stderr as it starts and ends (a large model's phases take
+minutes), then prints one JSON line with the times, the peak GPU memory and both sizes. The
 output folder must be visible to every rank. Without `--out-dir` the trainer itself saves
 nothing (with one, it also saves at its last step, which the timings do not include).
 
@@ -38,6 +39,12 @@ def _size_gib(path: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**30
 
 
+def _progress(message: str) -> None:
+    """One line on rank 0's stderr, flushed (torchrun interleaves the ranks' output)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[checkpoint_timing] {message}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
     from lm_core import save_checkpoint
     from lm_core.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
@@ -53,10 +60,14 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo")  # the trainer then joins this group
     # gloo's worker threads can abort the process at exit unless they finish first
     install_exit_guard()
+    t0 = time.perf_counter()
+    _progress(f"training {' '.join(argv)}")
     result = train(argv)
     engine, optimizer, config = result.parallel, result.optimizer, result.model.config
+    _progress(f"trained {result.step} step(s) in {time.perf_counter() - t0:.1f} s")
 
-    def timed(fn: Callable[[], None]) -> float:
+    def timed(name: str, fn: Callable[[], None]) -> float:
+        _progress(f"{name} ...")
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
@@ -65,7 +76,9 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _progress(f"{name}: {seconds:.1f} s")
+        return seconds
 
     def full_save() -> None:
         model_state = engine.full_state_dict()
@@ -75,14 +88,17 @@ def main() -> int:
 
     row = {
         "dcp_save_s": timed(
-            lambda: save_dcp_checkpoint(out / "ck.dcp", engine, optimizer, result.step, config)
+            "sharded save",
+            lambda: save_dcp_checkpoint(out / "ck.dcp", engine, optimizer, result.step, config),
         ),
-        "dcp_load_s": timed(lambda: load_dcp_checkpoint(out / "ck.dcp", engine, optimizer)),
+        "dcp_load_s": timed(
+            "sharded load", lambda: load_dcp_checkpoint(out / "ck.dcp", engine, optimizer)
+        ),
     }
     if dist.get_rank() == 0:
         row["dcp_gib"] = _size_gib(out / "ck.dcp")
         shutil.rmtree(out / "ck.dcp")
-    row["full_save_s"] = timed(full_save)
+    row["full_save_s"] = timed("single-file save", full_save)
     row["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     if dist.get_rank() == 0:
         row["file_gib"] = _size_gib(out / "ck.pt")
