@@ -1,0 +1,124 @@
+"""Host time of one eager attention forward + backward, ours beside SDPA, broken down.
+
+Where `host_overhead.py` stubs the launches out to time our Python alone, this one launches
+the real kernels on a GPU, at a shape small enough that the GPU waits for the host, and times
+back-to-back calls (wall time per call, one synchronize per batch of calls):
+
+- forward + backward (`torch.autograd.grad`) of ours, SDPA's flash and cuDNN backends, with
+  the backward on autograd's device thread (torch's default) and on the calling thread
+  (`torch.autograd.set_multithreading_enabled(False)`);
+- the pieces of ours: a no-grad forward, `launch.forward`, `launch.backward`;
+- with `--profile`, cProfile's top entries of ours (backward on the calling thread, so that
+  the profiler sees it).
+
+    PYTHONPATH=packages/flashattn-triton/src python3 \\
+        packages/flashattn-triton/benchmarks/host_cost.py --shape 128x512x64 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over `repeats` of the wall time per call of `calls` back-to-back calls."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="128x512x64", help="HEADSxNxD (batch 1, bf16, causal)")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (host_overhead.py times our Python without one)")
+    from flashattn_triton import flash_attention, launch
+
+    heads, n, d = (int(x) for x in a.shape.split("x"))
+    shape = (1, heads, n, d)
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    scale = d**-0.5
+    o, lse = launch.forward(qd, kd, vd, True, scale)
+
+    def ours() -> None:
+        torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)
+
+    def sdpa(backend: SDPBackend) -> Callable[[], None]:
+        def run() -> None:
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), do)
+
+        return run
+
+    def ours_no_grad() -> None:
+        with torch.no_grad():
+            flash_attention(q, k, v, causal=True)
+
+    cases = {
+        "ours": ours,
+        "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+    rows: dict[str, float] = {}
+    for threads in (True, False):
+        where = "device thread" if threads else "calling thread"
+        with torch.autograd.set_multithreading_enabled(threads):
+            for name, fn in cases.items():
+                rows[f"{name} fwd+bwd, backward on the {where}"] = per_call_us(
+                    fn, a.calls, a.repeats
+                )
+    rows["ours fwd, no grad"] = per_call_us(ours_no_grad, a.calls, a.repeats)
+    rows["launch.forward"] = per_call_us(
+        lambda: launch.forward(qd, kd, vd, True, scale), a.calls, a.repeats
+    )
+    rows["launch.backward"] = per_call_us(
+        lambda: launch.backward(do, qd, kd, vd, o, lse, True, scale), a.calls, a.repeats
+    )
+    print(f"host us per call, (1, {heads}, {n}, {d}) bf16 causal, {torch.cuda.get_device_name()}")
+    for name, us in rows.items():
+        print(f"  {name:55s} {us:8.1f}")
+    print(json.dumps({"shape": list(shape), "us_per_call": rows}))
+    if a.profile:
+        profiler = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(False):
+            profiler.enable()
+            for _ in range(200):
+                ours()
+            profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
