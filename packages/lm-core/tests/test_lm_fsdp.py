@@ -51,6 +51,7 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
     runs = {
         "init": [*BASE, "--fsdp", "ours", *FROZEN],
         "fp32": [*BASE, "--fsdp", "ours"],
+        "compiled": [*BASE, "--fsdp", "ours", "--compile"],
         "fused+ac": [*BASE, "--fsdp", "ours", *FUSED_AC],
         "bf16": [*BASE, "--fsdp", "ours", "--bf16"],
         "accum": [*BASE, "--fsdp", "ours", *ACCUM],
@@ -69,6 +70,11 @@ def test_fsdp_ours_equals_one_process_and_resumes_exactly(tmp_path):
     ref, ref_losses = _single([])
     _assert_same(res["fp32"]["weights"], ref, "fp32")
     assert res["fp32"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    # --compile: each block's forward compiled, the unit hooks eager around it; same names
+    # (the weights come back under the model's own keys), the same training up to inductor's
+    # rounding (AdamW may turn it into a step-sized change of a few near-zero elements)
+    _assert_same(res["compiled"]["weights"], ref, "compiled", outliers=1e-3)
+    assert res["compiled"]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     # The fused LM head + loss runs inside lm_head's call, so FSDP gathers its weight; the
     # checkpointed blocks re-gather theirs in the recomputation. Same flags in one process.
     fused_ref, fused_losses = _single(FUSED_AC)

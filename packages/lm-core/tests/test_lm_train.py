@@ -171,7 +171,6 @@ def test_token_files_and_bf16(tmp_path):
         (["--fsdp", "torch", "--ddp", "torch"], "excludes --ddp"),
         (["--fsdp", "ours", "--zero"], "--zero"),
         (["--fsdp", "torch", "--zero", "--ddp", "none"], "already shards"),
-        (["--fsdp", "ours", "--compile"], "--compile"),
         (["--matmul", "fp64"], "--matmul"),
     ],
 )

@@ -171,11 +171,6 @@ def test_toml_errors_name_the_key(tmp_path, text, message, capsys):
             "run.toml: data.pack_documents is not supported with --tp yet",
         ),
         (
-            "[parallel]\nfsdp = 'ours'\n",
-            ["--compile"],
-            '--compile is not supported with parallel.fsdp = "ours"',
-        ),
-        (
             "[optim]\nwarmup_steps = 20\n",
             ["--steps", "10"],
             "run.toml: optim.warmup_steps (20) must be <= --cosine-steps (10)",

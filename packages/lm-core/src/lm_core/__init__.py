@@ -8,7 +8,7 @@ from lm_core.activation_ckpt import apply_activation_checkpointing
 from lm_core.annotate import annotate, annotations_enabled, set_annotations
 from lm_core.attention import available_backends, get_attention
 from lm_core.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-from lm_core.compiling import compile_blocks
+from lm_core.compiling import compile_block_forwards, compile_blocks
 from lm_core.config import MODEL_SIZES, ModelConfig, get_config
 from lm_core.data import document_offsets, get_batch, load_tokens, synthetic_tokens
 from lm_core.flops import forward_flops, train_step_flops
@@ -34,6 +34,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
+    "compile_block_forwards",
     "compile_blocks",
     "cosine_lr",
     "cross_entropy",

@@ -7,6 +7,12 @@ as soon as its backward is done: what an optimizer overlapped with the backward
 (`lm_core.optim_overlap.OverlappedOptimizer`) needs. One block graph serves every block (same
 code, same shapes), so compiling takes about as long as compiling one block; the embedding,
 the final norm and the fused LM head + loss stay eager (a few large kernels each).
+
+`compile_block_forwards` compiles each block's `forward` method instead of the module call:
+the module's hooks then run eagerly around the compiled graph. That is what a wrapper that
+gathers and frees weights in module hooks (`zero_shard.FSDP`) needs: compiled in place, the
+hooks' collectives would be traced; compiled as a wrapper module (`torch.compile(block)`),
+the parameters would be renamed `_orig_mod.*` and checkpoints would no longer match.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from torch import nn
 
 from lm_core.checkpoint import unwrap_model
 
-__all__ = ["compile_blocks"]
+__all__ = ["compile_block_forwards", "compile_blocks"]
 
 
 def compile_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
@@ -26,6 +32,25 @@ def compile_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
 
     Activation checkpointing (`apply_activation_checkpointing`) may come before or after.
     `kwargs` go to `torch.compile` (e.g. `dynamic=False`, `mode="max-autotune"`)."""
+    for block in _blocks(model):
+        block.compile(**kwargs)
+    return model
+
+
+def compile_block_forwards(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """Compile every block's `forward` method in place (`block.forward =
+    torch.compile(block.forward, **kwargs)`); returns `model`. Module hooks (forward pre- and
+    post-hooks, e.g. `zero_shard.FSDP`'s gathers) run eagerly around the compiled graph;
+    modules, parameters and state-dict keys are unchanged. Compile before wrapping."""
+    import torch
+
+    for block in _blocks(model):
+        block.forward = torch.compile(block.forward, **kwargs)
+    return model
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """`model.layers`, checked: the model itself (not a wrapper) with a ModuleList of blocks."""
     inner = unwrap_model(model)
     if inner is not model:
         raise TypeError(
@@ -38,6 +63,4 @@ def compile_blocks(model: nn.Module, **kwargs: Any) -> nn.Module:
             f"model: expected a model with a `layers` ModuleList of blocks (a TransformerLM), "
             f"got {type(model).__name__}"
         )
-    for block in blocks:
-        block.compile(**kwargs)
-    return model
+    return blocks

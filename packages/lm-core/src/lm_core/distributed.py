@@ -188,8 +188,9 @@ def wrap_model(
     - ddp_kit wrappers: compile the model first, then wrap it, so the wrapper's gradient hooks
       run eagerly around the compiled graphs;
     - torch DDP: wrap first, then compile (torch's DDPOptimizer splits graphs at buckets);
-    - fsdp "ours" (`zero_shard.FSDP`, compute dtype bf16 with `bf16`): no compile (refused:
-      the wrapper swaps parameters in module hooks, which dynamo would have to trace);
+    - fsdp "ours" (`zero_shard.FSDP`, compute dtype bf16 with `bf16`): each block's forward
+      method compiled first (`compile_block_forwards`), so the wrapper's gathers and frees
+      run eagerly in the module hooks around the compiled graphs;
     - fsdp "torch" (`fully_shard` per block, then the root; bf16 parameters and fp32
       gradient reduction with `bf16`): each block compiled in place first (torch skips its
       FSDP hooks when tracing), as torchtitan does.
@@ -206,9 +207,9 @@ def wrap_model(
 
         if fsdp == "ours":
             if compile:
-                raise ValueError(
-                    f"--compile: not supported with --fsdp ours: {FSDP_OURS_NO_COMPILE}"
-                )
+                from lm_core.compiling import compile_block_forwards
+
+                compile_block_forwards(model)
             return sharding.ZeroShardFSDP(model, env, bf16=bf16)
         return sharding.TorchFSDP(model, env, bf16=bf16, compile=compile)
 
@@ -237,13 +238,6 @@ def wrap_model(
     return ParallelModel(
         wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync, env.rank
     )
-
-
-# Why --compile is refused with --fsdp ours (the parser's message too).
-FSDP_OURS_NO_COMPILE = (
-    "zero_shard.FSDP gathers and swaps weights in module hooks, which torch.compile would "
-    "have to trace; use --fsdp torch to compile a sharded model"
-)
 
 
 def build_optimizer(

@@ -24,7 +24,6 @@ from lm_core.activation_ckpt import parse_every
 from lm_core.config import MODEL_SIZES
 from lm_core.data import read_token_meta, token_meta_path
 from lm_core.dcp_io import is_checkpoint_dir
-from lm_core.distributed import FSDP_OURS_NO_COMPILE
 from lm_core.graph_step import check_config as check_cuda_graph
 from lm_core.run_dir import checkpoint_name, existing_run_files, same_file
 from lm_core.train_config import ConfigError, KeyNames, TrainConfig
@@ -155,11 +154,6 @@ def _check_parallel(c: TrainConfig, n: KeyNames) -> None:
         if p.zero:
             raise ConfigError(
                 "parallel.zero", f"{n('parallel.zero')}: {fsdp} already shards the optimizer state"
-            )
-        if c.training.compile and p.fsdp == "ours":
-            raise ConfigError(
-                "training.compile",
-                f"{n('training.compile')} is not supported with {fsdp}: {FSDP_OURS_NO_COMPILE}",
             )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError(

@@ -19,10 +19,10 @@ Compile (`DistJob.compile`, `resolve_compile`), in torchtitan's order, after TP 
 checkpointing and before the data-parallel wrapper:
   "blocks"  each block compiled on its own: what `--compile` means for fsdp ours, fsdp torch
             and TP (the row's `compile` column says blocks). In place (`block.compile()`,
-            lm_core.compile_blocks) for fsdp torch and TP; for fsdp ours each block is
-            replaced by its compiled wrapper, `torch.compile(block)`, so that zero_shard's
-            unit hooks land on the wrapper and run eagerly around the compiled block (in
-            place, dynamo would trace the hooks' all-gathers, and fails on them).
+            lm_core.compile_blocks) for fsdp torch and TP; for fsdp ours each block's
+            forward method (`lm_core.compile_block_forwards`, what `lm_core.train --fsdp
+            ours --compile` does), so that zero_shard's unit hooks run eagerly around the
+            compiled graph (compiled in place, dynamo would trace the hooks' all-gathers).
   True      the whole model: DDP, compiled after wrapping (torch's DDPOptimizer splits the
             graph at bucket boundaries, so the all-reduces still overlap the backward).
 Every compile is `dynamic=False` with the job's backend (`--compile-backend`, inductor by
@@ -163,10 +163,11 @@ def build_and_wrap(
         return Wrapped(_wrap_ddp(job, model, rank, world, device, options), None, None, params, k)
     if job.compile == "blocks" and job.fsdp == "torch":
         compile_blocks_for_bench(model, **options)
-    elif job.compile == "blocks":  # ours: compiled wrappers, the unit hooks outside them
+    elif job.compile == "blocks":  # ours: compiled forwards, the unit hooks outside them
+        from lm_core import compile_block_forwards
+
         allow_recompiles()
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, **options)
+        compile_block_forwards(model, **options)
     elif job.compile:
         raise ValueError(f"compile: {job.compile!r} is not available with fsdp {job.fsdp}")
     runner, sync, fsdp = _wrap_fsdp(job, model, device)
