@@ -54,6 +54,11 @@ def main() -> int:
         print(__doc__)
         return 2
     out, argv = Path(sys.argv[1]), sys.argv[2:]
+    existing = [p for p in (out / "ck.dcp", out / "ck.pt") if p.exists()]
+    if existing:  # the timings write, then delete, these two: never over a user's files
+        print(f"checkpoint_timing: {', '.join(map(str, existing))} exists; give an empty OUT_DIR",
+              file=sys.stderr)  # fmt: skip
+        return 2
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -54,6 +54,17 @@ def test_checkpoint_timing_runs_on_two_cpu_ranks(tmp_path):
     assert not (tmp_path / "ck.dcp").exists()
 
 
+def test_checkpoint_timing_refuses_an_out_dir_with_checkpoints(tmp_path):
+    """It writes and deletes OUT/ck.dcp and OUT/ck.pt: a folder that already holds either is
+    refused before anything starts, and the file is left as it was."""
+    (tmp_path / "ck.pt").write_bytes(b"mine")
+    cmd = [sys.executable, str(SCRIPTS / "checkpoint_timing.py"), str(tmp_path), "--size", "tiny"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "ck.pt exists" in proc.stderr
+    assert (tmp_path / "ck.pt").read_bytes() == b"mine"
+
+
 @pytest.mark.parametrize("fsdp", ["ours", "torch"])
 def test_init_memory_rows_per_rank(fsdp):
     """The sharded-build memory script on two gloo ranks: one row per rank, the build named."""
