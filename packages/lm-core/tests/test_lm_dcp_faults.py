@@ -143,7 +143,8 @@ def _untouched_after_failed_load(path, match: str, exc: type = RuntimeError) -> 
 
 
 def test_a_flipped_bit_in_a_shard_file_is_refused(saved):
-    (shard,) = sorted(saved.glob("*.distcp"))
+    # one file per writer thread (lm_core.dcp_io.io_threads): damage the largest
+    shard = max(saved.glob("*.distcp"), key=lambda f: f.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
@@ -179,3 +180,23 @@ def test_another_model_is_refused_before_loading(saved):
         load_dcp_checkpoint(saved, model, restore_rng=False)
     with pytest.raises(ValueError, match=f"checkpoint {saved} does not match the model: missing"):
         load_dcp_checkpoint(saved, nn.Linear(8, 8, bias=False), restore_rng=False)
+
+
+def test_checksums_hashed_in_threads_keep_the_files_order(tmp_path, monkeypatch):
+    """sha256_files hashes several files at once (a thread pool): the digests are hashlib's,
+    in the order of the paths; io_threads shares the host's cores among its ranks."""
+    import hashlib
+
+    from lm_core.dcp_io import io_threads, sha256_files
+
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * (1000 * (i + 1)))
+    expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+    assert sha256_files(paths, 4) == expected
+    assert sha256_files(paths, 1) == expected
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000000")
+    assert io_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert 1 <= io_threads() <= 8

@@ -52,12 +52,13 @@ from lm_core.config import ModelConfig
 from lm_core.dcp_io import (
     META_NAME,
     commit,
+    io_threads,
     is_checkpoint_dir,
     new_temp_dir,
     recover,
     remove_quietly,
     resolve_dir,
-    sha256_file,
+    sha256_files,
 )
 from lm_core.engine import ParallelModel
 
@@ -209,13 +210,18 @@ def write_dcp_dir(
 
     tmp = Path(_broadcast(_collectively(prepare, group), group, use_dist))
     try:
+        threads = io_threads()
+        writer = dcp.FileSystemWriter(tmp, thread_count=threads)  # a file per thread
         with one_process_ok():  # DCP raises on every rank when one fails
-            dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=not use_dist)
+            dcp.save(state, storage_writer=writer, process_group=group, no_dist=not use_dist)
         listed = sorted(p.name for p in tmp.iterdir()) if rank == 0 else None
         names = _broadcast(listed, group, use_dist)  # rank 0's view of the directory
-        mine = _collectively(
-            lambda: {name: sha256_file(tmp / name) for name in _share(names, rank, world)}, group
-        )
+
+        def hash_share() -> dict[str, str]:
+            share = _share(names, rank, world)
+            return dict(zip(share, sha256_files([tmp / n for n in share], threads)))
+
+        mine = _collectively(hash_share, group)
         digests: dict[str, str] = {}
         for part in _all_gather(mine, group, use_dist, world):
             digests.update(part)
@@ -279,19 +285,24 @@ def verify_dcp_files(
     """Collective: every file of the manifest is there and matches its SHA-256 (each rank
     hashes a share); RuntimeError naming the checkpoint and the file on every rank."""
     use_dist, rank, world = _dist(process_group)
-    names = sorted(meta["files"])
-    problem = None
-    for name in _share(names, rank, world):
-        file = directory / name
-        if not file.is_file():
-            problem = f"checkpoint {path} is incomplete: its file {name} is missing"
-            break
-        if sha256_file(file) != meta["files"][name]:
-            problem = (
-                f"checkpoint {path} is corrupt: its file {name} does not match the SHA-256 "
-                "checksum stored when it was saved; use a copy or an older checkpoint"
-            )
-            break
+    share = _share(sorted(meta["files"]), rank, world)
+    problem = next(
+        (
+            f"checkpoint {path} is incomplete: its file {name} is missing"
+            for name in share
+            if not (directory / name).is_file()
+        ),
+        None,
+    )
+    if problem is None:
+        digests = sha256_files([directory / name for name in share], io_threads())
+        for name, digest in zip(share, digests):
+            if digest != meta["files"][name]:
+                problem = (
+                    f"checkpoint {path} is corrupt: its file {name} does not match the SHA-256 "
+                    "checksum stored when it was saved; use a copy or an older checkpoint"
+                )
+                break
     problems = [p for p in _all_gather(problem, process_group, use_dist, world) if p]
     if problems:
         raise RuntimeError(problems[0])

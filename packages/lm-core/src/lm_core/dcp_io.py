@@ -137,6 +137,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def io_threads() -> int:
+    """Threads per rank for writing and hashing a sharded checkpoint: this host's cores over
+    its ranks (torchrun's LOCAL_WORLD_SIZE), 1 to 8. DCP writes one file per thread and
+    hashlib releases the interpreter while it hashes, so both scale with cores until the
+    disk is the limit."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(8, (os.cpu_count() or 1) // ranks))
+
+
+def sha256_files(paths: list[Path], threads: int) -> list[str]:
+    """`sha256_file` of each path, `threads` at a time; digests in the order of `paths`."""
+    if threads <= 1 or len(paths) <= 1:
+        return [sha256_file(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(threads, len(paths))) as pool:
+        return list(pool.map(sha256_file, paths))
+
+
 def remove_quietly(path: Path) -> None:
     """Delete a directory tree if it exists (cleanup after a failed save)."""
     with contextlib.suppress(OSError):
