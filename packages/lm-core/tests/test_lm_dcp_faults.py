@@ -200,3 +200,8 @@ def test_checksums_hashed_in_threads_keep_the_files_order(tmp_path, monkeypatch)
     assert io_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert 1 <= io_threads() <= 8
+    monkeypatch.setenv("LM_CORE_CHECKPOINT_THREADS", "12")
+    assert io_threads() == 12
+    monkeypatch.setenv("LM_CORE_CHECKPOINT_THREADS", "0")
+    with pytest.raises(ValueError, match="LM_CORE_CHECKPOINT_THREADS"):
+        io_threads()

@@ -137,11 +137,19 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+THREADS_ENV = "LM_CORE_CHECKPOINT_THREADS"
+
+
 def io_threads() -> int:
-    """Threads per rank for writing and hashing a sharded checkpoint: this host's cores over
-    its ranks (torchrun's LOCAL_WORLD_SIZE), 1 to 8. DCP writes one file per thread and
-    hashlib releases the interpreter while it hashes, so both scale with cores until the
-    disk is the limit."""
+    """Threads per rank for writing and hashing a sharded checkpoint: $LM_CORE_CHECKPOINT_THREADS
+    if set, else this host's cores over its ranks (torchrun's LOCAL_WORLD_SIZE), 1 to 8. DCP
+    writes one file per thread and hashlib releases the interpreter while it hashes, so both
+    scale with cores until the disk is the limit."""
+    chosen = os.environ.get(THREADS_ENV)
+    if chosen:
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(f"${THREADS_ENV}: expected a positive integer, got {chosen!r}")
+        return int(chosen)
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(8, (os.cpu_count() or 1) // ranks))
 

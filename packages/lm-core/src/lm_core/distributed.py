@@ -67,9 +67,12 @@ def setup_distributed(
     """
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     if ddp == "none" and fsdp == "none" and tp == 1:
-        if env_world > 1 or (dist.is_available() and dist.is_initialized()):
+        world = env_world
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size()  # a group of one is one process training alone
+        if world > 1:
             raise ValueError(
-                f"--ddp none: this process is one of {max(env_world, 2)} ranks; choose a "
+                f"--ddp none: this process is one of {world} ranks; choose a "
                 f"data-parallel wrapper with --ddp {{{','.join(DDP_CHOICES[1:])}}} or "
                 f"--fsdp {{{','.join(FSDP_CHOICES[1:])}}}"
             )
