@@ -16,6 +16,7 @@ EXPECTED = {
     "apply_activation_checkpointing",
     "available_backends",
     "clip_grad_norm",
+    "compile_block_forwards",
     "compile_blocks",
     "cosine_lr",
     "cross_entropy",
