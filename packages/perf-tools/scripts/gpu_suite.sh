@@ -12,8 +12,8 @@
 # CSV/JSON, plots, logs) and perf-traces-<sections>.tar.gz (profiler traces, snapshots).
 # Each command is cut at $RUN_TIMEOUT seconds (default 420) so one stuck run cannot eat the rest.
 #
-# Sections and rough H100 wall times (estimates, not measurements; first runs include Triton
-# autotuning and torch.compile):
+# Sections and rough H100 wall times (estimates unless marked measured; first runs include
+# Triton autotuning and torch.compile):
 #   bench      all sizes x {fp32, bf16} x {forward, train}, ctx 512, batch 4, eager,
 #              3 warm-up + 5 measured steps                                      ~1-1.5 min
 #   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF)     ~1 min
@@ -53,23 +53,28 @@
 #              prediction beside each row; one command per layout     ~6-9 min (compilation)
 #   sharded_ckpt  scripts/checkpoint_timing.py under torchrun on 2 GPUs: xl bf16, --fsdp ours
 #              then torch, 2 steps of 4 x 512 tokens, then DCP save / load and the single-file
-#              save timed (one JSON line each in its log)                         ~2-3 min
+#              save timed (one JSON line each in its log). Measured on 2x H200: 7 min,
+#              with the trainer's own end-of-run save since dropped, on a ~0.6 GiB/s disk
 #              (CKPT_ROOT=/dev/shm/x: checkpoints in RAM instead of $WORK on disk)
 #   sharded_ckpt8b  the same at 8B (--fsdp ours, 1 step of 2 x 512 tokens per rank; ~91 GiB of
 #              state: the sharded copy is deleted before the single file is written; needs
 #              2 GPUs of 141 GB, ~250 GB of host memory for rank 0's gather and ~100 GB of
-#              disk)                                                              ~5-7 min
+#              disk)                  more than 5.5 min on 2x H200 (/dev/shm): give it a call
 #   init8b     scripts/init_memory.py: the 8B build sharded by our FSDP on 2 GPUs, on the meta
-#              device against whole on each GPU first (peak RSS, device memory)   ~2-4 min
+#              device against whole on each GPU first (peak RSS, device memory)
+#                                                                      measured: 46 s (2x H200)
 #   fsdp_options  scripts/fsdp_options.py: xl, 2 sequences x 4 micro-steps per rank, sync /
-#              no_sync / reshard_after_forward=False, ours and torch's FSDP       ~3-5 min
+#              no_sync / reshard_after_forward=False, ours and torch's FSDP
+#                                                                measured: 76-103 s (2x H200)
 #   parallel8b the 8B model at 2 x 8192 tokens per step, bf16 train, every block checkpointed,
 #              fused loss, SDPA: TP 2 (batch 2) against FSDP torch (batch 1 per rank), eager,
-#              the planner's prediction beside each row. NEEDS 2 GPUs OF 141 GB ~4-6 min
+#              the planner's prediction beside each row. NEEDS 2 GPUs OF 141 GB
+#                                                                      measured: 55 s (2x H200)
 #   step8b     issue 7: the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
 #              1 per rank, fused loss, every block checkpointed, sdpa then flash-triton, 1
 #              warm-up + 3 steps. NEEDS 2 GPUs OF 141 GB (H200): ~69 GB per rank plus the
-#              32.5 GB transient of the build; OOM on 80 GB H100s              ~4-6 min
+#              32.5 GB transient of the build; OOM on 80 GB H100s
+#                                                                      measured: 89 s (2x H200)
 # Default SECTIONS="bench hf profile mixed" (call 1, ~4-5 min); call 2 is "attention compile"
 # (~4-7 min). Each call stays under ten minutes; run parallel, sharded_ckpt and step8b each in
 # a call of its own.
