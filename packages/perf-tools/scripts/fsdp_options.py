@@ -65,7 +65,7 @@ def _wrap(model: torch.nn.Module, fsdp: str, device: torch.device, keep: bool, b
         dtype = torch.bfloat16 if bf16 else None
         wrapped = FSDP(model, compute_dtype=dtype, device=device, reshard_after_forward=not keep)
         no_sync, finish = wrapped.no_sync, wrapped.finish_gradient_synchronization
-        return wrapped, no_sync, finish, wrapped._reshard
+        return wrapped, no_sync, finish, wrapped.reshard_after_forward
     from lm_core.fsdp import materialize_fully_sharded
     from perf_tools.bench_dist import torch_fully_shard
 

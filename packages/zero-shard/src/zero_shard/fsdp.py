@@ -359,6 +359,12 @@ class FSDP(StateDicts, nn.Module):
         return clip_grad_norm(shards, self._replicated, max_norm, self._comm.comm)
 
     @property
+    def reshard_after_forward(self) -> bool:
+        """Whether each unit frees its gathered weights after its forward (the constructor's
+        argument; False keeps them until the unit's backward)."""
+        return self._reshard
+
+    @property
     def unit_names(self) -> list[str]:
         """Names (module paths) of the gathering units, in registration order."""
         return [u.name for u in self._units]
