@@ -148,6 +148,7 @@ def scenario_keep_gathered(rank: int, world: int, device: torch.device, remat: i
     runs = []
     for reshard in (True, False):
         fsdp = FSDP(make_model(device, remat=remat), reshard_after_forward=reshard)
+        assert fsdp.reshard_after_forward is reshard
         n = len(fsdp.unit_names)
         opt = make_opt("adamw", fsdp.parameters())
         for step in range(2):
