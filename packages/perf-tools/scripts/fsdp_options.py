@@ -26,8 +26,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -57,38 +56,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _wrap(model: torch.nn.Module, fsdp: str, device: torch.device, keep: bool, bf16: bool):
-    """(runner, no-sync context factory, gradient sync after backward or None, the wrapper's
-    own reshard_after_forward where it reports one)."""
-    if fsdp == "ours":
-        from zero_shard import FSDP
+    """lm_core's trainer engine for `fsdp` (`lm_core.fsdp`: meta build materialized, no-sync
+    context, gradient sync) with `reshard_after_forward=not keep`; returns it and the
+    setting the wrapper itself reports (ours) or was given (torch's)."""
+    from lm_core.engine import DistEnv
+    from lm_core.fsdp import TorchFSDP, ZeroShardFSDP
 
-        dtype = torch.bfloat16 if bf16 else None
-        wrapped = FSDP(model, compute_dtype=dtype, device=device, reshard_after_forward=not keep)
-        no_sync, finish = wrapped.no_sync, wrapped.finish_gradient_synchronization
-        return wrapped, no_sync, finish, wrapped.reshard_after_forward
-    from lm_core.fsdp import materialize_fully_sharded
-    from perf_tools.bench_dist import torch_fully_shard
-
-    fully_shard, policy_cls = torch_fully_shard()
-    kwargs = {"reshard_after_forward": not keep}
-    if bf16:
-        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    materialize_fully_sharded(model, device)
-
-    def no_sync() -> AbstractContextManager[None]:
-        class _NoSync:
-            def __enter__(self) -> None:
-                model.set_requires_gradient_sync(False)
-
-            def __exit__(self, *exc: object) -> None:
-                model.set_requires_gradient_sync(True)
-
-        return _NoSync()
-
-    return model, no_sync, None, not keep
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), device=device)
+    engine = ZeroShardFSDP if fsdp == "ours" else TorchFSDP
+    pm = engine(model, env, bf16=bf16, reshard_after_forward=not keep)
+    reported = pm.fsdp.reshard_after_forward if fsdp == "ours" else not keep
+    return pm, reported
 
 
 def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> dict:
@@ -100,8 +78,8 @@ def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> 
     config = resolve_config(args.size, context_length=args.context)
     torch.manual_seed(0)
     model = build_model(config, "meta")
-    runner, no_sync, finish, reshard = _wrap(model, args.fsdp, device, keep, bf16=cuda)
-    opt = AdamW(runner.parameters(), lr=1e-4)
+    pm, reshard = _wrap(model, args.fsdp, device, keep, bf16=cuda)
+    opt = AdamW(pm.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), generator=gen)
     x = x.to(device)
@@ -110,14 +88,11 @@ def _time_variant(args: argparse.Namespace, name: str, device: torch.device) -> 
     def step() -> None:
         for i in range(args.accum):
             last = i == args.accum - 1
-            ctx: Callable[[], AbstractContextManager[None]] = nullcontext
-            if skip_sync and not last:
-                ctx = no_sync
+            ctx = pm.no_sync if skip_sync and not last else nullcontext
             with ctx(), torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-                loss = cross_entropy(runner(inputs), targets) / args.accum
+                loss = cross_entropy(pm.module(inputs), targets) / args.accum
                 loss.backward()
-        if finish is not None:
-            finish()
+        pm.finish_sync()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -61,7 +61,14 @@ class ZeroShardFSDP(ParallelModel):
     each unit once).
     """
 
-    def __init__(self, model: nn.Module, env: DistEnv, *, bf16: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        env: DistEnv,
+        *,
+        bf16: bool = False,
+        reshard_after_forward: bool = True,
+    ) -> None:
         zero_shard = optional_import("zero_shard", "zero")
         before = dict(model.named_parameters())
         self._shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -70,6 +77,7 @@ class ZeroShardFSDP(ParallelModel):
             model,
             compute_dtype=torch.bfloat16 if bf16 else None,
             device=env.device if meta else None,
+            reshard_after_forward=reshard_after_forward,
         )
         super().__init__(
             wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync, env.rank
@@ -225,7 +233,13 @@ class TorchFSDP(ParallelModel):
     """
 
     def __init__(
-        self, model: nn.Module, env: DistEnv, *, bf16: bool = False, compile: bool = False
+        self,
+        model: nn.Module,
+        env: DistEnv,
+        *,
+        bf16: bool = False,
+        compile: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         fully_shard, policy_cls = torch_fsdp_api()
         meta = any(p.is_meta for p in model.parameters())
@@ -242,7 +256,7 @@ class TorchFSDP(ParallelModel):
         if compile:
             for block in blocks:
                 block.compile()  # in place: keeps the module (and its state-dict keys)
-        kwargs = {}
+        kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
         if bf16:
             kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks:

@@ -170,7 +170,7 @@ def build_and_wrap(
         compile_block_forwards(model, **options)
     elif job.compile:
         raise ValueError(f"compile: {job.compile!r} is not available with fsdp {job.fsdp}")
-    runner, sync, fsdp = _wrap_fsdp(job, model, device)
+    runner, sync, fsdp = _wrap_fsdp(job, model, rank, world, device)
     return Wrapped(runner, sync, fsdp, params, k)
 
 
@@ -214,24 +214,17 @@ def _wrap_ddp(
 
 
 def _wrap_fsdp(
-    job: DistJob, model: nn.Module, device: torch.device
+    job: DistJob, model: nn.Module, rank: int, world: int, device: torch.device
 ) -> tuple[nn.Module, Callable[[], None] | None, Any]:
-    """(runner, gradient sync to call after backward, our FSDP or None); the meta-device
-    `model` sharded and materialized on `device`."""
+    """(runner, gradient sync to call after backward, our FSDP or None): the meta-device
+    `model` sharded and materialized on `device` by the trainer's engine (`lm_core.fsdp`:
+    zero_shard.FSDP, or torch's fully_shard per block then the root)."""
+    from lm_core.engine import DistEnv
+    from lm_core.fsdp import TorchFSDP, ZeroShardFSDP
+
+    env = DistEnv(rank, world, device=device)
     bf16 = job.precision == "bf16"
     if job.fsdp == "ours":
-        from zero_shard import FSDP
-
-        fsdp = FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None, device=device)
-        return fsdp, fsdp.finish_gradient_synchronization, fsdp
-    fully_shard, policy_cls = torch_fully_shard()
-    kwargs: dict[str, Any] = {}
-    if bf16:
-        kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.layers:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    from lm_core.fsdp import materialize_fully_sharded
-
-    materialize_fully_sharded(model, device)
-    return model, None, None
+        pm = ZeroShardFSDP(model, env, bf16=bf16)
+        return pm.module, pm.finish_sync, pm.fsdp
+    return TorchFSDP(model, env, bf16=bf16).module, None, None
