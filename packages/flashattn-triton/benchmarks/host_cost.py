@@ -9,7 +9,10 @@ back-to-back calls (wall time per call, one synchronize per batch of calls):
   (`torch.autograd.set_multithreading_enabled(False)`);
 - the pieces of ours: a no-grad forward, `launch.forward`, `launch.backward`;
 - with `--profile`, cProfile's top entries of ours (backward on the calling thread, so that
-  the profiler sees it).
+  the profiler sees it);
+- with `--breakdown`, where one `torch.autograd.grad` of ours spends its wall time on either
+  thread: before our Python backward starts (the engine and the hand-off to its thread),
+  inside it, and after it returns until `grad` does (medians of single calls).
 
     PYTHONPATH=packages/flashattn-triton/src python3 \\
         packages/flashattn-triton/benchmarks/host_cost.py --shape 128x512x64 [--profile]
@@ -46,12 +49,53 @@ def per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def backward_phases(q, k, v, do, calls: int) -> dict[str, float]:
+    """Medians over `calls` single calls of where `torch.autograd.grad` of ours spends its wall
+    time: until our Function's backward starts, inside it, after it until grad returns."""
+    from flashattn_triton import autograd as fa_autograd
+    from flashattn_triton import flash_attention
+
+    fn = fa_autograd.CheckedFlashAttention
+    inner = fn.backward
+    stamps: list[float] = []
+
+    def timed_backward(ctx, do_):
+        stamps.append(time.perf_counter())
+        try:
+            return inner(ctx, do_)
+        finally:
+            stamps.append(time.perf_counter())
+
+    fn.backward = staticmethod(timed_backward)
+    before, inside, after, forward = [], [], [], []
+    try:
+        for _ in range(calls + 20):
+            stamps.clear()
+            t0 = time.perf_counter()
+            o = flash_attention(q, k, v, causal=True)
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, (q, k, v), do)
+            t2 = time.perf_counter()
+            forward.append(t1 - t0)
+            before.append(stamps[0] - t1)
+            inside.append(stamps[1] - stamps[0])
+            after.append(t2 - stamps[1])
+            if len(forward) % 50 == 0:
+                torch.cuda.synchronize()  # keep the GPU queue short: host time only
+    finally:
+        fn.backward = staticmethod(inner)
+    names = ("forward", "grad until our backward", "our backward", "after it until grad returns")
+    cols = (forward, before, inside, after)
+    return {n: statistics.median(c[20:]) * 1e6 for n, c in zip(names, cols, strict=True)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="128x512x64", help="HEADSxNxD (batch 1, bf16, causal)")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    ap.add_argument("--breakdown", action="store_true", help="time the phases of one grad call")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (host_overhead.py times our Python without one)")
@@ -107,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in rows.items():
         print(f"  {name:55s} {us:8.1f}")
     print(json.dumps({"shape": list(shape), "us_per_call": rows}))
+    if a.breakdown:
+        for threads in (True, False):
+            where = "device thread" if threads else "calling thread"
+            with torch.autograd.set_multithreading_enabled(threads):
+                phases = backward_phases(q, k, v, do, a.calls)
+            print(f"  grad() of ours, backward on the {where}: " + ", ".join(
+                f"{name} {us:.1f} us" for name, us in phases.items()))  # fmt: skip
+            print(json.dumps({"breakdown": where, "us": phases}))
     if a.profile:
         profiler = cProfile.Profile()
         with torch.autograd.set_multithreading_enabled(False):
