@@ -8,6 +8,7 @@ back-to-back calls (wall time per call, one synchronize per batch of calls):
   the backward on autograd's device thread (torch's default) and on the calling thread
   (`torch.autograd.set_multithreading_enabled(False)`);
 - the pieces of ours: a no-grad forward, `launch.forward`, `launch.backward`;
+- with `--compiled`, each of the three under `torch.compile(fullgraph=True)` as well;
 - with `--profile`, cProfile's top entries of ours (backward on the calling thread, so that
   the profiler sees it);
 - with `--breakdown`, where one `torch.autograd.grad` of ours spends its wall time on either
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="128x512x64", help="HEADSxNxD (batch 1, bf16, causal)")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--profile", action="store_true", help="print cProfile's top entries")
+    ap.add_argument(
+        "--profile", action="store_true", help="print cProfile's top entries (compiled ours too)"
+    )
+    ap.add_argument("--compiled", action="store_true", help="also each case compiled")
     ap.add_argument("--breakdown", action="store_true", help="time the phases of one grad call")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,6 +136,22 @@ def main(argv: list[str] | None = None) -> int:
         "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }
+    if a.compiled:
+
+        def compiled(attend: Callable[..., torch.Tensor]) -> Callable[[], None]:
+            fn = torch.compile(attend, fullgraph=True, dynamic=False)
+            return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+
+        def sdpa_attend(backend: SDPBackend) -> Callable[..., torch.Tensor]:
+            def attend(q_, k_, v_):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+            return attend
+
+        cases["ours compiled"] = compiled(lambda q_, k_, v_: flash_attention(q_, k_, v_, True))
+        cases["sdpa flash compiled"] = compiled(sdpa_attend(SDPBackend.FLASH_ATTENTION))
+        cases["sdpa cudnn compiled"] = compiled(sdpa_attend(SDPBackend.CUDNN_ATTENTION))
     rows: dict[str, float] = {}
     for threads in (True, False):
         where = "device thread" if threads else "calling thread"
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.autograd.set_multithreading_enabled(False):
             profiler.enable()
             for _ in range(200):
-                ours()
+                (cases["ours compiled"] if a.compiled else ours)()
             profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
