@@ -376,6 +376,38 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.flashattn_triton.bwd.default, (do, q, k, v, o, lse, True, 0.25))
 
 
+def test_launch_ops_pass_opcheck():
+    """The ops compiled graphs call: the public ops' schemas, fakes that match the launchers."""
+    q, k, v, do = _inputs((1, 2), 20, 12, 16)
+    torch.library.opcheck(torch.ops.flashattn_triton.fwd_launch.default, (q, k, v, True, 0.25))
+    o, lse = torch.ops.flashattn_triton.fwd_launch(q, k, v, True, 0.25)
+    torch.library.opcheck(
+        torch.ops.flashattn_triton.bwd_launch.default, (do, q, k, v, o, lse, True, 0.25)
+    )
+
+
+def test_compiled_graphs_call_the_launch_ops(monkeypatch):
+    """Under torch.compile the autograd.Function's graphs call the plain launch ops, not the
+    public custom ops (whose Python wrappers cost host time on every call)."""
+    from flashattn_triton import ops
+
+    def fail(*args, **kwargs):
+        raise AssertionError("compiled graph went through the public custom op")
+
+    monkeypatch.setattr(ops, "attention_fwd", fail)
+    monkeypatch.setattr(ops, "attention_bwd", fail)
+    q, k, v, do = _inputs((1, 2), 24, 24, 16)
+
+    def attend(a, b, c, causal):
+        return flash_attention(a, b, c, causal, backend="triton")
+
+    eager = run_fwd_bwd(attend, q, k, v, do, True)
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    got = run_fwd_bwd(compiled, q, k, v, do, True)
+    for name in eager:
+        assert rel_err(got[name], eager[name]) < 1e-6, name
+
+
 def test_eager_calls_bypass_the_custom_ops(monkeypatch):
     """Eager mode calls the launchers directly (the op dispatcher costs host time); the custom
     ops are for torch.compile (see test_torch_compile_fullgraph_no_graph_break)."""

@@ -19,18 +19,18 @@ def _compiling() -> bool:
 
 
 def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
-    """The forward launcher: through the custom op when torch.compile traces (no graph break),
+    """The forward launcher: through its op when torch.compile traces (no graph break),
     called directly in eager mode (skips the op dispatcher's per-call cost). ``window``:
     (left, right), for the windowed calls only."""
     if _compiling():
-        return ops.attention_fwd(q4, k4, v4, causal, scale, *window)
+        return ops.fwd_launch(q4, k4, v4, causal, scale, *window)
     return launch.forward(q4, k4, v4, causal, scale, *window)
 
 
 def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float, *window: int):
     """The backward launcher, dispatched like ``_fwd``."""
     if _compiling():
-        return ops.attention_bwd(do4, q4, k4, v4, o4, lse, causal, scale, *window)
+        return ops.bwd_launch(do4, q4, k4, v4, o4, lse, causal, scale, *window)
     return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale, *window)
 
 
@@ -153,7 +153,7 @@ class VarlenFlashAttention(torch.autograd.Function):
         args = (cu_q, cu_k, max_q, max_k, causal, scale, left, right)
         q4, k4, v4 = _varlen_views(q, k, v)
         if _compiling():
-            o4, lse3 = ops.varlen_fwd(q4, k4, v4, *args)
+            o4, lse3 = ops.varlen_fwd_launch(q4, k4, v4, *args)
         else:
             o4, lse3 = launch_varlen.forward_varlen(q4, k4, v4, *args)
         o, lse = o4[0].transpose(0, 1), lse3[0]  # (total_q, Hq, d), (Hq, total_q)
@@ -169,7 +169,7 @@ class VarlenFlashAttention(torch.autograd.Function):
         q4, k4, v4 = _varlen_views(q, k, v)
         do4, o4 = (t.transpose(0, 1).unsqueeze(0) for t in (do, o))
         if _compiling():
-            dq4, dk4, dv4 = ops.varlen_bwd(do4, q4, k4, v4, o4, lse[None], *args)
+            dq4, dk4, dv4 = ops.varlen_bwd_launch(do4, q4, k4, v4, o4, lse[None], *args)
         else:
             dq4, dk4, dv4 = launch_varlen.backward_varlen(do4, q4, k4, v4, o4, lse[None], *args)
         grads = (g[0].transpose(0, 1) for g in (dq4, dk4, dv4))

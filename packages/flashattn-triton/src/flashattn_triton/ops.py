@@ -8,6 +8,12 @@
   max_seqlen_k, causal, softmax_scale, window_left, window_right) -> (o, lse)`` and
   ``varlen_bwd(do, q, k, v, o, lse, <the same>) -> (dq, dk, dv)``
 
+Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch`` and
+``varlen_bwd_launch`` instead (``launch_ops``): the same schemas, launchers and fake
+implementations, registered without an autograd formula (the autograd.Functions of
+``autograd``, which dynamo traces, own the backward) and without custom_op's Python wrappers,
+so that a compiled call goes from the dispatcher straight to the launcher.
+
 All tensors are (B, H, N, d) (lse: (B, H, Nq) float32); k and v may have fewer heads than q
 (grouped-query attention), and dk, dv come back shaped like them. The varlen ops take
 packed tensors seen as (1, H, total, d) and int32 offsets (batch + 1,). The fake
@@ -162,3 +168,26 @@ def _varlen_backward(ctx, do, _dlse):
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# custom_op wraps each kernel in Python layers (an autograd kernel that redispatches, an
+# output aliasing check, a dynamo guard); a compiled graph pays them on every call
+# (benchmarks/host_cost.py --compiled). The graphs of our autograd.Functions need none of
+# them, so they call these plain registrations of the same launchers.
+_LAUNCH_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def _launch_op(public, launcher, fake) -> torch._ops.OpOverload:
+    """``public``'s schema as ``<name>_launch``, implemented by ``launcher`` on every device."""
+    op = public._opoverload
+    name = f"{op._schema.name.partition('::')[2]}_launch"
+    _LAUNCH_LIB.define(name + str(op._schema).partition(op._schema.name)[2])
+    _LAUNCH_LIB.impl(name, launcher, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LAUNCH_LIB)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+fwd_launch = _launch_op(attention_fwd, launch.forward, _attention_fwd_fake)
+bwd_launch = _launch_op(attention_bwd, launch.backward, _attention_bwd_fake)
+varlen_fwd_launch = _launch_op(varlen_fwd, launch_varlen.forward_varlen, _varlen_fwd_fake)
+varlen_bwd_launch = _launch_op(varlen_bwd, launch_varlen.backward_varlen, _varlen_bwd_fake)
