@@ -31,9 +31,11 @@
 #              CUDA graph per step                                               ~4-5 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
-#   trainloop  issue 28: lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
-#              100 steps, log every 10, a checkpoint at 50) beside the bench step, and xl
-#              without the graph (perf_tools.train_loop; compilation dominates) ~5-7 min
+#   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
+#              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
+#              beside the bench step, and xl without the graph (perf_tools.train_loop).
+#              Measured on one H200: small 54 s; xl's two 22 GB saves on a ~0.4 GB/s disk
+#              take ~2 min of its run (CKPT_ROOT=/dev/shm/x avoids them)
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 #   generate   decode tokens/s (generate_bench): small, then xl, batch 1 and 16, bf16, prompt
@@ -238,14 +240,18 @@ if want generate; then
       --batch-sizes 1 16 --csv "$WORK/generate_$size.csv" --json "$WORK/generate_$size.json"
   done
 fi
-if want trainloop; then
-  TL="$PY -m perf_tools.train_loop --quiet --precision bf16 --compile"
-  run trainloop_small $TL --size small --batch 8 --cuda-graph \
-    --csv "$WORK/trainloop_small.csv" --json "$WORK/trainloop_small.json"
-  run trainloop_xl $TL --size xl --batch 4 --cuda-graph \
-    --csv "$WORK/trainloop_xl.csv" --json "$WORK/trainloop_xl.json"
-  run trainloop_xl_nograph $TL --size xl --batch 4 \
-    --csv "$WORK/trainloop_xl_nograph.csv" --json "$WORK/trainloop_xl_nograph.json"
+trainloop() {  # trainloop NAME SIZE BATCH [FLAGS...]: one train_loop run, its checkpoints deleted
+  local name=$1 size=$2 batch=$3
+  shift 3
+  RUN_TIMEOUT=${TRAINLOOP_TIMEOUT:-$RUN_TIMEOUT} run "$name" $PY -m perf_tools.train_loop --quiet \
+    --precision bf16 --compile --size "$size" --batch "$batch" "$@" --out-dir "$CKPT_ROOT/$name" \
+    --csv "$WORK/$name.csv" --json "$WORK/$name.json"
+  rm -rf "${CKPT_ROOT:?}/$name"
+}
+if want trainloop; then  # xl's checkpoints are ~22 GB each: CKPT_ROOT=/dev/shm/x keeps them off a slow disk
+  trainloop trainloop_small small 8 --cuda-graph
+  trainloop trainloop_xl xl 4 --cuda-graph
+  trainloop trainloop_xl_nograph xl 4
 fi
 if want memory; then
   run memory $B --size 2.7B --precision fp32 bf16 --mode forward train --context 128 256 512 \

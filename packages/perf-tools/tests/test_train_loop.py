@@ -4,6 +4,11 @@ against a hand computation, and the flag errors."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -59,3 +64,26 @@ def test_bad_flags_name_the_flag(argv, message, capsys):
         train_loop.parse_args([*TINY, *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_sigterm_removes_the_temporary_checkpoint_folder(tmp_path):
+    """A run stopped by SIGTERM (`timeout`, a scheduler) leaves no checkpoint folder behind:
+    at xl each holds ~22 GB, and orphans filled the disk for the next run."""
+    argv = [*TINY, "--steps", "100000", "--log-every", "2", "--ckpt-every", "2"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "perf_tools.train_loop", *argv],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("train_loop-*/checkpoint.pt")):  # training, and saving
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list(tmp_path.glob("train_loop-*")), list(tmp_path.iterdir())

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -246,8 +248,16 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def exit_on_sigterm() -> None:
+    """Let SIGTERM (a `timeout`, a scheduler) end the run by SystemExit, so that the temporary
+    checkpoint folder (gigabytes at xl) is removed instead of left behind to fill the disk."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    exit_on_sigterm()
     rows = run(a)
     dev = report.run_metadata()["device"]
     title = (
