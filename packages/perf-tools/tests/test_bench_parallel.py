@@ -77,6 +77,17 @@ def test_ddp_rows_eager_and_compiled(tmp_path, capsys):
     assert "cuda_graph" not in header
 
 
+def test_ddp_blocks_compiles_each_block_before_wrapping(tmp_path):
+    """--ddp --compile blocks: the other DDP layout (each block compiled, then wrapped, no
+    graph split at the gradient buckets) runs and says so in its row."""
+    out = tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--nprocs", "2", "--ddp", "--compile", "blocks", *AOT]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    (row,) = _rows(out)
+    assert (row["status"], row["ddp"], row["compile"]) == ("ok", "torch", "blocks")
+    assert row["measured_compiles"] == 0
+
+
 def test_compiled_fsdp_rows_compile_each_block(tmp_path):
     """--compile with --fsdp torch and ours: each block compiled (the row says blocks); our
     FSDP still gathers every unit (its hooks run outside the compiled blocks)."""
