@@ -416,6 +416,42 @@ def test_eager_calls_bypass_the_custom_ops(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("eager call went through the custom op")
 
-    monkeypatch.setattr(ops, "attention_fwd", fail)
-    monkeypatch.setattr(ops, "attention_bwd", fail)
+    for name in ("attention_fwd", "attention_bwd", "fwd_launch", "bwd_launch"):
+        monkeypatch.setattr(ops, name, fail)
     _check(*_inputs((2,), 40, 40, 16), True)
+
+
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads", "window", "return_lse"),
+    [
+        ((2, 3), (2, 3), (-1, -1), False),
+        ((4,), (2,), (-1, -1), False),
+        ((1, 2), (1, 2), (5, 0), True),
+    ],
+)
+def test_calls_without_grad_skip_the_autograd_function(
+    monkeypatch, q_heads, kv_heads, window, return_lse
+):
+    """Under no_grad (or with inputs that need no grad) flash_attention launches without an
+    autograd.Function (host time per decode step) and returns what the recorded call does."""
+    from flashattn_triton import api
+
+    q = torch.randn(*q_heads, 9, 16)
+    k, v = torch.randn(*kv_heads, 21, 16), torch.randn(*kv_heads, 21, 16)
+    kwargs = {"causal": True, "window_size": window, "return_lse": return_lse, "backend": "triton"}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    recorded = flash_attention(*leaves, **kwargs)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a call without grad went through an autograd.Function")
+
+    for fn in (api.CheckedFlashAttention, api.WindowedFlashAttention):
+        monkeypatch.setattr(fn, "apply", fail)
+    with torch.no_grad():
+        got_no_grad = flash_attention(*leaves, **kwargs)
+    got_plain = flash_attention(q, k, v, **kwargs)  # grad mode on, nothing requires grad
+    for got in (got_no_grad, got_plain):
+        pairs = zip(got, recorded, strict=True) if return_lse else [(got, recorded)]
+        for a, b in pairs:
+            assert a.grad_fn is None
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)

@@ -15,7 +15,12 @@ from ._checks import (
     check_window,
     resolve_scale,
 )
-from .autograd import CheckedFlashAttention, VarlenFlashAttention, WindowedFlashAttention
+from .autograd import (
+    CheckedFlashAttention,
+    VarlenFlashAttention,
+    WindowedFlashAttention,
+    forward_without_grad,
+)
 from .torch_impl import FlashAttention2Torch, TorchAttention, varlen_attention_torch
 
 BACKENDS = ("auto", "triton", "torch")
@@ -78,10 +83,13 @@ def flash_attention(
     if resolve_backend(backend, q) == "triton":
         check_triton_dtype_and_dim(q)
         scale = resolve_scale(softmax_scale, q.shape[-1])
-        if plain:
+        window = () if plain else _check_window_and_lse(window_size, return_lse)
+        if not _builds_graph(q, k, v):  # inference, decoding: no autograd.Function to pay for
+            o, lse = forward_without_grad(q, k, v, causal, scale, *window)
+        elif plain:
             return CheckedFlashAttention.apply(q, k, v, causal, scale)
-        left, right = _check_window_and_lse(window_size, return_lse)
-        o, lse = WindowedFlashAttention.apply(q, k, v, causal, scale, left, right)
+        else:
+            o, lse = WindowedFlashAttention.apply(q, k, v, causal, scale, *window)
         return (o, lse) if return_lse else o
     if plain:
         return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
@@ -89,6 +97,11 @@ def flash_attention(
     scale = resolve_scale(softmax_scale, q.shape[-1])
     o, lse = TorchAttention.apply(q, k, v, causal, scale, left, right)
     return (o, lse) if return_lse else o
+
+
+def _builds_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records this call (grad mode on and an input requires grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _check_window_and_lse(window_size: object, return_lse: object) -> tuple[int, int]:

@@ -71,6 +71,15 @@ def _forward_any_rank(q, k, v, causal: bool, scale: float, *window: int):
     return o4.reshape(q.shape), lse4.reshape(q.shape[:-1])  # (..., Nq, d), (..., Nq)
 
 
+def forward_without_grad(q, k, v, causal: bool, scale: float, *window: int):
+    """(o, lse) of checked inputs when autograd records nothing: the launcher without an
+    autograd.Function around it (~6 us less per call on a CPU host; a decode step calls
+    attention once per layer)."""
+    if q.dim() == 4 and not window:
+        return _fwd(q, k, v, causal, scale)
+    return _forward_any_rank(q, k, v, causal, scale, *window)
+
+
 def _backward_any_rank(do, q, k, v, o, lse, causal: bool, scale: float, *window: int):
     """``_bwd`` on inputs of any rank >= 2 (see ``_forward_any_rank``)."""
     gqa = q.shape[:-2] != k.shape[:-2]
