@@ -96,7 +96,10 @@ def through_public_ops(run: Callable[[], None]) -> Callable[[], None]:
     from flashattn_triton import ops
 
     plain = (ops.fwd_launch, ops.bwd_launch)
-    public = (ops.attention_fwd._opoverload, ops.attention_bwd._opoverload)
+    public = (
+        getattr(torch.ops, ops.NAMESPACE).fwd.default,
+        getattr(torch.ops, ops.NAMESPACE).bwd.default,
+    )
 
     def call() -> None:
         ops.fwd_launch, ops.bwd_launch = public  # what dynamo traced (and guards on)

@@ -177,17 +177,18 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 _LAUNCH_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def _launch_op(public, launcher, fake) -> torch._ops.OpOverload:
-    """``public``'s schema as ``<name>_launch``, implemented by ``launcher`` on every device."""
-    op = public._opoverload
-    name = f"{op._schema.name.partition('::')[2]}_launch"
-    _LAUNCH_LIB.define(name + str(op._schema).partition(op._schema.name)[2])
+def _launch_op(public: str, launcher, fake) -> torch._ops.OpOverload:
+    """The public op ``public``'s schema as ``<public>_launch``, implemented by ``launcher``
+    on every device."""
+    schema = getattr(getattr(torch.ops, NAMESPACE), public).default._schema
+    name = f"{public}_launch"
+    _LAUNCH_LIB.define(name + str(schema).partition(schema.name)[2])  # "(args) -> outs"
     _LAUNCH_LIB.impl(name, launcher, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LAUNCH_LIB)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
-fwd_launch = _launch_op(attention_fwd, launch.forward, _attention_fwd_fake)
-bwd_launch = _launch_op(attention_bwd, launch.backward, _attention_bwd_fake)
-varlen_fwd_launch = _launch_op(varlen_fwd, launch_varlen.forward_varlen, _varlen_fwd_fake)
-varlen_bwd_launch = _launch_op(varlen_bwd, launch_varlen.backward_varlen, _varlen_bwd_fake)
+fwd_launch = _launch_op("fwd", launch.forward, _attention_fwd_fake)
+bwd_launch = _launch_op("bwd", launch.backward, _attention_bwd_fake)
+varlen_fwd_launch = _launch_op("varlen_fwd", launch_varlen.forward_varlen, _varlen_fwd_fake)
+varlen_bwd_launch = _launch_op("varlen_bwd", launch_varlen.backward_varlen, _varlen_bwd_fake)
