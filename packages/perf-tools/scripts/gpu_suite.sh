@@ -29,6 +29,10 @@
 #   speed      xl bf16 and small fp32 (strict with cuBLAS, then TF32, then strict with
 #              cuBLASLt) train steps: eager vs compiled x launched kernel by kernel vs one
 #              CUDA graph per step                                               ~4-5 min
+#   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
+#              compiled forward + backward on either autograd thread, launch ops against the
+#              public custom ops, the phases of one call), then the compiled causal sweep
+#              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
@@ -159,6 +163,12 @@ if want attention_full; then
     --csv "$WORK/attention_naive.csv" --json "$WORK/attention_naive.json" --plot "$WORK/attention_naive.png"
   run attention_flash $PY -m perf_tools.attention flash --quiet \
     --csv "$WORK/attention_flash.csv" --json "$WORK/attention_flash.json" --plot "$WORK/attention_flash.png"
+fi
+if want hostcost; then  # a lone attention call's host time, ours against SDPA, eager and compiled
+  run host_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/host_cost.py" --shape 128x512x64 \
+    --compiled --breakdown
+  run sweep_compiled $PY -m perf_tools.attention_sweep --quiet --modes compiled --causal yes \
+    --csv "$WORK/sweep_compiled.csv" --json "$WORK/sweep_compiled.json" --plot "$WORK/sweep_compiled.png"
 fi
 if want fp32gemm; then
   run fp32_gemm $PY "$ROOT/packages/perf-tools/scripts/fp32_gemm.py" --json "$WORK/fp32_gemm.json"
