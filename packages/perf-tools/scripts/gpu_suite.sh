@@ -38,8 +38,8 @@
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
 #              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
 #              beside the bench step, and xl without the graph (perf_tools.train_loop).
-#              Measured on one H200: small 54 s; xl's two 22 GB saves on a ~0.4 GB/s disk
-#              take ~2 min of its run (CKPT_ROOT=/dev/shm/x avoids them)
+#              Measured on one H200: small 54 s; each 22 GB save of xl took ~53 s to the
+#              disk and ~45 s to /dev/shm, so an xl run needs TRAINLOOP_TIMEOUT of 300 or more
 #   memory     2.7B peak memory, ctx 128/256/512, fp32/bf16, forward/train, and a
 #              memory snapshot of one bf16 train step (not in the two calls)     ~1 min
 #   generate   decode tokens/s (generate_bench): small, then xl, batch 1 and 16, bf16, prompt
@@ -262,7 +262,7 @@ trainloop() {  # trainloop NAME SIZE BATCH [FLAGS...]: one train_loop run, its c
     --csv "$WORK/$name.csv" --json "$WORK/$name.json"
   rm -rf "${CKPT_ROOT:?}/$name"
 }
-if want trainloop; then  # xl's checkpoints are ~22 GB each: CKPT_ROOT=/dev/shm/x keeps them off a slow disk
+if want trainloop; then  # xl's checkpoints are ~22 GB each: CKPT_ROOT needs room for two
   trainloop trainloop_small small 8 --cuda-graph
   trainloop trainloop_xl xl 4 --cuda-graph
   trainloop trainloop_xl_nograph xl 4

@@ -46,10 +46,9 @@ def _shard(model: torch.nn.Module, fsdp: str, device: torch.device, bf16: bool) 
 
         FSDP(model, compute_dtype=torch.bfloat16 if bf16 else None, device=device)
         return
-    from lm_core.fsdp import materialize_fully_sharded
-    from perf_tools.bench_dist import torch_fully_shard
+    from lm_core.fsdp import materialize_fully_sharded, torch_fsdp_api
 
-    fully_shard, policy_cls = torch_fully_shard()
+    fully_shard, policy_cls = torch_fsdp_api()
     kwargs = {}
     if bf16:
         kwargs["mp_policy"] = policy_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from perf_tools import bench, bench_dist, bench_multi
+from perf_tools import bench, bench_dist
 from perf_tools.flops import formula_forward_flops
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
@@ -337,7 +337,9 @@ def test_fsdp_torch_where_torch_lacks_fully_shard(capsys, monkeypatch):
     def missing():
         raise ImportError("torch 2.3 has no torch.distributed.fsdp.fully_shard (torch >= 2.4)")
 
-    monkeypatch.setattr(bench_multi, "torch_fully_shard", missing)
+    import lm_core.fsdp
+
+    monkeypatch.setattr(lm_core.fsdp, "torch_fsdp_api", missing)
     with pytest.raises(SystemExit):
         bench.main([*MULTI, "--fsdp", "torch"])
     err = capsys.readouterr().err

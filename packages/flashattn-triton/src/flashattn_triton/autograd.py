@@ -53,10 +53,7 @@ def _lse_as_bhn(lse: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
 
 def _forward(ctx, q, k, v, causal: bool, scale: float) -> torch.Tensor:
     """The forward of both Functions below, on checked inputs."""
-    if q.dim() == 4:  # (B, H, N, d): no views to make (the common case, kept lean)
-        o, lse = _fwd(q, k, v, causal, scale)
-    else:
-        o, lse = _forward_any_rank(q, k, v, causal, scale)
+    o, lse = forward_without_grad(q, k, v, causal, scale)
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.is_causal = causal
     ctx.softmax_scale = scale
@@ -72,10 +69,10 @@ def _forward_any_rank(q, k, v, causal: bool, scale: float, *window: int):
 
 
 def forward_without_grad(q, k, v, causal: bool, scale: float, *window: int):
-    """(o, lse) of checked inputs when autograd records nothing: the launcher without an
-    autograd.Function around it (~6 us less per call on a CPU host; a decode step calls
-    attention once per layer)."""
-    if q.dim() == 4 and not window:
+    """(o, lse) of checked inputs, recording nothing for autograd: the Functions' forward, and
+    what ``flash_attention`` calls directly when no gradient is wanted (without the Function
+    around it: ~6 us less per call on a CPU host; a decode step calls attention per layer)."""
+    if q.dim() == 4 and not window:  # (B, H, N, d): no views to make (the common case)
         return _fwd(q, k, v, causal, scale)
     return _forward_any_rank(q, k, v, causal, scale, *window)
 

@@ -70,14 +70,12 @@ from perf_tools.bench_wrap import (
     FSDP_KINDS,
     DistJob,
     build_and_wrap,
-    torch_fully_shard,
 )
 from perf_tools.cells import BenchOptions, BenchSpec, cell_row
 from perf_tools.models import count_local_params, random_batch, resolve_config
 from perf_tools.steps import PhaseTimer, make_step
 
-# DistJob and torch_fully_shard live in perf_tools.bench_wrap (the rank's model); their names
-# stay reachable here
+# DistJob lives in perf_tools.bench_wrap (the rank's model); its name stays reachable here
 __all__ = [
     "DDP_KINDS",
     "FSDP_KINDS",
@@ -87,7 +85,6 @@ __all__ = [
     "run_rank",
     "run_torchrun_sweep",
     "spawn_cell",
-    "torch_fully_shard",
 ]
 
 WAIT_THRESHOLD_MS = 0.05  # a wait above this is compute stalled on an all-gather (events: ~us)

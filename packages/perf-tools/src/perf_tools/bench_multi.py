@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from perf_tools import _cli, _dist
 from perf_tools.bench_tp import add_tp_args, check_tp_args
-from perf_tools.bench_wrap import DDP_KINDS, FSDP_KINDS, resolve_compile, torch_fully_shard
+from perf_tools.bench_wrap import DDP_KINDS, FSDP_KINDS, resolve_compile
 from perf_tools.cells import OURS, BenchSpec
 
 __all__ = ["add_multi_args", "check_multi_args", "multi_specs"]
@@ -147,8 +147,10 @@ def _check_backend(
     elif not dist.is_available():
         parser.error("argument --nprocs: this torch has no torch.distributed")
     if "torch" in args.fsdps:
+        from lm_core.fsdp import torch_fsdp_api
+
         try:
-            torch_fully_shard()
+            torch_fsdp_api()
         except ImportError as exc:
             parser.error(f"argument --fsdp: torch is not available here: {exc}; use --fsdp ours")
     if "ours" in args.fsdps:

@@ -100,29 +100,6 @@ def resolve_compile(value: bool | str, *, fsdp: str, ddp: str) -> bool | str:
     return "blocks"
 
 
-def torch_fully_shard() -> tuple[Callable[..., Any], type]:
-    """torch's `fully_shard` and `MixedPrecisionPolicy` (public since torch 2.6, under
-    `torch.distributed._composable.fsdp` since 2.4); ImportError naming the need otherwise."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        return fully_shard, MixedPrecisionPolicy
-    except ImportError:
-        pass
-    try:
-        from torch.distributed._composable.fsdp import (  # type: ignore[no-redef]
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-
-        return fully_shard, MixedPrecisionPolicy
-    except ImportError:
-        raise ImportError(
-            f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard "
-            "(torch >= 2.4 needed)"
-        ) from None
-
-
 @dataclasses.dataclass
 class Wrapped:
     """A rank's model ready to time."""
