@@ -81,10 +81,15 @@ def _stats(q, k, v, do, causal, scale):
 
 
 def offline(
-    specs: list[str], shape=LEADERBOARD, kernel: str = "dkdv", grouped: bool = False
+    specs: list[str],
+    shape=LEADERBOARD,
+    kernel: str = "dkdv",
+    grouped: bool = False,
+    kv_group: int = 1,
 ) -> int:
     """Compile each variant for sm_90 with no GPU (a stand-in driver); print registers, the
-    setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule."""
+    setmaxnreg split of a warp-specialized kernel, shared memory and the wgmma schedule.
+    kv_group > 1: the grouped-query variant (that many q heads per k/v head)."""
     import re
 
     from triton.backends.compiler import GPUTarget
@@ -116,16 +121,17 @@ def offline(
         opts.update({"maxnreg": o["maxnreg"]} if o["maxnreg"] else {})
         if kernel == "dq":
             c = dq_kernel.warmup(
-                *descs, lse, lse, q, *q.stride()[:3], h, n, n, n, 0.18, 0.125, 2,
-                **tiles, **opts, GROUPED=grouped, num_warps=o["block_m"] // 16,
+                *descs, lse, lse, q, *q.stride()[:3], h, n, n, n, 0.18, 0.125, 2, kv_group,
+                **tiles, **opts, GROUPED=grouped, GQA=kv_group > 1, num_warps=o["block_m"] // 16,
             )  # fmt: skip
         else:
             rt = o.get("row_tma", False)
             rows = (_flat_desc(lse, o["block_m"]),) * 2 if rt else (None, None)
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, n, 0.18, 0.125,
-                2, *rows, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0, GROUPED=grouped,
-                ROW_TMA=rt, LSE_LOG2=True, num_warps=o["block_n"] // 16,
+                2, *rows, kv_group, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0,
+                GROUPED=grouped, ROW_TMA=rt, LSE_LOG2=True, GQA=kv_group > 1,
+                num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
@@ -272,6 +278,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--grouped", action="store_true", help="offline: the head-grouped launch order's variant"
     )
+    ap.add_argument(
+        "--kv-group", type=int, default=1, help="offline: q heads per k/v head (GQA variant)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
@@ -291,7 +300,7 @@ def main(argv=None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "offline":
-        return offline(a.specs, shape, a.kernel, a.grouped)
+        return offline(a.specs, shape, a.kernel, a.grouped, a.kv_group)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":

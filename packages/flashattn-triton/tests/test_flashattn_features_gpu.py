@@ -102,6 +102,9 @@ def _check_dense(shape, causal, window, dtype, seed=0):
     ("shape", "causal", "window"),
     [
         ((2, 32, 8, 1024, 1024, 128), True, (-1, -1)),  # GQA 4, the issue's head counts
+        ((1, 16, 2, 2048, 2048, 128), True, (-1, -1)),  # GQA 8, Gluon dQ too (2048 keys)
+        ((2, 6, 3, 999, 1500, 128), False, (-1, -1)),  # GQA 2, ragged, Nq < Nk
+        ((1, 4, 1, 2500, 2100, 128), True, (-1, -1)),  # MQA, Nq > Nk: rows with no key
         ((2, 16, 1, 777, 777, 64), True, (-1, -1)),  # MQA, ragged length
         ((2, 8, 2, 600, 1000, 64), False, (-1, -1)),  # GQA, Nq < Nk
         ((2, 8, 8, 2048, 2048, 64), True, (256, -1)),  # sliding window
@@ -215,26 +218,29 @@ def test_fast_launch_replays_features_exactly(case, set_options):
     assert launch._PLANS.replays() > 0
 
 
-def test_gqa_and_windows_skip_the_gluon_kernels(monkeypatch):
-    """d = 128 on Hopper: the Gluon backward kernels lack GQA and windows; the Triton ones
-    run (and are right, test_gqa_and_windows)."""
+def test_gluon_kernels_run_for_gqa_not_windows(monkeypatch, set_options):
+    """d = 128 on Hopper: grouped-query calls run both Gluon backward kernels (right, as
+    test_gqa_and_windows checks); windowed ones, which the Gluon kernels lack, run none."""
     from flashattn_triton import gluon_dkdv, gluon_dq
 
-    def fail(*a, **k):
-        raise AssertionError("a Gluon kernel ran for a call with features")
-
-    monkeypatch.setattr(gluon_dkdv, "launch_dkdv", fail)
-    monkeypatch.setattr(gluon_dq, "launch_dq", fail)
+    set_options(fast_launch=False)  # every call through the launchers (no replays)
+    ran = []
+    for mod, name in ((gluon_dkdv, "launch_dkdv"), (gluon_dq, "launch_dq")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, r=real, n=name, **k: ran.append(n) or r(*a, **k))
     g = _gen(4)
     q = _randn(1, 8, 2048, 128, dtype=torch.bfloat16, g=g).requires_grad_()
     k = _randn(1, 2, 2048, 128, dtype=torch.bfloat16, g=g).requires_grad_()
     v = _randn(1, 2, 2048, 128, dtype=torch.bfloat16, g=g).requires_grad_()
     fa.flash_attention(q, k, v, True).sum().backward()
+    assert sorted(ran) == ["launch_dkdv", "launch_dq"], ran
+    ran.clear()
     q2, k2, v2 = (
         _randn(1, 8, 2048, 128, dtype=torch.bfloat16, g=g).requires_grad_() for _ in range(3)
     )
     fa.flash_attention(q2, k2, v2, True, window_size=(256, -1)).sum().backward()
-    assert torch.isfinite(q.grad).all()
+    assert not ran, ran
+    assert torch.isfinite(k.grad).all()
     assert torch.isfinite(k2.grad).all()
 
 

@@ -66,19 +66,22 @@ def test_defaults_cover_only_measured_head_dims():
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(
-    ("kernel", "shape", "grouped"),
+    ("kernel", "shape", "grouped", "kv_group"),
     [
-        ("dkdv", "2,1,256,128", False),
-        ("dkdv", "2,1,256,64", False),
-        ("dq", "2,1,256,128", False),
-        ("dkdv", "2,1,256,128", True),
-        ("dq", "2,1,256,128", True),
+        ("dkdv", "2,1,256,128", False, 1),
+        ("dkdv", "2,1,256,64", False, 1),
+        ("dq", "2,1,256,128", False, 1),
+        ("dkdv", "2,1,256,128", True, 1),
+        ("dq", "2,1,256,128", True, 1),
+        ("dkdv", "2,4,256,128", False, 4),
+        ("dq", "2,4,256,128", False, 4),
     ],
 )
-def test_kernel_compiles_for_hopper(kernel, shape, grouped):
+def test_kernel_compiles_for_hopper(kernel, shape, grouped, kv_group):
     """The default d = 128 variants (and a d = 64 dK/dV one) compile for sm_90 (catches
     Gluon API drift across Triton versions before any GPU time is spent), also in the
-    head-grouped order, whose index math is the @triton.jit ``kernels._grouped_program``."""
+    head-grouped order, whose index math is the @triton.jit ``kernels._grouped_program``,
+    and for grouped-query heads (kv_group q heads per k/v head)."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
     spec = "32,64,4,128"  # d = 64: an explored variant; d = 128: the default (row_tma: rt)
@@ -88,7 +91,11 @@ def test_kernel_compiles_for_hopper(kernel, shape, grouped):
         spec += ",rt" * bool(cfg.get("row_tma"))
     args = [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape]
     out = subprocess.run(
-        args + ["--grouped"] * grouped, capture_output=True, text=True, env=env, timeout=300
+        args + ["--grouped"] * grouped + ["--kv-group", str(kv_group)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reg " in out.stdout, out.stdout

@@ -167,12 +167,13 @@ DEFAULTS_FP32: dict[str, dict[int, TileConfig]] = {
 DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
 
 
-# 16-bit calls with features (grouped-query heads, windows, packed sequences; see
-# ``features``) take these entries where present: the plain tables' tiles spill registers
-# there (the windowed forward's extra masked key range, the dK/dV kernel's loop over the
-# query heads of a group, the register caps of d = 32 and 64), e.g. up to 760 bytes of
-# stack for the d = 128 dK/dV kernel. Chosen to compile for sm_90 without spills in every
-# feature combination (benchmarks/compile_offline.py); not yet timed on a GPU.
+# 16-bit calls with features (see ``features``) take these entries where present: the plain
+# tables' tiles spill registers there (the windowed forward's extra masked key range, the
+# Triton dK/dV kernel's loop over the query heads of a group, the register caps of d = 32
+# and 64), e.g. up to 760 bytes of stack for the d = 128 dK/dV kernel. Chosen to compile for
+# sm_90 without spills in every feature combination (benchmarks/compile_offline.py). The
+# forward takes its entry for windows and packed sequences only: with grouped-query heads
+# alone the plain tile compiles without spills and ran 1.18-1.22x faster at d = 128 (H200).
 FEATURE_DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "fwd": {64: TileConfig(128, 64, 8, 3, tma=True), 128: TileConfig(128, 64, 8, 2, tma=True)},
     "dkdv": {

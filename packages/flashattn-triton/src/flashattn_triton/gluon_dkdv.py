@@ -90,28 +90,45 @@ if HAVE_GLUON:
         _tma_load(b_desc, [b, h, row, 0], bar, b_smem.index(stage), pred=pred)
 
     @gluon.jit
+    def _query_tile(
+        i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group,
+        BLOCK_M: gl.constexpr, GQA: gl.constexpr,
+    ):  # fmt: skip
+        """(q head, first row, row-statistics index) of a program's i-th query tile. Without
+        GQA: tiles lo, lo + BLOCK_M, ... of the program's own head. With GQA the program
+        walks the kv_group q heads reading its k/v head hk, each over the same tiles_per_head
+        tiles, and adds their contributions into one dK, dV."""
+        if GQA:
+            j = i // tiles_per_head
+            qh = hk * kv_group + j
+            return qh, lo + (i - j * tiles_per_head) * BLOCK_M, b * n_heads + qh
+        else:
+            return hk, lo + i * BLOCK_M, pid_bh
+
+    @gluon.jit
     def _tile_stage(
-        i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-        ready, b, h, pid_bh, stride_stats, STAGES: gl.constexpr, BLOCK: gl.constexpr,
+        i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem,
+        lse_smem, delta_smem, ready, b, stride_stats, STAGES: gl.constexpr,
         ROW_TMA: gl.constexpr, pred,
     ):  # fmt: skip
-        """``_tile_pair`` for the dK/dV ring; with ROW_TMA the tile's log-sum-exp and delta
-        rows (1-D TMA over the flat (B*H*stride_stats,) float32 arrays) join Q and dO on its
-        barrier."""
+        """Start the TMA loads of the i-th query tile (rows row.. of q head qh) into its ring
+        stage: Q and dO, with ROW_TMA also the tile's log-sum-exp and delta rows (1-D TMA
+        over the flat (B*H*stride_stats,) float32 arrays, at stats_bh * stride_stats + row),
+        all on the stage's barrier."""
+        stage = i % STAGES
+        bar = ready.index(stage)
+        tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         if ROW_TMA:
-            stage = i % STAGES
-            bar = ready.index(stage)
-            tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
             rows_bytes: gl.constexpr = lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
             mbarrier.expect(bar, tiles_bytes + rows_bytes, pred=pred)
-            row = lo + i * BLOCK
-            _tma_load(q_desc, [b, h, row, 0], bar, q_smem.index(stage), pred=pred)
-            _tma_load(do_desc, [b, h, row, 0], bar, do_smem.index(stage), pred=pred)
-            flat = pid_bh * stride_stats + row
+        else:
+            mbarrier.expect(bar, tiles_bytes, pred=pred)
+        _tma_load(q_desc, [b, qh, row, 0], bar, q_smem.index(stage), pred=pred)
+        _tma_load(do_desc, [b, qh, row, 0], bar, do_smem.index(stage), pred=pred)
+        if ROW_TMA:
+            flat = stats_bh * stride_stats + row
             _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
             _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
-        else:
-            _tile_pair(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK, pred)
 
     @gluon.jit
     def _lse_log2(lse, LSE_LOG2: gl.constexpr):
@@ -133,31 +150,38 @@ if HAVE_GLUON:
     @gluon.jit
     def _produce(
         q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-        kv_ready, b, h, start_n, lo, n_tiles,
-        STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+        kv_ready, b, hk, pid_bh, n_heads, kv_group, start_n, lo, tiles_per_head, n_iters,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, GQA: gl.constexpr,
     ):  # fmt: skip
         """Loader warp (warp-specialized variant): K, V once, then every query tile's Q, dO
         as soon as the consumers release its stage."""
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
-        _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
-        for i in range(n_tiles):
+        _tma_load(k_desc, [b, hk, start_n, 0], kv_ready, k_smem)
+        _tma_load(v_desc, [b, hk, start_n, 0], kv_ready, v_smem)
+        for i in range(n_iters):
             # A fresh mbarrier counts as having completed the phase before phase 0.
             mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
-            _tile_pair(i, lo, q_desc, do_desc, q_smem, do_smem, ready, b, h, STAGES, BLOCK_M, True)
+            qh, row, _ = _query_tile(
+                i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
+            )
+            _tile_stage(
+                i, row, qh, pid_bh, q_desc, do_desc, None, None, q_smem, do_smem, None, None,
+                ready, b, 0, STAGES, False, True,
+            )  # fmt: skip
 
     @gluon.jit
     def _consume(
         q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-        LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles, n_q, n_k,
-        stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem, delta_smem,
+        LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group, stride_dk, stride_dv, start_n, lo,
+        tiles_per_head, n_iters, n_q, n_k, stride_stats, qk_scale, sm_scale, lse_desc,
+        delta_desc, lse_smem, delta_smem,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, LSE_LOG2: gl.constexpr,
+        ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, LSE_LOG2: gl.constexpr, GQA: gl.constexpr,
         num_warps: gl.constexpr,
     ):  # fmt: skip
-        """The math: accumulate dK, dV over the query tiles, then store them. stride_dk,
-        stride_dv: (batch, head, row) strides of DK, DV."""
+        """The math: accumulate dK, dV over the query tiles (``_query_tile``: n_iters of
+        them), then store them. stride_dk, stride_dv: (batch, head, row) strides of DK, DV."""
         dtype: gl.constexpr = q_desc.dtype
         # 2-D views of the 4-D (1, 1, rows, d) TMA tiles, for the products.
         k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -180,19 +204,20 @@ if HAVE_GLUON:
         zero_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-        lse_base = LSE + pid_bh.to(gl.int64) * stride_stats
-        delta_base = DELTA + pid_bh.to(gl.int64) * stride_stats
         # A tile needs a mask if a query in it cannot see a key of ours (the diagonal) or if
         # it runs past n_q.
         mask_below = start_n + BLOCK_N - 1 - causal_off
         mbarrier.wait(kv_ready, 0)
 
-        for i in range(n_tiles):
+        for i in range(n_iters):
             stage = i % STAGES
-            start_m = lo + i * BLOCK_M
+            _, start_m, stats_bh = _query_tile(
+                i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
+            )
             offs_m = start_m + offs_tm
             if not ROW_TMA:
-                lse2, delta = _row_stats(lse_base, delta_base, offs_m, n_q, LSE_LOG2)
+                stats_off = stats_bh.to(gl.int64) * stride_stats
+                lse2, delta = _row_stats(LSE + stats_off, DELTA + stats_off, offs_m, n_q, LSE_LOG2)
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             if ROW_TMA:  # arrived with Q and dO; rows past n_q are masked below
                 lse2 = _lse_log2(lse_smem.index(stage).load(col_layout), LSE_LOG2)
@@ -208,10 +233,13 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)
             else:
                 nxt = i + STAGES - 1
+                qh_n, row_n, stats_n = _query_tile(
+                    nxt, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
+                )
                 _tile_stage(
-                    nxt, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                    delta_smem, ready, b, h, pid_bh, stride_stats, STAGES, BLOCK_M, ROW_TMA,
-                    nxt < n_tiles,
+                    nxt, row_n, qh_n, stats_n, q_desc, do_desc, lse_desc, delta_desc, q_smem,
+                    do_smem, lse_smem, delta_smem, ready, b, stride_stats, STAGES, ROW_TMA,
+                    nxt < n_iters,
                 )  # fmt: skip
             if ABLATE % 2 == 1:  # timing experiment: no exponentials
                 p_t = s_t * qk_scale - lse2[None, :]
@@ -240,8 +268,8 @@ if HAVE_GLUON:
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         rows = out_rows.to(gl.int64)[:, None]
         store_mask = (out_rows < n_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * stride_dk[0] + h.to(gl.int64) * stride_dk[1]
-        dv_base = DV + b.to(gl.int64) * stride_dv[0] + h.to(gl.int64) * stride_dv[1]
+        dk_base = DK + b.to(gl.int64) * stride_dk[0] + hk.to(gl.int64) * stride_dk[1]
+        dv_base = DV + b.to(gl.int64) * stride_dv[0] + hk.to(gl.int64) * stride_dv[1]
         dk_ptrs = dk_base + rows * stride_dk[2] + out_cols[None, :]
         dv_ptrs = dv_base + rows * stride_dv[2] + out_cols[None, :]
         gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=store_mask)
@@ -252,13 +280,15 @@ if HAVE_GLUON:
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group, lse_desc, delta_desc,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        kv_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, GROUPED: gl.constexpr, ROW_TMA: gl.constexpr,
-        LSE_LOG2: gl.constexpr, num_warps: gl.constexpr,
+        LSE_LOG2: gl.constexpr, GQA: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: dK, dV of one key tile of one (batch, head); DK, DV addressed through
-        their (batch, head, row) strides (unit last stride).
+        """One program: dK, dV of one key tile of one (batch, k/v head); DK, DV addressed
+        through their (batch, head, row) strides (unit last stride). n_heads: q heads; with
+        GQA, kv_group q heads share each k/v head (the grid's first axis runs over batch x
+        k/v heads) and the program sums their contributions.
 
         LSE holds natural-log row log-sum-exps (in log2 units, ``_lse_log2``, with LSE_LOG2)
         and DELTA rowsum(dO * O), both (B*H, stride_stats) with n_q <= stride_stats rows used.
@@ -268,8 +298,12 @@ if HAVE_GLUON:
         pid_bh, tile = _grouped_program(head_group, GROUPED)
         start_n = tile * BLOCK_N
         dtype: gl.constexpr = q_desc.dtype
-        b = pid_bh // n_heads
-        h = pid_bh % n_heads
+        if GQA:
+            n_kv_heads = n_heads // kv_group
+        else:
+            n_kv_heads = n_heads
+        b = pid_bh // n_kv_heads
+        hk = pid_bh % n_kv_heads
         stride_dk = (stride_dkb, stride_dkh, stride_dkn)
         stride_dv = (stride_dvb, stride_dvh, stride_dvn)
 
@@ -300,7 +334,11 @@ if HAVE_GLUON:
             lo = gl.maximum(start_n - (n_k - n_q), 0) // BLOCK_M * BLOCK_M
         else:
             lo = 0
-        n_tiles = gl.cdiv(n_q - lo, BLOCK_M)
+        tiles_per_head = gl.cdiv(n_q - lo, BLOCK_M)
+        if GQA:
+            n_iters = tiles_per_head * kv_group
+        else:
+            n_iters = tiles_per_head
         if WARP_SPEC:
             gl.warp_specialize(
                 [
@@ -308,19 +346,19 @@ if HAVE_GLUON:
                         _consume,
                         (
                             q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty,
-                            kv_ready, LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv,
-                            start_n, lo, n_tiles, n_q, n_k, stride_stats, qk_scale, sm_scale,
-                            lse_desc, delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N,
-                            HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2,
-                            num_warps,
+                            kv_ready, LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group,
+                            stride_dk, stride_dv, start_n, lo, tiles_per_head, n_iters, n_q,
+                            n_k, stride_stats, qk_scale, sm_scale, lse_desc, delta_desc,
+                            lse_smem, delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
+                            WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA, num_warps,
                         ),
                     ),
                     (
                         _produce,
                         (
                             q_desc, do_desc, k_desc, v_desc, k_smem, v_smem, q_smem, do_smem,
-                            ready, empty, kv_ready, b, h, start_n, lo, n_tiles, STAGES,
-                            BLOCK_M,
+                            ready, empty, kv_ready, b, hk, pid_bh, n_heads, kv_group, start_n,
+                            lo, tiles_per_head, n_iters, STAGES, BLOCK_M, GQA,
                         ),
                     ),
                 ],
@@ -329,20 +367,23 @@ if HAVE_GLUON:
             )  # fmt: skip
         else:
             mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, h, start_n, 0], kv_ready, k_smem)
-            _tma_load(v_desc, [b, h, start_n, 0], kv_ready, v_smem)
+            _tma_load(k_desc, [b, hk, start_n, 0], kv_ready, k_smem)
+            _tma_load(v_desc, [b, hk, start_n, 0], kv_ready, v_smem)
             for i in gl.static_range(STAGES - 1):
+                qh, row, stats_bh = _query_tile(
+                    i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
+                )
                 _tile_stage(
-                    i, lo, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-                    delta_smem, ready, b, h, pid_bh, stride_stats, STAGES, BLOCK_M, ROW_TMA,
-                    i < n_tiles,
+                    i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, q_smem,
+                    do_smem, lse_smem, delta_smem, ready, b, stride_stats, STAGES, ROW_TMA,
+                    i < n_iters,
                 )  # fmt: skip
             _consume(
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
-                LSE, DELTA, DK, DV, pid_bh, b, h, stride_dk, stride_dv, start_n, lo, n_tiles,
-                n_q, n_k, stride_stats, qk_scale, sm_scale, lse_desc, delta_desc, lse_smem,
-                delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE,
-                ROW_TMA, LSE_LOG2, num_warps,
+                LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group, stride_dk, stride_dv,
+                start_n, lo, tiles_per_head, n_iters, n_q, n_k, stride_stats, qk_scale,
+                sm_scale, lse_desc, delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N,
+                HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -359,12 +400,14 @@ def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> 
     """True where a Gluon kernel runs by default: Gluon importable, switched on, a Hopper GPU,
     16-bit inputs with a head dim in ``defaults`` (this module's ``DEFAULTS`` unless given),
     and every tensor (q, k, v, dO, then the outputs) 4-D with a unit last stride; q, k, v, dO
-    (read by TMA) also 16-byte aligned with 16-byte multiple strides; as many k/v heads as q
-    heads (no grouped-query attention). Off under the CPU interpreter (CUDA tensors only)."""
+    (read by TMA) also 16-byte aligned with 16-byte multiple strides; k's heads divide q's
+    (grouped-query attention). Off under the CPU interpreter (CUDA tensors only)."""
     q = tensors[0]
     if not (HAVE_GLUON and enabled() and q.is_cuda and q.dtype in GL_DTYPES):
         return False
-    if q.dim() != 4 or tensors[1].shape[:2] != q.shape[:2]:
+    if q.dim() != 4 or tensors[1].dim() != 4 or tensors[1].shape[0] != q.shape[0]:
+        return False
+    if tensors[1].shape[1] < 1 or q.shape[1] % tensors[1].shape[1]:
         return False
     table = DEFAULTS if defaults is None else defaults
     if q.shape[-1] not in table or cuda_major(q.get_device()) != 9:
@@ -409,7 +452,8 @@ def launch_dkdv(
     row_tma: bool = False,
     lse_log2: bool = False,
 ) -> None:
-    """Write dK, dV of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``applies``) into dk,
+    """Write dK, dV of (B, H, N, d) 16-bit q, do and (B, Hkv, N, d) k, v (layouts as in
+    ``applies``; Hkv divides H: grouped-query heads, dk and dv summed over each group) into dk,
     dv; lse (natural log, or with ``lse_log2`` in log2 units, +inf for rows without keys)
     and delta: contiguous (B, H, rows) float32 with rows >= n_q (the launcher pads them,
     ``configs.STATS_ROWS``; rows past n_q are masked). Checks nothing:
@@ -420,19 +464,19 @@ def launch_dkdv(
     query tile's lse / delta rows arrive by TMA with its Q / dO (contiguous lse, delta) where
     ``rows_by_tma`` allows it; elsewhere they are loaded per tile."""
     b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    group, grouped = launch_order(head_group, b * h)
+    h_kv, n_k = k.shape[1], k.shape[2]
+    group, grouped = launch_order(head_group, b * h_kv)
     row_tma = row_tma and rows_by_tma(lse, delta)
     rows = (_flat_desc(lse, block_m), _flat_desc(delta, block_m)) if row_tma else (None, None)
     fastlaunch.launch(
-        dkdv_kernel, (b * h, -(-n_k // block_n)),
+        dkdv_kernel, (b * h_kv, -(-n_k // block_n)),
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, lse.shape[-1],
-        softmax_scale * LOG2E, softmax_scale, group, *rows,
+        softmax_scale * LOG2E, softmax_scale, group, *rows, h // h_kv,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma, LSE_LOG2=lse_log2,
-        num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        GQA=h_kv != h, num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -499,10 +543,11 @@ def try_dkdv(
     if not applies(q, k, v, do, dk, dv):
         return False
     b, h, n_q, d = q.shape
-    group = head_group_args(q, b * h, n_q, d)["head_group"]
+    h_kv = k.shape[1]
+    group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
     return run_guarded(
         "dK/dV",
-        (d, q.dtype, causal),
+        (d, q.dtype, causal, h_kv != h),
         lambda: launch_dkdv(
             q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **DEFAULTS[d],
             head_group=group, lse_log2=lse_log2,

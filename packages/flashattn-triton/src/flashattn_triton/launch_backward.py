@@ -12,7 +12,8 @@ batch 1 with few heads and long sequences), split otherwise. On small causal gri
 kernels also halve their grid-axis tiles (``configs.for_small_grid``).
 
 Calls with features (grouped-query heads, windows, packed sequences) always take the split
-backward with the Triton kernels (the Gluon, fused and atomic ones lack them); the packed
+backward (the fused and atomic kernels lack them); of those, only grouped-query calls may run
+the Gluon kernels (which lack windows and packing); the packed
 launcher (``launch_varlen.backward_varlen``) shares ``_stats_buffers`` and
 ``_backward_launches``. ``backward`` keeps its scheme choice per launch-plan key
 (``_BWD_SCHEMES``, emptied with the plans). ``launch.backward`` is this ``backward``.
@@ -231,6 +232,8 @@ def _backward_launches(
     elem = q.element_size()
     n_sms = sm_count(q)
     plain = feat is None and varlen is None
+    # The Gluon kernels know grouped-query heads, not windows or packed sequences.
+    gluon_ok = varlen is None and (feat is None or not feat.window)
     # Grid rows and tile-fitting lengths: per (batch, head) and the lengths, or for packed
     # sequences per (sequence, head) and the longest ones.
     bh, bh_kv, len_q, len_k = b * h, b * h_kv, n_q, n_k
@@ -288,7 +291,7 @@ def _backward_launches(
     if dq_first:
         # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
         gluon_dq_ran = False
-        if plain and q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
+        if gluon_ok and q.is_cuda and _gluon_dq().would_run(q, k, v, do, dq):
             if fuse_delta:
                 preprocess()  # the Gluon kernel reads D
             gluon_dq_ran = _gluon_dq().run_default(
@@ -319,7 +322,7 @@ def _backward_launches(
 
     # Hopper, d = 128: the Gluon kernel (gluon_dkdv) does dK, dV when it applies.
     gluon_ran = (
-        plain
+        gluon_ok
         and kind == "dkdv"
         and only in (None, kind)
         and q.is_cuda
