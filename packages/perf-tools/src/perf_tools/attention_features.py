@@ -10,8 +10,9 @@
   window  a 4096-token sliding window at N 32768, batch 1, 16 heads, d 128: ours windowed vs
           ours and SDPA full causal (what runs without window support) and SDPA given the
           window as a boolean mask.
-  decode  batch 8, 32 heads, 1 query against 8K and 64K cached keys, d 128, forward only:
-          ours (split-KV) vs ours with the split path off vs SDPA.
+  decode  1 query against a cache, d 128, forward only: batch 8 x 32 heads with 8K and 64K
+          keys, and batch 1 x 32 q / 8 k/v heads with 64K keys (few programs: split-KV's
+          case); ours (split-KV) vs ours with the split path off vs SDPA.
 
 Every cell is a do_bench median (warm-up apart) of the eager call; forward+backward cells
 take the gradients of q, k, v for a fixed dO. TFLOP/s counts the useful work only: 4 d
@@ -55,9 +56,9 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"batch": 1, "n": 32768, "window": 4096, "heads": 16, "d": 128},
         {"batch": 1, "n": 128, "window": 16, "heads": 2, "d": 16},
     ),
-    "decode": (
-        {"batch": 8, "heads": 32, "keys": [8192, 65536], "d": 128},
-        {"batch": 2, "heads": 4, "keys": [64, 128], "d": 16},
+    "decode": (  # shapes: (batch, q heads, k/v heads, keys)
+        {"shapes": [(8, 32, 32, 8192), (8, 32, 32, 65536), (1, 32, 8, 65536)], "d": 128},
+        {"shapes": [(2, 4, 4, 64), (2, 4, 4, 128), (1, 4, 2, 128)], "d": 16},
     ),
 }
 
@@ -217,12 +218,12 @@ def window_cells(size: dict, dtype, device, gen, with_mask: bool) -> list[Cell]:
     return cells
 
 
-def decode_cells(size: dict, keys: int, dtype, device, gen) -> list[Cell]:
+def decode_cells(shape: tuple[int, int, int, int], d: int, dtype, device, gen) -> list[Cell]:
     from flashattn_triton import flash_attention
 
-    b, h, d = size["batch"], size["heads"], size["d"]
+    b, h, h_kv, keys = shape
     q = _randn((b, h, 1, d), dtype, device, gen, grad=False)
-    k, v = (_randn((b, h, keys, d), dtype, device, gen, grad=False) for _ in range(2))
+    k, v = (_randn((b, h_kv, keys, d), dtype, device, gen, grad=False) for _ in range(2))
     flops = 4.0 * d * b * h * keys
 
     def ours() -> torch.Tensor:
@@ -233,7 +234,7 @@ def decode_cells(size: dict, keys: int, dtype, device, gen) -> list[Cell]:
             return flash_attention(q, k, v, causal=True)
 
     def sdpa() -> torch.Tensor:  # one query sees every key: no mask (SDPA aligns top-left)
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=h_kv != h)
 
     return [
         Cell("ours-split-kv", ours, None, flops),
@@ -314,9 +315,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             shape = f"B{size['batch']} H{size['heads']} N{size['n']} W{size['window']} d{size['d']}"
             rows += _run_case(case, cells, shape, args, device)
         else:
-            for keys in size["keys"]:
-                shape = f"B{size['batch']} H{size['heads']} Nq1 Nk{keys} d{size['d']}"
-                cells = decode_cells(size, keys, dtype, device, gen)
+            for b, h, h_kv, keys in size["shapes"]:
+                heads = f"H{h}" if h == h_kv else f"Hq{h} Hkv{h_kv}"
+                shape = f"B{b} {heads} Nq1 Nk{keys} d{size['d']}"
+                cells = decode_cells((b, h, h_kv, keys), size["d"], dtype, device, gen)
                 rows += _run_case(case, cells, shape, args, device)
     return rows
 
