@@ -235,21 +235,6 @@ def test_decode_tiles_follow_the_tile_configs_option(monkeypatch, set_options):
         set_options(tile_configs="decodes=16,16,4,2")
 
 
-def test_decode_short_splits_take_two_stages(monkeypatch):
-    """Splits of at most DECODE_SHORT_SPLIT_TILES key tiles run 2 stages, longer ones keep
-    the table's; a decode override is left as it is."""
-    cfg = configs.decode_config(4, 128, 2)
-    assert cfg.num_stages == 3
-    short = configs.DECODE_SHORT_SPLIT_TILES
-    assert configs.decode_for_splits(cfg, short, "").num_stages == 2
-    assert configs.decode_for_splits(cfg, 1, "").num_stages == 2
-    assert configs.decode_for_splits(cfg, short + 1, "") == cfg
-    assert configs.decode_for_splits(cfg, 1, "decode=16,64,4,3") == cfg
-    assert configs.decode_for_splits(cfg, 1, "fwd=128,64,4,3").num_stages == 2
-    monkeypatch.setitem(configs.OVERRIDES, "decode", configs.TileConfig(16, 64, 4, 3))
-    assert configs.decode_for_splits(cfg, 1, "") == cfg
-
-
 @needs_interpreter
 def test_torch_compile_fullgraph_with_features():
     """GQA, a window, return_lse and varlen trace into one graph (the custom ops)."""

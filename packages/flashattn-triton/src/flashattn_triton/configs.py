@@ -473,23 +473,6 @@ def decode_config(rows: int, block_d: int, elem_bytes: int, tile_configs: str = 
     return replace(cfg, block_m=max(16, next_pow2(rows)))
 
 
-# Splits of at most DECODE_SHORT_SPLIT_TILES key tiles (small batches against a long cache,
-# many splits) run 2 stages instead of the table's 3. H200, d = 128, 32 q / 8 k/v heads: batch
-# 1 x 64K keys (16 tiles per split) 0.079 against 0.086 ms, batch 2 x 16K keys (8 tiles)
-# 0.049 against 0.068 ms, both then even with SDPA; long splits need the deeper pipeline
-# (batch 8 x 32 heads, 43-341 tiles per split: 1.2x slower at 2 stages).
-DECODE_SHORT_SPLIT_TILES = 16
-
-
-def decode_for_splits(cfg: TileConfig, tiles_per_split: int, tile_configs: str = "") -> TileConfig:
-    """``cfg`` (from ``decode_config``) adapted to splits of tiles_per_split key tiles: 2
-    stages for short splits (DECODE_SHORT_SPLIT_TILES), unless a decode override is set."""
-    overridden = any(k.startswith("decode") for k in (*OVERRIDES, *parse_overrides(tile_configs)))
-    if overridden or tiles_per_split > DECODE_SHORT_SPLIT_TILES:
-        return cfg
-    return replace(cfg, num_stages=min(cfg.num_stages, 2))
-
-
 def decode_splits(bh_kv: int, key_tiles: int, n_sms: int) -> int:
     """Key splits of the decode kernel for bh_kv (batch x k/v heads) programs per split and
     key_tiles tiles to share: enough for DECODE_PROGRAMS_PER_SM programs per SM (3 per

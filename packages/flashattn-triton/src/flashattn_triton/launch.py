@@ -143,16 +143,15 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
     (bottom-right aligned, the last query sees the last key whatever the right bound)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    tile_configs = get_options().tile_configs
-    cfg = C.decode_config(h // h_kv * n_q, C.block_d_for(d), q.element_size(), tile_configs)
+    cfg = C.decode_config(
+        h // h_kv * n_q, C.block_d_for(d), q.element_size(), get_options().tile_configs
+    )
     key_lo = 0
     if feat is not None and feat.window:
         key_lo = max(0, n_k - n_q - feat.left) // cfg.block_n * cfg.block_n
     tiles = triton_cdiv(n_k - key_lo, cfg.block_n)
     splits = C.decode_splits(b * h_kv, tiles, sm_count(q))
-    tiles_per_split = triton_cdiv(tiles, splits)
-    cfg = C.decode_for_splits(cfg, tiles_per_split, tile_configs)
-    keys_per_split = tiles_per_split * cfg.block_n
+    keys_per_split = triton_cdiv(tiles, splits) * cfg.block_n
     return cfg, triton_cdiv(n_k - key_lo, keys_per_split), keys_per_split, key_lo
 
 
