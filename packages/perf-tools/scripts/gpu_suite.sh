@@ -33,6 +33,12 @@
 #              compiled forward + backward on either autograd thread, launch ops against the
 #              public custom ops, the phases of one call), then the compiled causal sweep
 #              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
+#   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
+#              and whole-model compiled, then a profile of each compiled step (where a compiled
+#              step with our kernel loses its time); with OLD_FA=<folder holding an older
+#              flashattn_triton package> the compiled flash-triton row again on that source
+#              (e.g. `git archive <commit> packages/flashattn-triton/src | tar -x -C old
+#              --strip-components=3`, carried to the machine)                      ~3-4 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
@@ -169,6 +175,18 @@ if want hostcost; then  # a lone attention call's host time, ours against SDPA, 
     --compiled --breakdown
   run sweep_compiled $PY -m perf_tools.attention_sweep --quiet --modes compiled --causal yes \
     --csv "$WORK/sweep_compiled.csv" --json "$WORK/sweep_compiled.json" --plot "$WORK/sweep_compiled.png"
+fi
+if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
+  run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \
+    --attention sdpa flash-triton --compile both --warmup 3 --steps 10 --csv "$WORK/small1024.csv"
+  run profile_small1024 $PY -m perf_tools.profile --quiet --size small --precision bf16 \
+    --mode train --context 1024 --batch 4 --attention sdpa flash-triton --compile --warmup 3 \
+    --steps 2 --top 15 --out "$WORK/profile_small1024"
+  if [ -n "${OLD_FA:-}" ]; then
+    run small1024_old env PYTHONPATH="$OLD_FA:$PYTHONPATH" $B --size small --precision bf16 \
+      --mode train --context 1024 --batch 4 --attention flash-triton --compile on --warmup 3 \
+      --steps 10 --csv "$WORK/small1024_old.csv"
+  fi
 fi
 if want fp32gemm; then
   run fp32_gemm $PY "$ROOT/packages/perf-tools/scripts/fp32_gemm.py" --json "$WORK/fp32_gemm.json"
