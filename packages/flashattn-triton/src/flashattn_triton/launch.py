@@ -14,10 +14,11 @@ launchers of packed batches. On small causal grids the forward halves its grid-a
 
 Features (``features.Features``): grouped-query attention (k/v with fewer heads) and sliding
 windows (and, in ``launch_varlen``, packed variable-length batches) switch on the kernels'
-GQA / WINDOW / VARLEN flags and always take the split backward with the Triton kernels (the
-Gluon, fused and atomic ones lack them). A forward with few queries against many keys
-(``configs.DECODE_*``) runs the split-KV decode kernels instead (``_decode``). Each is part
-of the launch-plan key; a call with none launches exactly what it did before.
+GQA / WINDOW / VARLEN flags and always take the split backward (the fused and atomic kernels
+lack them; the d = 128 Gluon kernels take grouped-query heads, not windows or packing). A
+forward with few queries against many keys (``configs.DECODE_*``) runs the split-KV decode
+kernels instead (``_decode``). Each is part of the launch-plan key; a call with none launches
+exactly what it did before.
 
 Each launcher module imports the helpers it calls by name: to replace one in a test, patch
 it in the module that calls it (``launch._run`` for the forward, ``launch_backward._run``
