@@ -216,6 +216,45 @@ def test_torch_compile_fullgraph_model():
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_compiled_model_replays_launch_plans(d, monkeypatch, set_options):
+    """In a compiled model (q, k from one rotated buffer, v a view of the qkv projection, as
+    inductor lays them out), every call after the first per layout replays its launch plan:
+    no launch goes through Triton's dispatch from the third step on, forward or backward."""
+    from flashattn_triton import fastlaunch
+
+    set_options(fast_launch=True)
+    launch.clear_plans()
+    h = 256 // d
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(256, 3 * 256)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, h, d).unbind(2)  # (B, N, H, d) each
+            q, k = q * 1.5 - 0.25, k.sin()  # element-wise, like RoPE: inductor fuses them
+            o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+            return o.transpose(1, 2).reshape(b, n, 256)
+
+    model = torch.compile(torch.nn.Sequential(Layer(), Layer()).to(DEV, torch.bfloat16))
+    x = torch.randn(4, 1024, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    jit_launches = []
+    real = fastlaunch.launch
+    monkeypatch.setattr(
+        fastlaunch, "launch", lambda *a, **k: jit_launches.append(1) or real(*a, **k)
+    )
+    for step in range(4):
+        if step == 2:
+            jit_launches.clear()
+        model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    assert not jit_launches, f"{len(jit_launches)} launches went through Triton's dispatch"
+    assert launch._PLANS.replays() >= 2
+
+
 def test_compile_apply_like_leaderboard():
     """torch.compile(FlashAttention2Triton.apply, fullgraph=True) with o.sum().backward()."""
     q, k, v, _ = _inputs((4, 512, 64), 512, torch.bfloat16)
