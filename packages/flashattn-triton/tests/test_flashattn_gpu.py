@@ -192,21 +192,28 @@ def test_bnhd_layout_and_stride0_grad():
     assert rel_err(o, ref["o"]) < 2e-2
 
 
+class _AttentionLayer(torch.nn.Module):
+    """A model's attention: one qkv projection seen as (B, N, 3, H, d), causal
+    flash_attention on its (B, H, N, d) views. ``rotate``: an element-wise op on q and k
+    first (as RoPE; inductor then lays q and k out in one fused buffer)."""
+
+    def __init__(self, width: int, head_dim: int, rotate: bool = False):
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.heads, self.head_dim, self.rotate = width // head_dim, head_dim, rotate
+
+    def forward(self, x):
+        b, n, width = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(2)
+        if self.rotate:
+            q, k = q * 1.5 - 0.25, k.sin()
+        o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+        return o.transpose(1, 2).reshape(b, n, width)
+
+
 def test_torch_compile_fullgraph_model():
     """A compiled module calling flash_attention has no graph break (fullgraph=True)."""
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(128, 3 * 128)
-
-        def forward(self, x):
-            b, n, _ = x.shape
-            q, k, v = self.qkv(x).view(b, n, 3, 2, 64).unbind(2)  # (B, N, H, d) each
-            o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
-            return o.transpose(1, 2).reshape(b, n, 128)
-
-    model = Block().to(DEV, torch.bfloat16)
+    model = _AttentionLayer(128, 64).to(DEV, torch.bfloat16)
     x = torch.randn(2, 256, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     eager = model(x)
     compiled = torch.compile(model, fullgraph=True)
@@ -225,21 +232,8 @@ def test_compiled_model_replays_launch_plans(d, monkeypatch, set_options):
 
     set_options(fast_launch=True)
     launch.clear_plans()
-    h = 256 // d
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(256, 3 * 256)
-
-        def forward(self, x):
-            b, n, _ = x.shape
-            q, k, v = self.qkv(x).view(b, n, 3, h, d).unbind(2)  # (B, N, H, d) each
-            q, k = q * 1.5 - 0.25, k.sin()  # element-wise, like RoPE: inductor fuses them
-            o = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
-            return o.transpose(1, 2).reshape(b, n, 256)
-
-    model = torch.compile(torch.nn.Sequential(Layer(), Layer()).to(DEV, torch.bfloat16))
+    layers = [_AttentionLayer(256, d, rotate=True) for _ in range(2)]
+    model = torch.compile(torch.nn.Sequential(*layers).to(DEV, torch.bfloat16))
     x = torch.randn(4, 1024, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     jit_launches = []
     real = fastlaunch.launch

@@ -173,7 +173,8 @@ DEFAULTS_FP32["atomic"] = dict(DEFAULTS_FP32["dkdv"])
 # and 64), e.g. up to 760 bytes of stack for the d = 128 dK/dV kernel. Chosen to compile for
 # sm_90 without spills in every feature combination (benchmarks/compile_offline.py). The
 # forward takes its entry for windows and packed sequences only: with grouped-query heads
-# alone the plain tile compiles without spills and ran 1.18-1.22x faster at d = 128 (H200).
+# alone the plain tile compiles with at most an 8-byte stack frame (d = 128; none at d = 64;
+# compile_offline.py, Triton 3.9) and ran 1.18-1.22x faster at d = 128 (H200).
 FEATURE_DEFAULTS: dict[str, dict[int, TileConfig]] = {
     "fwd": {64: TileConfig(128, 64, 8, 3, tma=True), 128: TileConfig(128, 64, 8, 2, tma=True)},
     "dkdv": {

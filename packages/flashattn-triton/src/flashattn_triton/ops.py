@@ -9,7 +9,7 @@
   ``varlen_bwd(do, q, k, v, o, lse, <the same>) -> (dq, dk, dv)``
 
 Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch`` and
-``varlen_bwd_launch`` instead (``launch_ops``): the same schemas, launchers and fake
+``varlen_bwd_launch`` instead (``_launch_op``): the same schemas, launchers and fake
 implementations, registered without an autograd formula (the autograd.Functions of
 ``autograd``, which dynamo traces, own the backward) and without custom_op's Python wrappers,
 so that a compiled call goes from the dispatcher straight to the launcher.
