@@ -1,0 +1,121 @@
+"""Where a model train step's host time goes, SDPA against our kernel, in one process.
+
+For each attention backend: an lm_core model (bf16 autocast, AdamW), eager or whole-model
+compiled, warm-up steps, then
+  - the step time (synchronized, median) and the host time (until the step returns, before
+    the synchronize): a host time close to the step time means the GPU waits for Python;
+  - cProfile of a few steps: the Python functions with the most own time, and the call
+    counts of our launchers (``launch.forward`` / ``launch.backward``, the plan replays and
+    the JIT path) per step.
+The pstats files and a JSON summary go to --out.
+
+  python benchmarks/model_host_profile.py --size small --context 1024 --batch 4 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+WATCH = ("forward", "backward", "run", "_launch_planned", "launch_jit", "_run", "expand")
+
+
+def _step_fn(attention: str, args: argparse.Namespace):
+    from perf_tools.models import build_model, random_batch, resolve_config
+    from perf_tools.steps import make_step
+
+    config = resolve_config(args.size, context_length=args.context, attention=attention)
+    model = build_model(config, "cuda")
+    if args.compile:
+        torch._dynamo.config.cache_size_limit = 64
+        model = torch.compile(model)
+    inputs, targets = random_batch(args.batch, args.context, config.vocab_size, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    return make_step(
+        model, "train", inputs=inputs, targets=targets, loss_fn=None, precision="bf16",
+        optimizer=opt,
+    )  # fmt: skip
+
+
+def _time(step, steps: int) -> tuple[float, float]:
+    totals, hosts = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        hosts.append((t1 - t0) * 1e3)
+        totals.append((t2 - t0) * 1e3)
+    return statistics.median(totals), statistics.median(hosts)
+
+
+def _watched(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    out = {}
+    for (file, _line, name), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
+        if "flashattn_triton" in file and name in WATCH:
+            label = f"{Path(file).stem}.{name}"
+            prev = out.get(label, (0.0, 0.0))
+            out[label] = (prev[0] + nc / steps, prev[1] + ct * 1e3 / steps)
+    return {k: {"calls_per_step": v[0], "cum_ms_per_step": round(v[1], 3)} for k, v in out.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--attention", nargs="+", default=["sdpa", "flash-triton"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", type=Path, default=Path("runs/model_host_profile"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = []
+    for attention in args.attention:
+        step = _step_fn(attention, args)
+        for _ in range(args.warmup):
+            step()
+        torch.cuda.synchronize()
+        step_ms, host_ms = _time(step, args.steps)
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(args.profile_steps):
+            step()
+        torch.cuda.synchronize()
+        prof.disable()
+        tag = f"{args.size}_{args.context}_{attention}_{'compiled' if args.compile else 'eager'}"
+        prof.dump_stats(args.out / f"{tag}.pstats")
+        stats = pstats.Stats(prof)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+        row = {
+            "attention": attention,
+            "compile": args.compile,
+            "step_ms": round(step_ms, 3),
+            "host_ms": round(host_ms, 3),
+            "launchers": _watched(stats, args.profile_steps),
+        }
+        summary.append(row)
+        print(json.dumps(row, indent=1))
+        print(text.getvalue()[-6000:])
+        del step
+        torch.cuda.empty_cache()
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
