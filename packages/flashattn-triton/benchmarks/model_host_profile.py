@@ -29,19 +29,20 @@ WATCH = ("forward", "backward", "run", "_launch_planned", "launch_jit", "_run", 
 
 
 def _step_fn(attention: str, args: argparse.Namespace):
+    """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core."""
+    from lm_core import AdamW, cross_entropy
+    from perf_tools._compile import compile_for_bench
     from perf_tools.models import build_model, random_batch, resolve_config
     from perf_tools.steps import make_step
 
     config = resolve_config(args.size, context_length=args.context, attention=attention)
     model = build_model(config, "cuda")
-    if args.compile:
-        torch._dynamo.config.cache_size_limit = 64
-        model = torch.compile(model)
+    runner = compile_for_bench(model) if args.compile else model
     inputs, targets = random_batch(args.batch, args.context, config.vocab_size, "cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     return make_step(
-        model, "train", inputs=inputs, targets=targets, loss_fn=None, precision="bf16",
-        optimizer=opt,
+        runner, "train", inputs=inputs, targets=targets,
+        loss_fn=None if args.fused_loss else cross_entropy, precision="bf16", optimizer=opt,
     )  # fmt: skip
 
 
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--attention", nargs="+", default=["sdpa", "flash-triton"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--fused-loss", action="store_true", help="the model's fused head + loss")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)
