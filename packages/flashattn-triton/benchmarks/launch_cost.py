@@ -1,0 +1,125 @@
+"""Host time per call of each piece of our launchers, at a model's layout, beside SDPA's ops.
+
+A compiled model calls ``flashattn_triton::fwd_launch`` / ``bwd_launch`` once per layer; when
+the step is host-bound (small models under ``torch.compile``) every microsecond of those calls
+is step time. This times back-to-back calls (wall time per call, GPU kept behind the host) of:
+
+- the whole ops through the dispatcher, and ``launch.forward`` / ``launch.backward`` directly;
+- their pieces: output allocation, the plan key, the plan replay alone (outputs given);
+- SDPA's cuDNN and flash forward ops through the dispatcher, for scale;
+
+with q, k, v the model's views ((B, T, H, d) buffers seen as (B, H, T, d), as lm_core makes
+them). Prints a table and writes JSON.
+
+    python packages/flashattn-triton/benchmarks/launch_cost.py --shape 4,12,1024,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 200, repeats: int = 7) -> float:
+    """Median over `repeats` of the wall time per call of `calls` back-to-back calls."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def model_views(b: int, h: int, n: int, d: int, dtype: torch.dtype):
+    """q, k, v as lm_core's attention makes them: transposed views of (B, T, *, d) buffers."""
+    qkv = torch.randn(b, n, 3 * h, d, device="cuda", dtype=dtype)
+    qk = torch.randn(b, n, 2 * h, d, device="cuda", dtype=dtype)  # the rotated q and k
+    q = qk[:, :, :h].transpose(1, 2)
+    k = qk[:, :, h:].transpose(1, 2)
+    v = qkv[:, :, 2 * h :].transpose(1, 2)
+    return q, k, v
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="4,12,1024,64", help="B,H,N,d")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    b, h, n, d = (int(x) for x in args.shape.split(","))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+
+    import flashattn_triton  # noqa: F401  (registers the ops)
+    from flashattn_triton import launch, launch_backward, launch_common, launch_plans
+
+    torch.manual_seed(0)
+    q, k, v = model_views(b, h, n, d, dtype)
+    scale = d**-0.5
+    o, lse = launch.forward(q, k, v, True, scale)
+    do = torch.randn(b, n, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+    ops = torch.ops.flashattn_triton
+    stream = torch.cuda.current_stream().cuda_stream
+    fkey = launch_plans._layout_key((q, k, v), "fwd", True, scale, None)
+    faddr = [t.data_ptr() for t in (q, k, v, o, lse)]
+    bargs = (do, q, k, v, o, lse, True, scale)
+    dq, dk, dv = launch.backward(*bargs)
+    binputs = (q, k, v, do, o, lse)
+    bkey = launch_plans._layout_key(binputs, "bwd", True, scale, None)
+    plan = launch_backward._BWD_SCHEMES[bkey]
+    stats = launch_backward._stats_buffers(lse, n, plan[3])
+    bouts = (dq, dk, dv, stats[1], stats[2]) + ((stats[0],) if stats[0] is not lse else ())
+    baddr = [t.data_ptr() for t in binputs + bouts]
+
+    def never() -> None:
+        raise AssertionError("the plan must replay")
+
+    cases: dict[str, Callable[[], object]] = {
+        "fwd op (dispatcher)": lambda: ops.fwd_launch(q, k, v, True, scale),
+        "launch.forward": lambda: launch.forward(q, k, v, True, scale),
+        "  out_like(q)": lambda: launch_common.out_like(q),
+        "  torch.empty lse": lambda: torch.empty((b, h, n), dtype=torch.float32, device=q.device),
+        "  plan key": lambda: launch_plans._layout_key((q, k, v), "fwd", True, scale, None),
+        "  plan replay": lambda: launch_plans._PLANS.run(fkey, faddr, stream, never),
+        "bwd op (dispatcher)": lambda: ops.bwd_launch(*bargs),
+        "launch.backward": lambda: launch_backward.backward(*bargs),
+        "  stats buffers": lambda: launch_backward._stats_buffers(lse, n, plan[3]),
+        "  plan key (bwd)": lambda: launch_plans._layout_key(binputs, "bwd", True, scale, None),
+        "  plan replay (bwd)": lambda: launch_plans._PLANS.run(bkey, baddr, stream, never),
+        "SDPA cuDNN fwd op": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale
+        ),
+        "SDPA flash fwd op": lambda: torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale
+        ),
+        "torch.empty_like(q)": lambda: torch.empty_like(q),
+    }
+    rows = []
+    for name, fn in cases.items():
+        try:
+            us = per_call_us(fn)
+        except Exception as exc:  # e.g. an SDPA backend this build lacks
+            rows.append({"case": name, "us_per_call": None, "error": str(exc)[:80]})
+            continue
+        rows.append({"case": name, "us_per_call": round(us, 2)})
+    print(f"{torch.cuda.get_device_name()}  shape {args.shape} {args.dtype}, model views")
+    for r in rows:
+        value = f"{r['us_per_call']:9.2f} us" if r["us_per_call"] is not None else r["error"]
+        print(f"  {r['case']:<24} {value}")
+    if args.json:
+        args.json.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
