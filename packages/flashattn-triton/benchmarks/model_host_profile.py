@@ -60,6 +60,45 @@ def _time(step, steps: int) -> tuple[float, float]:
     return statistics.median(totals), statistics.median(hosts)
 
 
+def _thread_report(seconds: float = 1.0) -> dict:
+    """What else runs in this process while it idles: Python threads, and CPU seconds used by
+    each OS thread over ``seconds`` of sleep (a busy thread slows every host-bound step), plus
+    the host time of a small eager op (a process-wide slowdown shows there too)."""
+    import os
+    import threading
+
+    def cpu_by_task() -> dict[str, float]:
+        ticks = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            except OSError:
+                continue
+            out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / ticks
+        return out
+
+    before = cpu_by_task()
+    time.sleep(seconds)
+    after = cpu_by_task()
+    busy = {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
+    x = torch.empty(16, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        x.add_(1.0)
+    empty_us = (time.perf_counter() - t0) / 2000 * 1e6
+    torch.cuda.synchronize()
+    return {
+        "python_threads": [t.name for t in threading.enumerate()],
+        "os_threads": len(after),
+        "busy_threads_cpu_s": {k: v for k, v in busy.items() if v > 0.01},
+        "eager_add_us": round(empty_us, 2),
+        "affinity": len(os.sched_getaffinity(0)),
+    }
+
+
 def _watched(stats: pstats.Stats, steps: int) -> dict[str, float]:
     out = {}
     for (file, _line, name), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
@@ -92,6 +131,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
         step_ms, host_ms = _time(step, args.steps)
+        process = _thread_report()
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
@@ -110,6 +150,7 @@ def main() -> None:
             "step_ms": round(step_ms, 3),
             "host_ms": round(host_ms, 3),
             "launchers": _watched(stats, args.profile_steps),
+            "process": process,
         }
         summary.append(row)
         print(json.dumps(row, indent=1))
