@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import time
@@ -46,6 +47,13 @@ def _step_fn(attention: str, args: argparse.Namespace):
     )  # fmt: skip
 
 
+def _cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine from /proc/stat."""
+    values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values) - idle, sum(values)
+
+
 def _time(step, steps: int) -> tuple[float, float]:
     totals, hosts = [], []
     for _ in range(steps):
@@ -64,7 +72,6 @@ def _thread_report(seconds: float = 1.0) -> dict:
     """What else runs in this process while it idles: Python threads, and CPU seconds used by
     each OS thread over ``seconds`` of sleep (a busy thread slows every host-bound step), plus
     the host time of a small eager op (a process-wide slowdown shows there too)."""
-    import os
     import threading
 
     def cpu_by_task() -> dict[str, float]:
@@ -80,8 +87,11 @@ def _thread_report(seconds: float = 1.0) -> dict:
         return out
 
     before = cpu_by_task()
+    machine = _cpu_jiffies()
     time.sleep(seconds)
     after = cpu_by_task()
+    busy_now, total_now = _cpu_jiffies()
+    cores_busy = (busy_now - machine[0]) / max(total_now - machine[1], 1) * os.cpu_count()
     busy = {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
     x = torch.empty(16, device="cuda")
     torch.cuda.synchronize()
@@ -95,6 +105,7 @@ def _thread_report(seconds: float = 1.0) -> dict:
         "os_threads": len(after),
         "busy_threads_cpu_s": {k: v for k, v in busy.items() if v > 0.01},
         "eager_add_us": round(empty_us, 2),
+        "machine_cores_busy_idle": round(cores_busy, 2),
         "affinity": len(os.sched_getaffinity(0)),
     }
 
@@ -130,8 +141,13 @@ def main() -> None:
         for _ in range(args.warmup):
             step()
         torch.cuda.synchronize()
+        machine = _cpu_jiffies()
         step_ms, host_ms = _time(step, args.steps)
+        busy, total = _cpu_jiffies()
         process = _thread_report()
+        process["machine_cores_busy_steps"] = round(
+            (busy - machine[0]) / max(total - machine[1], 1) * os.cpu_count(), 2
+        )
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
