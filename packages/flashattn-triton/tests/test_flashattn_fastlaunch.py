@@ -184,12 +184,13 @@ def test_unknown_launchers_are_not_launched_directly():
 
 
 def test_option_changes_drop_every_launchers_per_key_choices(set_options):
-    """The backward's scheme choices and the decode splits are kept by launch-plan key in
-    their own modules; an option change (or ``clear_plans``) drops them with the plans, so
-    no choice made under the old options is reused."""
+    """The backward's scheme choices, the decode splits and the remembered calls are kept by
+    key in their own modules; an option change (or ``clear_plans``) drops them with the
+    plans, so no choice made under the old options is reused."""
     from flashattn_triton import launch, launch_backward, launch_plans
 
-    caches = (launch_backward._BWD_SCHEMES, launch._DECODE_PLANS)
+    caches = (launch_backward._BWD_SCHEMES, launch._DECODE_PLANS, launch._CALLS)
+    caches += (launch_backward._CALLS,)
     for cache in caches:
         cache[("stale",)] = "a choice under the old options"
     generation = launch_plans._GENERATION[0]
@@ -199,3 +200,25 @@ def test_option_changes_drop_every_launchers_per_key_choices(set_options):
     launch_backward._BWD_SCHEMES[("stale",)] = "again"
     launch.clear_plans()
     assert not launch_backward._BWD_SCHEMES
+
+
+def test_remembered_calls_need_a_replay_and_sound_buffers(monkeypatch):
+    """``call_key`` is None off-GPU and for float32 (whose launches follow torch's matmul
+    precision); ``remember_call`` keeps only plans with a replay; ``replay_call`` refuses
+    outputs off 16-byte alignment and aliased buffers before launching anything."""
+    from flashattn_triton import launch_plans
+
+    x = torch.zeros(4, 8)
+    assert launch_plans.call_key((x, x), True) is None
+    assert launch_plans.call_key((x.half(), x.half()), True) is None  # CPU
+    cache: dict = {}
+    monkeypatch.setattr(launch_plans._PLANS, "replay", lambda key: None)
+    launch_plans.remember_call(cache, ("call",), ("plan",), ())
+    assert not cache
+    replay = object()
+    monkeypatch.setattr(launch_plans._PLANS, "replay", lambda key: replay)
+    launch_plans.remember_call(cache, ("call",), ("plan",), ("recipe",))
+    launch_plans.remember_call(cache, None, ("plan",), ())  # no call key: nothing kept
+    assert cache == {("call",): (replay, ("recipe",))}
+    assert not launch_plans.replay_call(cache, ("call",), replay, [0, 16, 40], 2)  # misaligned
+    assert not launch_plans.replay_call(cache, ("call",), replay, [0, 16, 16], 2)  # aliased

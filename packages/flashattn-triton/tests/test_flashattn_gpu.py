@@ -399,11 +399,16 @@ def _fwd_bwd_outputs(q, k, v, do, causal):
         ((1, 4, 4096, 128), 4096, True, torch.bfloat16, "model"),  # Gluon dQ too
         ((2, 3, 77, 40), 120, False, torch.bfloat16, "plain"),  # padded head dim, Nq != Nk
         ((1, 2, 300, 64), 300, True, torch.float32, "plain"),  # tf32x3
+        ((2, 8, 4, 128), 8192, True, torch.bfloat16, "plain"),  # split-KV decode forward
     ],
 )
-def test_fast_launch_replays_exactly(shape, n_k, causal, dtype, layout, set_options):
+def test_fast_launch_replays_exactly(shape, n_k, causal, dtype, layout, set_options, monkeypatch):
     """Replayed launches (fastlaunch) give bit-for-bit the outputs of Triton's dispatch on
-    fresh inputs of the same layout, and the replay path is really taken."""
+    fresh inputs of the same layout, and the replay path is really taken: for 16-bit inputs
+    by the remembered call (no plan key derived again), except a backward whose row
+    statistics need padding; float32 calls derive their plan key each time."""
+    from flashattn_triton import configs
+
     b, h, n_q, d = shape
 
     def make(seed):
@@ -422,9 +427,19 @@ def test_fast_launch_replays_exactly(shape, n_k, causal, dtype, layout, set_opti
     set_options(fast_launch=True)
     _fwd_bwd_outputs(*make(2), causal)  # records the plans
     assert launch._PLANS.replays() >= 2, "forward and backward should both be replayed"
+    planned = []
+    for module in (launch, launch_backward):
+        real = module._launch_planned
+        monkeypatch.setattr(
+            module, "_launch_planned", lambda *a, _real=real: planned.append(1) or _real(*a)
+        )
     got = _fwd_bwd_outputs(*first, causal)  # replayed on the first inputs
     for name, a, w in zip(("o", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, w), f"{name} differs between replay and dispatch"
+    if dtype == torch.float32:
+        assert len(planned) == 2
+    else:
+        assert len(planned) == (0 if n_q % configs.STATS_ROWS == 0 else 1), planned
 
 
 def test_runs_from_a_fresh_thread():

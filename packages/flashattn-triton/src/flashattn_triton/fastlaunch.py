@@ -280,6 +280,11 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def replay(self, key: tuple) -> Replay | None:
+        """The replay recorded for ``key``, if it has one."""
+        plan = self._plans.get(key)
+        return plan if isinstance(plan, Replay) else None
+
     def replays(self) -> int:
         """How many keys have a replay (benchmarks and tests)."""
         return sum(isinstance(p, Replay) for p in self._plans.values())

@@ -47,7 +47,16 @@ from .launch_common import (
     out_like,
     triton_cdiv,
 )
-from .launch_plans import _PLANS, _launch_planned, _layout_key, clear_plans, keyed_cache
+from .launch_plans import (
+    _PLANS,
+    _launch_planned,
+    _layout_key,
+    call_key,
+    clear_plans,
+    keyed_cache,
+    remember_call,
+    replay_call,
+)
 from .options import get_options
 
 # The names other modules, benchmarks and tests reach through this module: the launchers'
@@ -78,6 +87,19 @@ def forward(
 
     Hkv divides H (query head h reads k/v head h // (H // Hkv)); window_left / window_right
     bound the keys each query sees (-1: unbounded; see ``flash_attention``)."""
+    call = call_key((q, k, v), causal, softmax_scale, window_left, window_right)
+    if call is not None:
+        remembered = _CALLS.get(call)
+        if remembered is not None:
+            replay, scratch = remembered
+            o = torch.empty_like(q)
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
+            addresses = [t.data_ptr() for t in (q, k, v, *buffers)]
+            if replay_call(_CALLS, call, replay, addresses, 3):
+                return o, lse
+        if not all(t.stride(-1) == 1 for t in (q, k, v)):
+            call = None  # the launches read copies: nothing to replay on the caller's tensors
     require_runnable(q)
     if _interpreter_bf16(q):
         o32, lse = forward(
@@ -100,7 +122,7 @@ def forward(
     if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS:
         group = 1 if feat is None else feat.group
         if group * n_q <= C.DECODE_MAX_ROWS:
-            return _decode(q, k, v, o, lse, causal, softmax_scale, feat)
+            return _decode(q, k, v, o, lse, causal, softmax_scale, feat, call)
 
     def launch_jit() -> None:
         kern = _kernels()
@@ -131,8 +153,13 @@ def forward(
 
     key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
+    remember_call(_CALLS, call, key, ())
     return o, lse
 
+
+# Repeated forward calls by call key (``launch_plans.call_key``): the replay and the shapes
+# of the float32 scratch buffers it writes besides o and lse (the decode splits' partials).
+_CALLS: dict[tuple, tuple] = keyed_cache()
 
 # Decode launches by launch-plan key: (tile config, splits, keys per split, first key).
 _DECODE_PLANS: dict[tuple, tuple[C.TileConfig, int, int, int]] = keyed_cache()
@@ -156,7 +183,10 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
     return cfg, triton_cdiv(n_k - key_lo, keys_per_split), keys_per_split, key_lo
 
 
-def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None):
+def _decode(
+    q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None,
+    call: tuple | None = None,
+):  # fmt: skip
     """The forward by the split-KV decode kernels (few queries, many keys; ``forward``
     checked the shapes): the keys any query sees are split over programs, each (batch, k/v
     head) program takes the queries of all q heads that read that k/v head, and a combine
@@ -204,4 +234,5 @@ def _decode(q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features 
             )  # fmt: skip
 
     _launch_planned(key, (q, k, v), outputs, launch_jit)
+    remember_call(_CALLS, call, key, tuple(t.shape for t in outputs[2:]))
     return o, lse

@@ -40,7 +40,14 @@ from .launch_common import (
     out_like,
     triton_cdiv,
 )
-from .launch_plans import _launch_planned, _layout_key, keyed_cache
+from .launch_plans import (
+    _launch_planned,
+    _layout_key,
+    call_key,
+    keyed_cache,
+    remember_call,
+    replay_call,
+)
 from .options import get_options
 
 
@@ -142,6 +149,22 @@ def backward(
     ``only`` (benchmarks): run just that kernel kind ('dkdv', 'dq', 'fused', 'atomic') to
     time it alone; the other outputs are then left unwritten.
     """
+    call = None
+    if only is None:
+        call = call_key((q, k, v, do, o, lse), causal, softmax_scale, window_left, window_right)
+    if call is not None:
+        remembered = _CALLS.get(call)
+        if remembered is not None:
+            replay, (stats_shape, delta_offset) = remembered
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            stats = lse.new_empty(stats_shape)  # L in log2 units, then D (see _stats_buffers)
+            base = stats.data_ptr()
+            addresses = [t.data_ptr() for t in (q, k, v, do, o, lse, dq, dk, dv)]
+            addresses += (base, base + delta_offset)
+            if replay_call(_CALLS, call, replay, addresses, 6):
+                return dq, dk, dv
+        if not all(t.stride(-1) == 1 for t in (q, k, v, do, o)) or not lse.is_contiguous():
+            call = None  # the launches read copies: nothing to replay on the caller's tensors
     require_runnable(q)
     if _interpreter_bf16(q):
         grads = backward(
@@ -188,11 +211,21 @@ def backward(
     _launch_planned(key, inputs, outputs, launch_jit)
     if scheme == "atomic":
         dq.copy_(dq_acc[..., :d])
+    elif lse_c is lse and lse2._base is delta._base is not None:
+        # the statistics are the two views of one buffer (no padding): remember its shape
+        # and where D starts in it
+        stats = lse2._base
+        if lse2.data_ptr() == stats.data_ptr() and stats.is_contiguous():
+            recipe = (tuple(stats.shape), delta.data_ptr() - lse2.data_ptr())
+            remember_call(_CALLS, call, key, recipe)
     return dq, dk, dv
 
 
 # Backward scheme choices by launch-plan key, dropped with the plans.
 _BWD_SCHEMES: dict[tuple, tuple[str, str | None, bool, bool]] = keyed_cache()
+# Repeated backward calls by call key (``launch_plans.call_key``): the replay, and the shape
+# of the row-statistics buffer with D's byte offset in it.
+_CALLS: dict[tuple, tuple] = keyed_cache()
 
 
 def _backward_scheme(

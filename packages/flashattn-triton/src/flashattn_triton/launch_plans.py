@@ -9,6 +9,15 @@ only the outputs are allocated and the new addresses filled in. ``_layout_key`` 
 
 The launchers also keep choices of their own by plan key (the backward scheme, the decode
 split); ``keyed_cache`` gives them dicts that ``clear_plans`` empties with the plans.
+
+Repeated calls: ``launch.forward`` and ``launch_backward.backward`` first look their call up
+by ``call_key`` (the caller's own tensors' shapes, strides, dtypes and alignment, the current
+device, the tile overrides and the flags) in a cache that ``remember_call`` fills after a
+call whose launches were replayable; a hit allocates the outputs as that call did and
+replays (``replay_call``), skipping the checks, the feature and scheme choices and the plan
+key that the first call derived from the same layout. Compiled models call the launchers
+once per layer from host-bound graphs, where these microseconds are step time
+(benchmarks/launch_cost.py times each piece).
 """
 
 from __future__ import annotations
@@ -75,6 +84,51 @@ def _layout_key(inputs: tuple[torch.Tensor, ...], *flags) -> tuple | None:
     prec = opts.resolved_fp32_precision() if q.dtype == torch.float32 else None
     layout = tuple((t.shape, t.stride()) for t in inputs)
     return (layout, q.dtype, index, align, prec, _GENERATION[0], C.overrides_key(), *flags)
+
+
+def call_key(tensors: tuple[torch.Tensor, ...], *flags) -> tuple | None:
+    """The key of a repeated call on 16-bit CUDA ``tensors`` (None for others: float32
+    launches also depend on torch's matmul precision setting, read per call by
+    ``_layout_key``)."""
+    q = tensors[0]
+    if q.dtype == torch.float32 or not q.is_cuda:
+        return None
+    align = 0
+    for i, t in enumerate(tensors):
+        if t.data_ptr() & 15:
+            align |= 1 << i
+    layout = tuple((t.shape, t.stride(), t.dtype) for t in tensors)
+    return (layout, torch._C._cuda_getDevice(), q.get_device(), align, C.overrides_key(), *flags)
+
+
+def remember_call(cache: dict, call: tuple | None, key: tuple | None, recipe: tuple) -> None:
+    """After a call that launched under plan ``key``: keep its replay and the ``recipe`` of
+    its outputs for later calls with call key ``call``, if the plan has a replay."""
+    if call is None or key is None:
+        return
+    replay = _PLANS.replay(key)
+    if replay is None:
+        return
+    if len(cache) >= 4096:
+        cache.clear()
+    cache[call] = (replay, recipe)
+
+
+def replay_call(
+    cache: dict, call: tuple, replay: fastlaunch.Replay, addresses: list[int], n_inputs: int
+) -> bool:
+    """Replay a remembered call on buffers at ``addresses`` (inputs first); False where it
+    cannot (outputs off 16-byte alignment, aliased buffers, a failing launcher: then the
+    entry is dropped and the caller takes the full path)."""
+    if any(a & 15 for a in addresses[n_inputs:]) or len(set(addresses)) != len(addresses):
+        return False
+    _D.ensure_context()
+    try:
+        replay.run(addresses, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+    except Exception:  # the full path replays again and reports a failure that persists
+        cache.pop(call, None)
+        return False
+    return True
 
 
 def _launch_planned(
