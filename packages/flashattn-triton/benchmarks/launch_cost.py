@@ -18,27 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-
-def per_call_us(fn: Callable[[], object], calls: int = 200, repeats: int = 7) -> float:
-    """Median over `repeats` of the wall time per call of `calls` back-to-back calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_cost import per_call_us  # a sibling script, not a package
 
 
 def model_views(b: int, h: int, n: int, d: int, dtype: torch.dtype):
