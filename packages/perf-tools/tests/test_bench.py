@@ -430,3 +430,41 @@ def test_autograd_threads_is_an_axis_of_rows_with_a_backward(tmp_path, monkeypat
     with pytest.raises(SystemExit):
         bench.parse_args([*TINY, "--autograd-threads", "off", "--nprocs", "2", "--fsdp", "ours"])
     assert "argument --autograd-threads: not available" in capsys.readouterr().err
+
+
+def test_isolate_runs_each_model_in_a_fresh_process(tmp_path, monkeypatch):
+    """--isolate: each model's rows (here: two attention backends) come from a spawned
+    process (this process never builds a model: a patched builder here would fail them), and
+    a model whose process fails gets error rows while the others still run."""
+
+    def not_here(*a, **k):
+        raise AssertionError("built in the parent process")
+
+    monkeypatch.setattr(cells, "_model_cells", not_here)
+    out = tmp_path / "b.csv"
+    argv = [*TINY, *FAST, "--mode", "train", "fwd-bwd", "--attention", "sdpa", "naive"]
+    assert bench.main([*argv, "--isolate", "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert [(r["attention"], r["mode"]) for r in rows] == [
+        ("sdpa", "train"), ("sdpa", "fwd-bwd"), ("naive", "train"), ("naive", "fwd-bwd"),
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
+
+    monkeypatch.setattr(cells, "_cells_in_child", _child_that_fails)
+    assert bench.main([*argv, "--isolate", "--csv", str(out)]) == 1
+    rows = _rows(out)
+    assert len(rows) == 4
+    assert all(r["status"].startswith("error") for r in rows)
+
+
+def _child_that_fails(rank, world, key, cells_, opts, n_cells):
+    raise RuntimeError("the model's process failed")
+
+
+@pytest.mark.parametrize("flag", [["--memory-snapshot", "m.pickle"], ["--profile", "p"]])
+def test_isolate_refuses_what_it_cannot_carry(flag, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main([*TINY, "--isolate", *flag])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--isolate" in err or "--memory-snapshot" in err

@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_multi_args(p)
     t = p.add_argument_group("timing")
     t.add_argument(
+        "--isolate",
+        action="store_true",
+        help="run each model's rows (size x attention x compile x matmul) in a fresh process: "
+        "a host-bound step's time depends on what ran before it in the same process",
+    )
+    t.add_argument(
         "--batch",
         type=_cli.positive_int,
         default=4,
@@ -341,6 +347,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "caching allocator; run on a GPU (use --device cuda)"
         )
     check_multi_args(parser, args)
+    if args.isolate:
+        for flag, value in (
+            ("--memory-snapshot", args.memory_snapshot),
+            ("--profile", args.profile),
+            ("the multi-GPU flags (every multi-GPU cell has fresh ranks already)", args.fsdps),
+        ):
+            if value is not None:
+                parser.error(f"argument --isolate: not combined with {flag}")
     return args
 
 
@@ -443,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tp=args.tp,
         sequence_parallel=args.sequence_parallel,
         compile_backend=args.compile_backend,
+        isolate=args.isolate,
     )
     specs = specs_from_args(args)
     multi = args.fsdps is not None

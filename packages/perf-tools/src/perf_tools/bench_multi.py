@@ -56,8 +56,8 @@ def add_multi_args(p: argparse.ArgumentParser) -> None:
         "--timeout-s",
         type=_cli.positive_float,
         default=1800.0,
-        help="multi-GPU mode: kill a cell's ranks after this long, compilation included "
-        "(default 1800)",
+        help="multi-GPU mode (and --isolate): kill a cell's ranks (or a model's process) "
+        "after this long, compilation included (default 1800)",
     )
     add_tp_args(m)
 

@@ -108,6 +108,7 @@ class BenchOptions:
     tp: int = 1  # multi-GPU mode: tensor-parallel degree (perf_tools.bench_tp)
     sequence_parallel: bool = False  # multi-GPU mode with tp > 1
     compile_backend: str = "inductor"  # torch.compile's backend for compiled cells
+    isolate: bool = False  # each model's cells in a fresh process (run_sweep)
 
 
 def _loss_fn(impl: str) -> Any:
@@ -326,16 +327,50 @@ def run_sweep(
     """Measure every cell; one model per model_key, OOM / errors recorded and the sweep goes on.
 
     `measure(model, runner, spec, config, opts, n_cells) -> dict` (default `measure_cell`).
+    With `opts.isolate` each model's cells run in a fresh process (`_isolated_cells`).
     """
-    measure = measure or measure_cell
     rows: list[Row] = []
     quiet = not opts.progress or len(specs) < 2
     with harness.Sweep(
         len(specs), "configs", device=opts.device, quiet=quiet, classify=_skipped
     ) as sweep:
         for key, cells in harness.cells_by(specs, lambda s: s.model_key):
-            rows += _model_cells(key, cells, opts, measure, sweep, len(specs))
+            if opts.isolate:
+                rows += _isolated_cells(key, cells, opts, sweep, len(specs))
+            else:
+                rows += _model_cells(key, cells, opts, measure or measure_cell, sweep, len(specs))
     add_hf_speedups(rows)
+    return rows
+
+
+def _cells_in_child(
+    rank: int, world: int, key: tuple, cells: list[BenchSpec], opts: BenchOptions, n_cells: int
+) -> list[Row]:
+    """The body of `_isolated_cells`' process: one model's cells, as `run_sweep` runs them."""
+    with harness.Sweep(
+        len(cells), "configs", device=opts.device, quiet=True, classify=_skipped
+    ) as sweep:
+        return _model_cells(key, cells, opts, measure_cell, sweep, n_cells)
+
+
+def _isolated_cells(
+    key: tuple, cells: list[BenchSpec], opts: BenchOptions, sweep: harness.Sweep, n_cells: int
+) -> list[Row]:
+    """One model's cells in a freshly spawned process. A host-bound step (a small model,
+    compiled) runs at a speed that depends on what ran before it in the same process (a
+    29% swing of SDPA's compiled small-model step was measured, BENCHMARKS 3.3), so rows
+    meant to be compared can each get a process of their own."""
+    from perf_tools import _dist
+
+    try:
+        (rows,) = _dist.run_ranks(
+            _cells_in_child, 1, backend="gloo", args=(key, cells, opts, n_cells),
+            timeout_s=opts.timeout_s, quiet=True,
+        )  # fmt: skip
+    except Exception as exc:  # the child's traceback (WorkerError) or a timeout
+        failed = {"status": harness.failure_status(exc), "error": str(exc)}
+        rows = [cell_row(c, {"model": key[0], "size": key[1]}, opts, failed) for c in cells]
+    sweep.skip(len(cells))
     return rows
 
 
