@@ -34,8 +34,9 @@
 #              public custom ops, the phases of one call), then the compiled causal sweep
 #              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
-#              and whole-model compiled, then a profile of each compiled step (where a compiled
-#              step with our kernel loses its time); with OLD_FA=<folder holding an older
+#              and whole-model compiled, each model in its own process (--isolate: the step is
+#              host-bound), the launchers' host time per call (launch_cost.py), then a profile
+#              of each compiled step; with OLD_FA=<folder holding an older
 #              flashattn_triton package> the compiled flash-triton row again on that source
 #              (e.g. `git archive <commit> packages/flashattn-triton/src | tar -x -C old
 #              --strip-components=3`, carried to the machine)                      ~3-4 min
@@ -178,7 +179,10 @@ if want hostcost; then  # a lone attention call's host time, ours against SDPA, 
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \
-    --attention sdpa flash-triton --compile both --warmup 3 --steps 10 --csv "$WORK/small1024.csv"
+    --attention sdpa flash-triton --compile both --isolate --warmup 3 --steps 10 \
+    --csv "$WORK/small1024.csv"
+  run launch_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/launch_cost.py" \
+    --shape 4,12,1024,64 --json "$WORK/launch_cost.json"
   run profile_small1024 $PY -m perf_tools.profile --quiet --size small --precision bf16 \
     --mode train --context 1024 --batch 4 --attention sdpa flash-triton --compile --warmup 3 \
     --steps 2 --top 15 --out "$WORK/profile_small1024"
