@@ -30,21 +30,25 @@ WATCH = ("forward", "backward", "run", "_launch_planned", "launch_jit", "_run", 
 
 
 def _step_fn(attention: str, args: argparse.Namespace):
-    """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core."""
-    from lm_core import AdamW, cross_entropy
+    """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core (the
+    bench's own cell step: its loss, optimizer and compile)."""
+    from perf_tools import cells
     from perf_tools._compile import compile_for_bench
-    from perf_tools.models import build_model, random_batch, resolve_config
-    from perf_tools.steps import make_step
+    from perf_tools.models import build_model, resolve_config
+    from perf_tools.steps import Annotator
 
     config = resolve_config(args.size, context_length=args.context, attention=attention)
     model = build_model(config, "cuda")
     runner = compile_for_bench(model) if args.compile else model
-    inputs, targets = random_batch(args.batch, args.context, config.vocab_size, "cuda")
-    opt = AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    return make_step(
-        runner, "train", inputs=inputs, targets=targets,
-        loss_fn=None if args.fused_loss else cross_entropy, precision="bf16", optimizer=opt,
+    spec = cells.BenchSpec(
+        cells.OURS, args.size, attention, args.compile, "bf16", "train", args.context
+    )
+    opts = cells.BenchOptions(
+        device=torch.device("cuda"), batch=args.batch, warmup=args.warmup, steps=args.steps,
+        overrides={}, fused_loss=args.fused_loss,
     )  # fmt: skip
+    step, _ = cells.make_cell_step(model, runner, spec, config, opts, Annotator(), None)
+    return step
 
 
 def _cpu_jiffies() -> tuple[int, int]:

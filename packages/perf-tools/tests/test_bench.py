@@ -468,3 +468,11 @@ def test_isolate_refuses_what_it_cannot_carry(flag, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--isolate" in err or "--memory-snapshot" in err
+
+
+def test_isolated_sweep_refuses_a_custom_measure():
+    opts = cells.BenchOptions(
+        device=torch.device("cpu"), batch=1, warmup=0, steps=1, overrides={}, isolate=True
+    )
+    with pytest.raises(ValueError, match="measure"):
+        cells.run_sweep([], opts, measure=lambda *a, **k: {})

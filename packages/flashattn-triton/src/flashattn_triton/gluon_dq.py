@@ -123,19 +123,9 @@ if HAVE_GLUON:
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
             nxt = j + STAGES - 1
             _tile_pair(
-                nxt,
-                0,
-                k_desc,
-                v_desc,
-                k_smem,
-                v_smem,
-                ready,
-                b,
-                hk,
-                STAGES,
-                BLOCK_N,
+                nxt, 0, k_desc, v_desc, k_smem, v_smem, ready, b, hk, STAGES, BLOCK_N,
                 nxt < n_tiles,
-            )
+            )  # fmt: skip
             p = gl.exp2(s * qk_scale - lse2[:, None])
             start_n = j * BLOCK_N
             needs_mask = start_n + BLOCK_N > n_k

@@ -327,8 +327,12 @@ def run_sweep(
     """Measure every cell; one model per model_key, OOM / errors recorded and the sweep goes on.
 
     `measure(model, runner, spec, config, opts, n_cells) -> dict` (default `measure_cell`).
-    With `opts.isolate` each model's cells run in a fresh process (`_isolated_cells`).
+    With `opts.isolate` each model's cells run in a fresh process (`_isolated_cells`), which
+    runs `measure_cell`: no other `measure` with it.
     """
+    if opts.isolate and measure is not None:
+        raise ValueError("measure: a spawned process runs measure_cell; not with opts.isolate")
+    measure = measure or measure_cell
     rows: list[Row] = []
     quiet = not opts.progress or len(specs) < 2
     with harness.Sweep(
@@ -338,7 +342,7 @@ def run_sweep(
             if opts.isolate:
                 rows += _isolated_cells(key, cells, opts, sweep, len(specs))
             else:
-                rows += _model_cells(key, cells, opts, measure or measure_cell, sweep, len(specs))
+                rows += _model_cells(key, cells, opts, measure, sweep, len(specs))
     add_hf_speedups(rows)
     return rows
 
