@@ -296,3 +296,46 @@ def test_file_mode_follows_the_umask(tmp_path):
         finally:
             os.umask(old)
         assert stat.S_IMODE((tmp_path / f"m{umask:o}.pt").stat().st_mode) == mode, oct(umask)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals sent to the own process (POSIX)")
+@pytest.mark.parametrize(
+    ("sig", "handler", "raised"),
+    [
+        ("SIGTERM", lambda signum, frame: sys.exit(128 + signum), SystemExit),
+        ("SIGINT", None, KeyboardInterrupt),  # Python's default Ctrl-C handler
+    ],
+)
+def test_a_signal_during_a_save_is_handled_after_the_file_is_complete(
+    tmp_path, sig, handler, raised
+):
+    """SIGTERM / SIGINT arriving while a checkpoint is written (raised inside torch.save's
+    writer it aborted the process or left the file half-written) are held back: the save
+    completes and replaces the old file, then the handler runs, and it is in place again."""
+    import signal
+
+    from lm_core.ckpt_io import atomic_write
+
+    signum = getattr(signal, sig)
+    before = signal.getsignal(signum)
+    if handler is not None:
+        signal.signal(signum, handler)
+    try:
+        installed = signal.getsignal(signum)
+        target = tmp_path / "ckpt.pt"
+        target.write_bytes(b"old")
+
+        def write(f):
+            f.write(b"new, first half; ")
+            os.kill(os.getpid(), signum)
+            for _ in range(1000):  # Python runs signal handlers between bytecodes
+                pass
+            f.write(b"second half")
+
+        with pytest.raises(raised):
+            atomic_write(target, write)
+        assert target.read_bytes() == b"new, first half; second half"
+        assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+        assert signal.getsignal(signum) is installed
+    finally:
+        signal.signal(signum, before)

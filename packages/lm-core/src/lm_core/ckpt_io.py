@@ -5,7 +5,10 @@ target (`os.replace`) and fsyncs the directory, so a crash never leaves a half-w
 and an older file at the target survives a failed write. The temporary file is created like a
 normal `open()` (mode 0o666 minus the umask) and named `.<target name>.<pid>.<8 hex>.tmp`; a
 process killed mid-write (SIGKILL, OOM killer, power loss) leaves one behind, and the next
-write to the same target removes those whose process no longer runs on this host.
+write to the same target removes those whose process no longer runs on this host. A SIGINT or
+SIGTERM whose Python handler would raise (Ctrl-C, a handler that exits) is held back while the
+file is written and renamed and handled right after: raised inside torch.save's C++ writer, such
+an exception aborted the process or surfaced as an unrelated error with the file half-written.
 
 `payload_digest` is a SHA-256 over a checkpoint's contents (every tensor's dtype, shape and
 bytes, every plain value and the nesting), independent of the device tensors are loaded to.
@@ -19,6 +22,8 @@ import contextlib
 import hashlib
 import os
 import secrets
+import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,8 +93,39 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold back SIGINT and SIGTERM for the block where their handlers are Python callables
+    (on the main thread; elsewhere, and for the default C-level actions, nothing changes);
+    the first one that came is handed to its handler when the block ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[tuple[int, Any]] = []
+    saved = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            saved[sig] = handler
+            signal.signal(sig, lambda signum, frame: pending.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if pending:
+            signum, frame = pending[0]
+            saved[signum](signum, frame)
+
+
 def atomic_write(target: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write(f)` on a fresh temporary file and rename it over `target` when complete."""
+    """Call `write(f)` on a fresh temporary file and rename it over `target` when complete
+    (SIGINT / SIGTERM handled after that, `signals_deferred`)."""
+    with signals_deferred():
+        _atomic_write(target, write)
+
+
+def _atomic_write(target: Path, write: Callable[[BinaryIO], None]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target)  # first: an orphan may hold the disk space this write needs
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
