@@ -7,6 +7,9 @@ is step time. This times back-to-back calls (wall time per call, GPU kept behind
 - the whole ops through the dispatcher, and ``launch.forward`` / ``launch.backward`` directly;
 - their pieces: output allocation, the plan key, the plan replay alone (outputs given);
 - SDPA's cuDNN and flash forward ops through the dispatcher, for scale;
+- the packed-sequence launchers (``launch_varlen``) on the same tokens split into documents;
+- each launcher again with remembered calls switched off (``call_key`` returning None: the
+  plan-key path every call took before calls were remembered);
 
 with q, k, v the model's views ((B, T, H, d) buffers seen as (B, H, T, d), as lm_core makes
 them). Prints a table and writes JSON.
@@ -17,6 +20,7 @@ them). Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -38,17 +42,56 @@ def model_views(b: int, h: int, n: int, d: int, dtype: torch.dtype):
     return q, k, v
 
 
+def packed_views(q, k, v, docs: int, seed: int = 0):
+    """The B*N tokens of (B, H, N, d) views as lm_core packs them ((B*N, H, d) copies), and
+    int32 offsets of ``docs`` documents of random lengths over them (the longest: max_len)."""
+    b, _, n, d = q.shape
+    packed = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
+    views = [x.transpose(0, 1).unsqueeze(0) for x in packed]  # (1, H, B*N, d)
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(b * n - 1, generator=g)[: docs - 1].add(1).sort().values.tolist()
+    bounds = [0, *cuts, b * n]
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    max_len = max(hi - lo for lo, hi in itertools.pairwise(bounds))
+    return views, cu, max_len
+
+
+class RememberedCallsOff:
+    """Within the block, every launcher takes the plan-key path (``call_key`` -> None)."""
+
+    def __enter__(self):
+        from flashattn_triton import launch, launch_backward, launch_varlen
+
+        self.saved = [(m, m.call_key) for m in (launch, launch_backward, launch_varlen)]
+        for module, _ in self.saved:
+            module.call_key = lambda *a: None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, real in self.saved:
+            module.call_key = real
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="4,12,1024,64", help="B,H,N,d")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--docs", type=int, default=8, help="documents in the packed rows")
+    ap.add_argument("--calls", type=int, default=200, help="back-to-back calls per sample")
+    ap.add_argument("--repeats", type=int, default=7, help="samples (the median is shown)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     b, h, n, d = (int(x) for x in args.shape.split(","))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
 
     import flashattn_triton  # noqa: F401  (registers the ops)
-    from flashattn_triton import launch, launch_backward, launch_common, launch_plans
+    from flashattn_triton import (
+        launch,
+        launch_backward,
+        launch_common,
+        launch_plans,
+        launch_varlen,
+    )
 
     torch.manual_seed(0)
     q, k, v = model_views(b, h, n, d, dtype)
@@ -68,6 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     bouts = (dq, dk, dv, stats[1], stats[2]) + ((stats[0],) if stats[0] is not lse else ())
     baddr = [t.data_ptr() for t in binputs + bouts]
 
+    (vq, vk, vv), cu, max_len = packed_views(q, k, v, args.docs)
+    vargs = (cu, cu, max_len, max_len, True, scale)
+    vo, vlse = launch_varlen.forward_varlen(vq, vk, vv, *vargs)
+    vdo = torch.randn_like(vo)
+    vbargs = (vdo, vq, vk, vv, vo, vlse, *vargs)
+    launch_varlen.backward_varlen(*vbargs)
+
+    def plan_key_path(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with RememberedCallsOff():
+                return fn()
+
+        return run
+
     def never() -> None:
         raise AssertionError("the plan must replay")
 
@@ -83,6 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         "  stats buffers": lambda: launch_backward._stats_buffers(lse, n, plan[3]),
         "  plan key (bwd)": lambda: launch_plans._layout_key(binputs, "bwd", True, scale, None),
         "  plan replay (bwd)": lambda: launch_plans._PLANS.run(bkey, baddr, stream, never),
+        "varlen forward": lambda: launch_varlen.forward_varlen(vq, vk, vv, *vargs),
+        "varlen backward": lambda: launch_varlen.backward_varlen(*vbargs),
+        "launch.forward, plan-key path": plan_key_path(
+            lambda: launch.forward(q, k, v, True, scale)
+        ),
+        "launch.backward, plan-key path": plan_key_path(lambda: launch_backward.backward(*bargs)),
+        "varlen forward, plan-key path": plan_key_path(
+            lambda: launch_varlen.forward_varlen(vq, vk, vv, *vargs)
+        ),
+        "varlen backward, plan-key path": plan_key_path(
+            lambda: launch_varlen.backward_varlen(*vbargs)
+        ),
         "SDPA cuDNN fwd op": lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale
         ),
@@ -94,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, fn in cases.items():
         try:
-            us = per_call_us(fn)
+            us = per_call_us(fn, args.calls, args.repeats)
         except Exception as exc:  # e.g. an SDPA backend this build lacks
             rows.append({"case": name, "us_per_call": None, "error": str(exc)[:80]})
             continue
@@ -102,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}  shape {args.shape} {args.dtype}, model views")
     for r in rows:
         value = f"{r['us_per_call']:9.2f} us" if r["us_per_call"] is not None else r["error"]
-        print(f"  {r['case']:<24} {value}")
+        print(f"  {r['case']:<32} {value}")
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
     return 0

@@ -187,10 +187,10 @@ def test_option_changes_drop_every_launchers_per_key_choices(set_options):
     """The backward's scheme choices, the decode splits and the remembered calls are kept by
     key in their own modules; an option change (or ``clear_plans``) drops them with the
     plans, so no choice made under the old options is reused."""
-    from flashattn_triton import launch, launch_backward, launch_plans
+    from flashattn_triton import launch, launch_backward, launch_plans, launch_varlen
 
     caches = (launch_backward._BWD_SCHEMES, launch._DECODE_PLANS, launch._CALLS)
-    caches += (launch_backward._CALLS,)
+    caches += (launch_backward._CALLS, launch_varlen._FWD_CALLS, launch_varlen._BWD_CALLS)
     for cache in caches:
         cache[("stale",)] = "a choice under the old options"
     generation = launch_plans._GENERATION[0]

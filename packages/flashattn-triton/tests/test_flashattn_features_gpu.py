@@ -178,21 +178,31 @@ def _all_outputs(fn, q, k, v, do):
     return [out[n] for n in ("o", "dq", "dk", "dv")]
 
 
-@pytest.mark.parametrize("case", ["gqa_window", "varlen", "decode", "decode_window"])
-def test_fast_launch_replays_features_exactly(case, set_options):
+@pytest.mark.parametrize(
+    "case", ["gqa_window", "varlen", "varlen_two_offsets", "decode", "decode_window"]
+)
+def test_fast_launch_replays_features_exactly(case, set_options, monkeypatch):
     """The launch-plan replay gives bit-identical results to Triton's dispatch for every
-    feature, and plans of different windows / lengths do not mix (each is in the key)."""
+    feature, and plans of different windows / lengths do not mix (each is in the key).
+    Repeated calls take the remembered path (no plan key derived again), also where the
+    backward's row statistics need padding and for packed sequences."""
+    from flashattn_triton import launch_backward, launch_varlen
+
     g = _gen(3)
     dt = torch.bfloat16
-    if case == "varlen":
+    if case.startswith("varlen"):
         lens = [300, 1, 700, 129]
         cu = offsets(lens).to(DEV)
+        # two offset tensors (five launch inputs instead of four), the keys' lengths other
+        # than the queries'
+        cu_k = offsets([310, 5, 650, 130]).to(DEV) if case == "varlen_two_offsets" else cu
         q = _randn(sum(lens), 8, 64, dtype=dt, g=g)
-        k, v = (_randn(sum(lens), 2, 64, dtype=dt, g=g) for _ in range(2))
+        n_k = int(cu_k[-1])
+        k, v = (_randn(n_k, 2, 64, dtype=dt, g=g) for _ in range(2))
         do = torch.randn_like(q)
 
         def fn(a, b, c, w=(64, -1)):
-            return fa.flash_attention_varlen(a, b, c, cu, cu, 700, 700, True, window_size=w)
+            return fa.flash_attention_varlen(a, b, c, cu, cu_k, 700, 700, True, window_size=w)
 
     else:
         n_q = 1000 if case == "gqa_window" else 3
@@ -208,7 +218,14 @@ def test_fast_launch_replays_features_exactly(case, set_options):
     want = _all_outputs(fn, q, k, v, do)
     other = _all_outputs(lambda *a: fn(*a, w=(5, 0)), q, k, v, do)
     set_options(fast_launch=True)
-    for _ in range(3):  # record, then replay
+    planned = []
+    for round in range(3):  # record, then replay
+        if round == 1:  # every call from now on has been made once
+            for module in (launch, launch_backward, launch_varlen):
+                real = module._launch_planned
+                monkeypatch.setattr(
+                    module, "_launch_planned", lambda *a, _r=real: planned.append(1) or _r(*a)
+                )
         got = _all_outputs(fn, q, k, v, do)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
@@ -216,6 +233,30 @@ def test_fast_launch_replays_features_exactly(case, set_options):
         for a, b in zip(got, other):
             assert torch.equal(a, b)
     assert launch._PLANS.replays() > 0
+    assert not planned, f"{len(planned)} repeated calls derived their plan key again"
+
+
+def test_remembered_varlen_calls_read_each_calls_offsets(set_options):
+    """A remembered packed call with other offsets of the same number and longest length
+    (the same call key) attends by the new offsets: bit-identical to Triton's dispatch."""
+    g = _gen(5)
+    dt = torch.bfloat16
+    q = _randn(1130, 8, 64, dtype=dt, g=g)
+    k, v = (_randn(1130, 2, 64, dtype=dt, g=g) for _ in range(2))
+    do = torch.randn_like(q)
+    first, second = offsets([300, 1, 700, 129]).to(DEV), offsets([700, 129, 1, 300]).to(DEV)
+
+    def fn(cu):
+        return lambda a, b, c: fa.flash_attention_varlen(a, b, c, cu, cu, 700, 700, True)
+
+    set_options(fast_launch=False)
+    want = _all_outputs(fn(second), q, k, v, do)
+    set_options(fast_launch=True)
+    for _ in range(2):  # record, then remembered
+        _all_outputs(fn(first), q, k, v, do)
+    got = _all_outputs(fn(second), q, k, v, do)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
 
 
 def test_gluon_kernels_run_for_gqa_not_windows(monkeypatch, set_options):

@@ -155,12 +155,15 @@ def backward(
     if call is not None:
         remembered = _CALLS.get(call)
         if remembered is not None:
-            replay, (stats_shape, delta_offset) = remembered
+            replay, (packed, stats_shape, delta_offset) = remembered
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            stats = lse.new_empty(stats_shape)  # L in log2 units, then D (see _stats_buffers)
-            base = stats.data_ptr()
             addresses = [t.data_ptr() for t in (q, k, v, do, o, lse, dq, dk, dv)]
-            addresses += (base, base + delta_offset)
+            if stats_shape is not None:  # one buffer: L in log2 units, then D
+                base = lse.new_empty(stats_shape).data_ptr()
+                addresses += (base, base + delta_offset)
+            else:  # padded rows: the same buffers as the first call (``_stats_buffers``)
+                stats = _stats_outputs(lse, q.shape[2], packed)[1]
+                addresses += (t.data_ptr() for t in stats)
             if replay_call(_CALLS, call, replay, addresses, 6):
                 return dq, dk, dv
         if not all(t.stride(-1) == 1 for t in (q, k, v, do, o)) or not lse.is_contiguous():
@@ -195,7 +198,7 @@ def backward(
                 _BWD_SCHEMES.clear()
             _BWD_SCHEMES[key] = plan
     scheme, _, _, packed = plan
-    lse_c, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
+    (lse_c, lse2, delta, stride_rows), stats = _stats_outputs(lse, n_q, packed)
     if scheme == "atomic":
         dq_acc = torch.zeros((b, h, n_q, C.block_d_for(d)), dtype=torch.float32, device=q.device)
 
@@ -207,24 +210,44 @@ def backward(
 
     if scheme == "atomic":  # accumulates into dq_acc: never replayed
         key = None
-    outputs = (dq, dk, dv, lse2, delta) + ((lse_c,) if lse_c is not lse else ())
-    _launch_planned(key, inputs, outputs, launch_jit)
+    _launch_planned(key, inputs, (dq, dk, dv, *stats), launch_jit)
     if scheme == "atomic":
         dq.copy_(dq_acc[..., :d])
-    elif lse_c is lse and lse2._base is delta._base is not None:
-        # the statistics are the two views of one buffer (no padding): remember its shape
-        # and where D starts in it
-        stats = lse2._base
-        if lse2.data_ptr() == stats.data_ptr() and stats.is_contiguous():
-            recipe = (tuple(stats.shape), delta.data_ptr() - lse2.data_ptr())
-            remember_call(_CALLS, call, key, recipe)
+    else:
+        remember_call(_CALLS, call, key, _stats_recipe(lse, lse_c, lse2, delta, packed))
     return dq, dk, dv
+
+
+def _stats_outputs(
+    lse: torch.Tensor, n_q: int, packed: bool
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]:
+    """``_stats_buffers``, and the buffers of it a backward launch writes or reads besides
+    its inputs, in the launch plan's order: L2, D and, where it is a copy, L."""
+    lse_c, lse2, delta, stride_rows = _stats_buffers(lse, n_q, packed)
+    stats = (lse2, delta) if lse_c is lse else (lse2, delta, lse_c)
+    return (lse_c, lse2, delta, stride_rows), stats
+
+
+def _stats_recipe(lse, lse_c, lse2, delta, packed: bool) -> tuple:
+    """How a remembered backward makes its row statistics again: (packed, the shape of the
+    one buffer holding L2 then D, D's byte offset in it), or (packed, None, None) where the
+    rows are padded or L copied (``_stats_outputs`` then runs again; the padding is filled)."""
+    base = lse2._base
+    if (
+        lse_c is lse
+        and base is not None
+        and delta._base is base
+        and lse2.data_ptr() == base.data_ptr()
+        and base.is_contiguous()
+    ):
+        return packed, tuple(base.shape), delta.data_ptr() - lse2.data_ptr()
+    return packed, None, None
 
 
 # Backward scheme choices by launch-plan key, dropped with the plans.
 _BWD_SCHEMES: dict[tuple, tuple[str, str | None, bool, bool]] = keyed_cache()
-# Repeated backward calls by call key (``launch_plans.call_key``): the replay, and the shape
-# of the row-statistics buffer with D's byte offset in it.
+# Repeated backward calls by call key (``launch_plans.call_key``): the replay, and how to
+# make its row statistics again (``_stats_recipe``).
 _CALLS: dict[tuple, tuple] = keyed_cache()
 
 
