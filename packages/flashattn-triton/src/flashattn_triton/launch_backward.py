@@ -118,16 +118,36 @@ def _stats_buffers(
             return lse, lse2, delta, 2 * rows
         lse2, delta = lse.new_empty((2, *lse.shape)).unbind(0)
         return lse, lse2, delta, rows
-    padded = lse.new_full((*lse.shape[:-1], rows), float("inf"))
-    padded[..., :n_q] = lse
-    lse = padded
-    if not packed:
-        return lse, torch.full_like(lse, float("inf")), lse.new_zeros(lse.shape), rows
-    both = lse.new_empty((*lse.shape[:-1], 2, rows))
-    lse2, delta = both.unbind(-2)
-    lse2[..., n_q:] = float("inf")
-    delta[..., n_q:] = 0.0
-    return lse, lse2, delta, 2 * rows
+    # Each buffer is made by one concatenation with constant padding rows: filling and
+    # slicing them in place took ~4x the host time (48 us per backward on an H100 host).
+    lead, pad = lse.shape[:-1], rows - n_q
+    tail = _padding_rows(lse, pad)  # (2, pad): +inf, then 0
+    lse = torch.cat((lse, tail[0].expand(*lead, pad)), -1)
+    if packed:
+        both = torch.cat((lse.new_empty((*lead, 2, n_q)), tail.expand(*lead, 2, pad)), -1)
+        lse2, delta = both.unbind(-2)
+        return lse, lse2, delta, 2 * rows
+    tail = tail.view(2, *(1,) * len(lead), pad).expand(2, *lead, pad)
+    lse2, delta = torch.cat((lse.new_empty((2, *lead, n_q)), tail), -1).unbind(0)
+    return lse, lse2, delta, rows
+
+
+# The constant padding rows of ``_stats_buffers`` by (device, length): +inf (L, L in log2
+# units), then 0 (D). Made and kept outside CUDA graph capture only (a tensor made while
+# capturing lives in the graph's memory pool).
+_PADDING_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _padding_rows(like: torch.Tensor, pad: int) -> torch.Tensor:
+    key = (like.device, pad)
+    rows = _PADDING_ROWS.get(key)
+    if rows is None:
+        rows = torch.zeros((2, pad), dtype=torch.float32, device=like.device)
+        rows[0] = float("inf")
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return rows
+        _PADDING_ROWS[key] = rows
+    return rows
 
 
 def backward(
