@@ -6,7 +6,11 @@ compiled, warm-up steps, then
     the synchronize): a host time close to the step time means the GPU waits for Python;
   - cProfile of a few steps: the Python functions with the most own time, and the call
     counts of our launchers (``launch.forward`` / ``launch.backward``, the plan replays and
-    the JIT path) per step.
+    the JIT path) per step;
+  - the CUDA runtime / driver calls the host makes per step (torch.profiler: launches,
+    allocations, copies, synchronizations) and the copies and fills the GPU runs: a
+    synchronizing call inside a step would make the host wait for the GPU;
+  - dynamo's counters (graphs compiled, graph breaks): a break splits the compiled step.
 The pstats files and a JSON summary go to --out.
 
   python benchmarks/model_host_profile.py --size small --context 1024 --batch 4 --compile
@@ -114,6 +118,38 @@ def _thread_report(seconds: float = 1.0) -> dict:
     }
 
 
+def _cuda_calls(step, steps: int) -> dict[str, dict[str, float]]:
+    """Per step: the CUDA runtime / driver API calls of the host (count, host us) and the
+    GPU's copies and fills, from torch.profiler over ``steps`` steps (the closing
+    synchronize of the profiled block counts once, i.e. 1 / steps per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out = {}
+    for event in prof.key_averages():
+        key = event.key
+        if key.startswith(("cuda", "cu", "Memcpy", "Memset")) and not key.startswith("cudnn"):
+            out[key] = {
+                "calls_per_step": round(event.count / steps, 2),
+                "host_us_per_step": round(event.cpu_time_total / steps, 1),
+            }
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["host_us_per_step"]))
+
+
+def _dynamo_counters() -> dict[str, object]:
+    """Graphs dynamo compiled and the graph breaks it took, so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "stats": dict(counters["stats"]),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_break_reasons": list(counters["graph_break"])[:10],
+    }
+
+
 def _watched(stats: pstats.Stats, steps: int) -> dict[str, float]:
     out = {}
     for (file, _line, name), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
@@ -152,6 +188,7 @@ def main() -> None:
         process["machine_cores_busy_steps"] = round(
             (busy - machine[0]) / max(total - machine[1], 1) * os.cpu_count(), 2
         )
+        cuda_calls = _cuda_calls(step, args.profile_steps)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         prof.enable()
@@ -170,6 +207,8 @@ def main() -> None:
             "step_ms": round(step_ms, 3),
             "host_ms": round(host_ms, 3),
             "launchers": _watched(stats, args.profile_steps),
+            "cuda_calls": cuda_calls,
+            "dynamo": _dynamo_counters(),
             "process": process,
         }
         summary.append(row)
