@@ -449,6 +449,7 @@ def test_isolate_runs_each_model_in_a_fresh_process(tmp_path, monkeypatch):
         ("sdpa", "train"), ("sdpa", "fwd-bwd"), ("naive", "train"), ("naive", "fwd-bwd"),
     ]  # fmt: skip
     assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
+    assert all(float(r["host_op_us"]) > 0 for r in rows)  # each process's host speed
 
     monkeypatch.setattr(cells, "_cells_in_child", _child_that_fails)
     assert bench.main([*argv, "--isolate", "--csv", str(out)]) == 1

@@ -129,6 +129,7 @@ TABLE_COLUMNS = [
     "gather_wait_ms",
     "units_waited",
     "warmup_s",
+    "host_op_us",
     "vs_hf",
 ]
 # configuration columns shown in the table only when some row uses them

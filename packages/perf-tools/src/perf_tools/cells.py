@@ -350,11 +350,15 @@ def run_sweep(
 def _cells_in_child(
     rank: int, world: int, key: tuple, cells: list[BenchSpec], opts: BenchOptions, n_cells: int
 ) -> list[Row]:
-    """The body of `_isolated_cells`' process: one model's cells, as `run_sweep` runs them."""
+    """The body of `_isolated_cells`' process: one model's cells, as `run_sweep` runs them,
+    each row with `host_op_us` (`timing.host_op_us` after the cells: this process's speed at
+    issuing work, to tell a slow process from a slow step)."""
     with harness.Sweep(
         len(cells), "configs", device=opts.device, quiet=True, classify=_skipped
     ) as sweep:
-        return _model_cells(key, cells, opts, measure_cell, sweep, n_cells)
+        rows = _model_cells(key, cells, opts, measure_cell, sweep, n_cells)
+    probe = round(timing.host_op_us(opts.device), 2)
+    return [{**row, "host_op_us": probe} for row in rows]
 
 
 def _isolated_cells(

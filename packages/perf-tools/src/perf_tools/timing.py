@@ -141,6 +141,22 @@ def bench_ms(
     return statistics.median(samples)
 
 
+def host_op_us(device: torch.device | str, calls: int = 2000, rounds: int = 5) -> float:
+    """Host time of one tiny in-place op on ``device`` (median over ``rounds`` of ``calls``
+    back-to-back calls, us): how fast this process issues work. Processes on one machine
+    differed by up to ~1.5x in it, which moves every host-bound step with it."""
+    x = torch.zeros(16, device=device)
+    synchronize(device)
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            x.add_(1.0)
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        synchronize(device)
+    return statistics.median(samples)
+
+
 def reset_peak_memory(device: torch.device | str) -> None:
     """Start a fresh peak-memory window on CUDA (no-op on CPU)."""
     device = torch.device(device)
