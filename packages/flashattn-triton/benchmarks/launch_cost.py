@@ -10,6 +10,9 @@ is step time. This times back-to-back calls (wall time per call, GPU kept behind
 - the packed-sequence launchers (``launch_varlen``) on the same tokens split into documents;
 - each launcher again with remembered calls switched off (``call_key`` returning None: the
   plan-key path every call took before calls were remembered);
+- the forward and backward cycling over ``--layers`` sets of buffers at their own addresses,
+  as a model's layers call them (a replay fills each TMA descriptor once per base address
+  and keeps up to 64 per descriptor: more layers than that refill them on every call);
 
 with q, k, v the model's views ((B, T, H, d) buffers seen as (B, H, T, d), as lm_core makes
 them). Prints a table and writes JSON.
@@ -77,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="4,12,1024,64", help="B,H,N,d")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--docs", type=int, default=8, help="documents in the packed rows")
+    ap.add_argument(
+        "--layers", type=int, nargs="*", default=[12, 100], help="buffer sets to cycle over"
+    )
     ap.add_argument("--calls", type=int, default=200, help="back-to-back calls per sample")
     ap.add_argument("--repeats", type=int, default=7, help="samples (the median is shown)")
     ap.add_argument("--json", type=Path, default=None)
@@ -160,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "torch.empty_like(q)": lambda: torch.empty_like(q),
     }
+    for n_layers in args.layers:
+        cases.update(_layer_cases(n_layers, (b, h, n, d), dtype, scale))
     rows = []
     for name, fn in cases.items():
         try:
@@ -175,6 +183,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "rows": rows}, indent=1))
     return 0
+
+
+def _layer_cases(
+    n_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype, scale: float
+) -> dict[str, Callable[[], object]]:
+    """Forward, backward and SDPA's flash forward, each call on the next of ``n_layers`` sets
+    of model-layout buffers (a model's layers, each at its own addresses)."""
+    from flashattn_triton import launch
+
+    b, h, n, d = shape
+    layers = []
+    for _ in range(n_layers):
+        q, k, v = model_views(b, h, n, d, dtype)
+        o, lse = launch.forward(q, k, v, True, scale)
+        do = torch.randn(b, n, h, d, device="cuda", dtype=dtype).transpose(1, 2)
+        layers.append((do, q, k, v, o, lse))
+    fwd, bwd, sdpa = (itertools.cycle(layers) for _ in range(3))
+
+    def forward() -> object:
+        _, q, k, v, _, _ = next(fwd)
+        return launch.forward(q, k, v, True, scale)
+
+    def backward() -> object:
+        return launch.backward(*next(bwd), True, scale)
+
+    def sdpa_forward() -> object:
+        _, q, k, v, _, _ = next(sdpa)
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale
+        )
+
+    return {
+        f"launch.forward, {n_layers} layers": forward,
+        f"launch.backward, {n_layers} layers": backward,
+        f"SDPA flash fwd op, {n_layers} layers": sdpa_forward,
+    }
 
 
 if __name__ == "__main__":

@@ -27,11 +27,13 @@ def test_launch_cost_runs(tmp_path, monkeypatch):
     real = launch_varlen.call_key
     out = tmp_path / "lc.json"
     args = ["--shape", "2,4,384,64", "--docs", "3", "--calls", "5", "--repeats", "2"]
+    args += ["--layers", "3"]
     assert lc.main([*args, "--json", str(out)]) == 0
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     ours = [name for name in rows if not name.startswith("SDPA")]
     for name in ours:
         assert rows[name]["us_per_call"] is not None, (name, rows[name].get("error"))
     assert {"varlen backward", "launch.backward, plan-key path"} <= set(rows)
+    assert "launch.backward, 3 layers" in rows
     assert launch_varlen.call_key is real
     sys.modules.pop("host_cost", None)
