@@ -34,12 +34,13 @@
 #              public custom ops, the phases of one call), then the compiled causal sweep
 #              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
-#              and whole-model compiled, each model in its own process (--isolate: the step is
-#              host-bound), the launchers' host time per call (launch_cost.py), then a profile
+#              and whole-model compiled, each model in its own process, three rounds (--isolate
+#              3: the step is host-bound and follows its process), the launchers' host time per
+#              call (launch_cost.py), then a profile
 #              of each compiled step; with OLD_FA=<folder holding an older
 #              flashattn_triton package> the compiled flash-triton row again on that source
 #              (e.g. `git archive <commit> packages/flashattn-triton/src | tar -x -C old
-#              --strip-components=3`, carried to the machine)                      ~3-4 min
+#              --strip-components=3`, carried to the machine)                      ~6-8 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
@@ -179,7 +180,7 @@ if want hostcost; then  # a lone attention call's host time, ours against SDPA, 
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \
-    --attention sdpa flash-triton --compile both --isolate --warmup 3 --steps 10 \
+    --attention sdpa flash-triton --compile both --isolate 3 --warmup 3 --steps 10 \
     --csv "$WORK/small1024.csv"
   run launch_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/launch_cost.py" \
     --shape 4,12,1024,64 --json "$WORK/launch_cost.json"

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from perf_tools import _cli, _dist, harness, report
+from perf_tools import _cli, _dist, harness, isolated_runs, report
 from perf_tools.bench_dist import (
     gather_wait_notes,
     run_dist_sweep,
@@ -130,6 +130,7 @@ TABLE_COLUMNS = [
     "units_waited",
     "warmup_s",
     "host_op_us",
+    "run",
     "vs_hf",
 ]
 # configuration columns shown in the table only when some row uses them
@@ -245,9 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing")
     t.add_argument(
         "--isolate",
-        action="store_true",
+        nargs="?",
+        type=_cli.positive_int,
+        const=1,
+        default=0,
+        metavar="N",
         help="run each model's rows (size x attention x compile x matmul) in a fresh process: "
-        "a host-bound step's time depends on what ran before it in the same process",
+        "a host-bound step's time depends on the process it runs in; N rounds of processes, "
+        "models interleaved, and a table of the median over rounds (default 1)",
     )
     t.add_argument(
         "--batch",
@@ -472,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run_sweep(specs, opts)
     cols = [c for c in TABLE_COLUMNS if _shown(c, rows)]
     report.print_table(rows, cols, title=_title(opts, rows))
+    if opts.isolate > 1:
+        _print_rounds(rows, cols, opts.isolate)
     for line in gather_wait_notes(rows):
         print(line)
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)
@@ -486,6 +494,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("some configuration(s) failed with an error (see status)", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_rounds(rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: int) -> None:
+    """The median over `--isolate N` rounds, one row per configuration."""
+    summary = isolated_runs.median_over_runs(rows, cols)
+    if not summary:
+        return
+    config = [c for c in cols if c in summary[0] and c not in isolated_runs.SUMMARY_COLUMNS]
+    shown = config + isolated_runs.SUMMARY_COLUMNS
+    title = f"median over {rounds} rounds of fresh processes (spread: slowest / fastest run)"
+    report.print_table(summary, shown, title=title)
 
 
 def _shown(col: str, rows: Sequence[dict[str, Any]]) -> bool:

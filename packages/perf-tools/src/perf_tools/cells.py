@@ -108,7 +108,7 @@ class BenchOptions:
     tp: int = 1  # multi-GPU mode: tensor-parallel degree (perf_tools.bench_tp)
     sequence_parallel: bool = False  # multi-GPU mode with tp > 1
     compile_backend: str = "inductor"  # torch.compile's backend for compiled cells
-    isolate: bool = False  # each model's cells in a fresh process (run_sweep)
+    isolate: int = 0  # N > 0: each model's cells in a fresh process, N rounds (run_sweep)
 
 
 def _loss_fn(impl: str) -> Any:
@@ -327,21 +327,27 @@ def run_sweep(
     """Measure every cell; one model per model_key, OOM / errors recorded and the sweep goes on.
 
     `measure(model, runner, spec, config, opts, n_cells) -> dict` (default `measure_cell`).
-    With `opts.isolate` each model's cells run in a fresh process (`_isolated_cells`), which
-    runs `measure_cell`: no other `measure` with it.
+    With `opts.isolate` (N) each model's cells run in a fresh process (`_isolated_cells`),
+    which runs `measure_cell` (no other `measure` with it), in N rounds that interleave the
+    models; with N > 1 each row says its round (`run`; `isolated_runs` summarizes them).
     """
     if opts.isolate and measure is not None:
         raise ValueError("measure: a spawned process runs measure_cell; not with opts.isolate")
     measure = measure or measure_cell
     rows: list[Row] = []
     quiet = not opts.progress or len(specs) < 2
+    total = len(specs) * max(opts.isolate, 1)
     with harness.Sweep(
-        len(specs), "configs", device=opts.device, quiet=quiet, classify=_skipped
+        total, "configs", device=opts.device, quiet=quiet, classify=_skipped
     ) as sweep:
-        for key, cells in harness.cells_by(specs, lambda s: s.model_key):
-            if opts.isolate:
-                rows += _isolated_cells(key, cells, opts, sweep, len(specs))
-            else:
+        groups = list(harness.cells_by(specs, lambda s: s.model_key))
+        if opts.isolate:
+            for run in range(1, opts.isolate + 1):  # rounds interleave the models
+                for key, cells in groups:
+                    done = _isolated_cells(key, cells, opts, sweep, len(specs))
+                    rows += [{**r, "run": run} for r in done] if opts.isolate > 1 else done
+        else:
+            for key, cells in groups:
                 rows += _model_cells(key, cells, opts, measure, sweep, len(specs))
     add_hf_speedups(rows)
     return rows

@@ -1,0 +1,61 @@
+"""Summaries of `perf_tools.bench --isolate N`: the same rows measured in N rounds of fresh
+processes, one process per model per round, rounds interleaved (model A, model B, A, B, ...).
+
+A host-bound step runs at the speed of its process: fresh processes on one H100 machine
+issued a tiny eager op in ~7 or ~10.5 us (BENCHMARKS.md 3.3), and a model's step followed.
+One process per backend is then a draw; the median over rounds, with the spread beside it,
+is the comparison to read.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+Row = dict[str, Any]
+
+# What a row measured (not part of its configuration); everything else names the config.
+_MEASURED = {
+    "run", "status", "error", "mean_ms", "std_ms", "median_ms", "min_ms", "max_ms",
+    "first_measured_ms", "fwd_ms", "bwd_ms", "sync_ms", "opt_ms", "tokens_per_s", "tflops",
+    "mfu_pct", "peak_mem_gib", "warmup_s", "first_step_s", "build_s", "host_op_us",
+    "gather_wait_ms", "units_waited", "vs_hf",
+}  # fmt: skip
+
+SUMMARY_COLUMNS = [
+    "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "median_host_op_us",
+]  # fmt: skip
+
+
+def config_of(row: Row) -> tuple:
+    """A row's configuration: its columns other than what it measured, as a sortable key."""
+    return tuple(sorted((k, str(v)) for k, v in row.items() if k not in _MEASURED))
+
+
+def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
+    """One row per configuration: the ``shown`` config columns of its first row, then the
+    number of runs that measured it, the median over runs of each run's median step, the
+    fastest and slowest run, their ratio and the median ``host_op_us``. Failed runs are
+    left out (their rows keep their status in the per-run table)."""
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(config_of(row), []).append(row)
+    out = []
+    for members in groups.values():
+        ok = [r for r in members if r.get("status") == "ok" and r.get("median_ms") is not None]
+        if not ok:
+            continue
+        times = [float(r["median_ms"]) for r in ok]
+        probes = [float(r["host_op_us"]) for r in ok if r.get("host_op_us") is not None]
+        summary = {c: members[0].get(c) for c in shown if c not in _MEASURED}
+        summary.update(
+            runs=len(ok),
+            median_ms=round(statistics.median(times), 3),
+            min_run_ms=round(min(times), 3),
+            max_run_ms=round(max(times), 3),
+            spread=round(max(times) / min(times), 3),
+            median_host_op_us=round(statistics.median(probes), 2) if probes else None,
+        )
+        out.append(summary)
+    return out
