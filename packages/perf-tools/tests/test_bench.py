@@ -449,7 +449,8 @@ def test_isolate_runs_each_model_in_a_fresh_process(tmp_path, monkeypatch):
         ("sdpa", "train"), ("sdpa", "fwd-bwd"), ("naive", "train"), ("naive", "fwd-bwd"),
     ]  # fmt: skip
     assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
-    assert all(float(r["host_op_us"]) > 0 for r in rows)  # each process's host speed
+    # each process's host speed, at its start and after its rows
+    assert all(float(r["host_op_us"]) > 0 and float(r["host_op_start_us"]) > 0 for r in rows)
 
     monkeypatch.setattr(cells, "_cells_in_child", _child_that_fails)
     assert bench.main([*argv, "--isolate", "--csv", str(out)]) == 1

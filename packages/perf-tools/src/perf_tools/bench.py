@@ -129,6 +129,7 @@ TABLE_COLUMNS = [
     "gather_wait_ms",
     "units_waited",
     "warmup_s",
+    "host_op_start_us",
     "host_op_us",
     "run",
     "vs_hf",

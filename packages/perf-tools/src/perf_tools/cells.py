@@ -357,14 +357,16 @@ def _cells_in_child(
     rank: int, world: int, key: tuple, cells: list[BenchSpec], opts: BenchOptions, n_cells: int
 ) -> list[Row]:
     """The body of `_isolated_cells`' process: one model's cells, as `run_sweep` runs them,
-    each row with `host_op_us` (`timing.host_op_us` after the cells: this process's speed at
-    issuing work, to tell a slow process from a slow step)."""
+    each row with this process's speed at issuing work (`timing.host_op_us`) before the
+    cells (`host_op_start_us`) and after them (`host_op_us`): a process slow from its start
+    is a draw, one that slowed down was slowed by what it ran."""
+    start = round(timing.host_op_us(opts.device), 2)
     with harness.Sweep(
         len(cells), "configs", device=opts.device, quiet=True, classify=_skipped
     ) as sweep:
         rows = _model_cells(key, cells, opts, measure_cell, sweep, n_cells)
-    probe = round(timing.host_op_us(opts.device), 2)
-    return [{**row, "host_op_us": probe} for row in rows]
+    after = round(timing.host_op_us(opts.device), 2)
+    return [{**row, "host_op_start_us": start, "host_op_us": after} for row in rows]
 
 
 def _isolated_cells(

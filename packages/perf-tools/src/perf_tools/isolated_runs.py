@@ -20,6 +20,7 @@ _MEASURED = {
     "run", "status", "error", "mean_ms", "std_ms", "median_ms", "min_ms", "max_ms",
     "first_measured_ms", "fwd_ms", "bwd_ms", "sync_ms", "opt_ms", "tokens_per_s", "tflops",
     "mfu_pct", "peak_mem_gib", "warmup_s", "first_step_s", "build_s", "host_op_us",
+    "host_op_start_us",
     "gather_wait_ms", "units_waited", "vs_hf",
 }  # fmt: skip
 
