@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from perf_tools import bench, cells, isolated_runs
+from perf_tools import bench, cells, isolated_runs, models
 from perf_tools.flops import formula_forward_flops
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
@@ -525,3 +525,35 @@ def test_isolated_sweep_refuses_a_custom_measure():
     )
     with pytest.raises(ValueError, match="measure"):
         cells.run_sweep([], opts, measure=lambda *a, **k: {})
+
+
+def test_matmul_weights_is_a_sweep_axis_of_bf16_train_rows(tmp_path, capsys):
+    """--matmul-weights fp32 bf16: two bf16 train rows of lm_core, two models (the held one
+    has bf16 linear weights and AdamW keeps their fp32 masters); refused without a bf16
+    train row and in the multi-GPU mode."""
+    argv = [*TINY, *FAST, "--mode", "train", "--precision", "bf16"]
+    argv += ["--matmul-weights", "fp32", "bf16"]
+    specs = bench.specs_from_args(bench.parse_args(argv))
+    assert [s.weights for s in specs] == ["fp32", "bf16"]
+    assert specs[0].model_key != specs[1].model_key
+    assert specs[1].label().endswith("-weights-bf16")
+    config = models.resolve_config("tiny", context_length=16)
+    model = cells._build(specs[1], config, torch.device("cpu"))
+    held = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert len(held) == 4 * config.num_layers
+    out = tmp_path / "w.csv"
+    assert bench.main([*argv, "--csv", str(out)]) == 0
+    rows = _rows(out)
+    assert [r["weights"] for r in rows] == ["fp32", "bf16"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert "weights" in capsys.readouterr().out
+    for bad in (["--precision", "fp32"], ["--mode", "forward", "--precision", "bf16"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args([*TINY, *bad, "--matmul-weights", "bf16"])
+        assert "argument --matmul-weights" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(
+            [*TINY, "--precision", "bf16", "--matmul-weights", "bf16", "--nprocs", "2",
+             "--fsdp", "ours"]
+        )  # fmt: skip
+    assert "argument --matmul-weights: not available" in capsys.readouterr().err

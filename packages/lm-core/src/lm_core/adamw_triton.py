@@ -116,6 +116,67 @@ def adamw_bf16_state_kernel(
     tl.store(V + offs, _f32_to_bf16_bits(v, idx, key_v, STOCHASTIC), mask=mask)
 
 
+@triton.jit
+def adamw_master_kernel(
+    W,  # (n,) int16 view of the bf16 parameter: written as the new master rounded to nearest
+    P,  # (n,) float32 master weight, updated in place
+    G,  # (n,) int16 view of the bf16 gradient
+    M,  # (n,) exp_avg, updated in place: float32, or the int16 view of bf16 (MOMENTS_BF16)
+    V,  # (n,) exp_avg_sq, likewise
+    STEP,
+    LR,
+    lr,
+    beta1,
+    beta2,
+    log2_beta1,
+    log2_beta2,
+    eps,
+    weight_decay,
+    n,
+    LR_ON_DEVICE: tl.constexpr,
+    MOMENTS_BF16: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The update of `adamw_bf16_state_kernel` on an fp32 master of a bf16 parameter: reads
+    the bf16 gradient (2 bytes), the master and the moments; writes them and the bf16
+    parameter (2 bytes). With fp32 moments: 14 bytes read and 14 written per parameter."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    step = tl.load(STEP)
+    if LR_ON_DEVICE:
+        lr = tl.load(LR).to(tl.float32)
+    p = tl.load(P + offs, mask=mask, other=0.0)
+    g = _bf16_bits_to_f32(tl.load(G + offs, mask=mask, other=0))
+    if MOMENTS_BF16:
+        m = _bf16_bits_to_f32(tl.load(M + offs, mask=mask, other=0))
+        v = _bf16_bits_to_f32(tl.load(V + offs, mask=mask, other=0))
+    else:
+        m = tl.load(M + offs, mask=mask, other=0.0)
+        v = tl.load(V + offs, mask=mask, other=0.0)
+
+    p = p * (1.0 - lr * weight_decay)
+    w = 1.0 - beta1
+    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
+    v = v * beta2
+    v = v + (1.0 - beta2) * g * g
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    denom = tl.sqrt(v) / bias2_sqrt + eps
+    p = p + (-lr / bias1) * (m / denom)
+    tl.store(P + offs, p, mask=mask)
+    idx = offs.to(tl.uint32)
+    tl.store(W + offs, _f32_to_bf16_bits(p, idx, 0, False), mask=mask)
+    if MOMENTS_BF16:
+        t = step.to(tl.uint32)
+        tl.store(M + offs, _f32_to_bf16_bits(m, idx, _hash32(t * 2), STOCHASTIC), mask=mask)
+        tl.store(V + offs, _f32_to_bf16_bits(v, idx, _hash32(t * 2 + 1), STOCHASTIC), mask=mask)
+    else:
+        tl.store(M + offs, m, mask=mask)
+        tl.store(V + offs, v, mask=mask)
+
+
 def interpreting() -> bool:
     """True when the kernel was built for Triton's CPU interpreter (TRITON_INTERPRET=1 was set
     before this module was first imported)."""
@@ -165,4 +226,57 @@ def adamw_bf16_state_step(
             0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
             weight_decay, n, LR_ON_DEVICE=lr_on_device, STOCHASTIC=stochastic, BLOCK=BLOCK,
             num_warps=4,
+        )  # fmt: skip
+
+
+def adamw_master_step(
+    param: torch.Tensor,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    lr: float | torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    stochastic: bool,
+) -> None:
+    """One AdamW update of an fp32 `master` from the bf16 `grad` of the bf16 `param`, which
+    is then set to the new master rounded to nearest (`lm_core.lowp_weights`). Moments fp32
+    or bf16 (rounded as `stochastic` says); all contiguous, one shape, one device; `step` and
+    `lr` as for `adamw_bf16_state_step`."""
+    n = master.numel()
+    for name, t in (
+        ("param", param),
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ):
+        if t.shape != master.shape or t.device != master.device:
+            raise ValueError(f"{name}: expected the master weight's shape and device")
+    if param.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16:
+        raise TypeError("the master-weight kernel takes a bf16 parameter and gradient")
+    if master.dtype != torch.float32 or exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError("the master-weight kernel takes an fp32 master and fp32 or bf16 moments")
+    tensors = (param, master, grad, exp_avg, exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the master-weight kernel takes contiguous tensors")
+    if n == 0:
+        return
+    if isinstance(lr, torch.Tensor) and lr.device != master.device:
+        lr = float(lr)
+    lr_on_device = isinstance(lr, torch.Tensor)
+    lr_ptr = lr if lr_on_device else step
+    moments_bf16 = exp_avg.dtype == torch.bfloat16
+    m, v = (t.view(torch.int16) if moments_bf16 else t for t in (exp_avg, exp_avg_sq))
+    guard = torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext()
+    with guard:
+        adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
+            param.view(torch.int16), master, grad.view(torch.int16), m, v, step, lr_ptr,
+            0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            weight_decay, n, LR_ON_DEVICE=lr_on_device, MOMENTS_BF16=moments_bf16,
+            STOCHASTIC=stochastic, BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip

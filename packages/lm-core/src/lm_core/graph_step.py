@@ -124,7 +124,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> N
         if lowp and optim_lowp.backend(group.get("fused"), device) != "triton":
             raise RuntimeError(
                 f"{where}: parameter group {i} keeps bf16 moments (state_dtype, "
-                "--optimizer-state-dtype bf16) and steps them without the Triton kernel "
+                "--optimizer-state-dtype bf16) or fp32 masters of bf16 weights "
+                "(lm_core.lowp_weights) and steps them without the Triton kernel "
                 f"(fused={group.get('fused')!r}, or triton is not installed); its step counts "
                 "would stay on the host"
             )

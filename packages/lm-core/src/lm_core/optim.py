@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from lm_core import optim_lowp
+from lm_core import lowp_weights, optim_lowp
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -163,27 +163,52 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch.optim.Optimizer.load_state_dict, with the moments converted to this
-        optimizer's `state_dtype` (torch's casts them to the parameter's dtype)."""
-        if self.state_dtype == torch.float32:
+        optimizer's `state_dtype` (torch's casts them to the parameter's dtype) and fp32
+        masters of held bf16 weights kept fp32 (`lm_core.lowp_weights`). A master saved for
+        a parameter that is fp32 here becomes its value; a held parameter loaded without one
+        keeps the master `hold_in_bf16` gave it."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        entries = [e for e in state_dict["state"].values() if isinstance(e, dict)]
+        if (
+            self.state_dtype == torch.float32
+            and not any("master" in e for e in entries)
+            and not any(lowp_weights.is_held(p) for p in params)
+        ):
             super().load_state_dict(state_dict)  # torch's behaviour exactly
             return
-        # Take the moments out so torch does not make fp32 copies of bf16 moments first.
-        moments: dict[Any, dict[str, Any]] = {}
+        # Take the moments and masters out so torch does not cast them to the parameter's
+        # dtype (or make fp32 copies of bf16 moments) first.
+        kept = (*optim_lowp.MOMENTS, "master")
+        moved: dict[Any, dict[str, Any]] = {}
         stripped: dict[Any, Any] = {}
         for key, entry in state_dict["state"].items():
             if isinstance(entry, dict):
-                moments[key] = {n: v for n, v in entry.items() if n in optim_lowp.MOMENTS}
-                entry = {n: v for n, v in entry.items() if n not in optim_lowp.MOMENTS}
+                moved[key] = {n: v for n, v in entry.items() if n in kept}
+                entry = {n: v for n, v in entry.items() if n not in kept}
             stripped[key] = entry
         super().load_state_dict({**state_dict, "state": stripped})
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
         param_of = dict(zip(saved_ids, params))
-        for key, entry in moments.items():
+        for key, entry in moved.items():
             p = param_of.get(key)
             if p is None:  # torch keeps state it cannot place under its key, as it came
                 self.state[key].update(entry)
                 continue
+            master = entry.pop("master", None)
+            if master is not None and not lowp_weights.is_held(p):
+                with torch.no_grad():
+                    p.copy_(master)
+                master = None
+            if master is None and lowp_weights.is_held(p):
+                master = lowp_weights.take_master(p)
+                if master is None:
+                    raise ValueError(
+                        "load_state_dict: a held bf16 weight has no fp32 master in the state "
+                        "dict nor a pending one (lm_core.lowp_weights.hold_in_bf16)"
+                    )
+            if master is not None:
+                lowp_weights.take_master(p, check=False)  # the loaded one replaces it
+                self.state[p]["master"] = master.to(device=p.device, dtype=torch.float32)
             dtype = optim_lowp.moment_dtype(p, self.state_dtype)
             for name, value in entry.items():
                 if isinstance(value, torch.Tensor):
@@ -207,7 +232,7 @@ class AdamW(torch.optim.Optimizer):
         # (tensor parallelism leaves the replicated parameters plain) nor DTensors of two
         # meshes; moments of another dtype than the parameter's take the bf16-state update.
         buckets: dict[tuple[Any, ...], list[list[torch.Tensor]]] = defaultdict(
-            lambda: [[], [], [], [], []]
+            lambda: [[], [], [], [], [], []]
         )
         for p in group["params"]:
             if p.grad is None:
@@ -216,7 +241,7 @@ class AdamW(torch.optim.Optimizer):
                 raise RuntimeError("AdamW does not support sparse gradients")
             state = self.state[p]
             if len(state) == 0:
-                # fused (and the bf16-state kernel): the step count lives on the parameter's
+                # fused (and the Triton kernels): the step count lives on the parameter's
                 # device (the kernel reads it); foreach: on the CPU (bias corrections are host
                 # math). Created in place, so the first step does not copy host -> device.
                 dtype = optim_lowp.moment_dtype(p, self.state_dtype)
@@ -230,21 +255,66 @@ class AdamW(torch.optim.Optimizer):
                     state[name] = torch.zeros_like(
                         p, dtype=dtype, memory_format=torch.preserve_format
                     )
-            key = (p.device, p.dtype, state["exp_avg"].dtype, getattr(p, "device_mesh", None))
+                if lowp_weights.is_held(p):
+                    state["master"] = lowp_weights.new_master(p)
+            master = state.get("master")
+            mesh = getattr(p, "device_mesh", None)
+            key = (p.device, p.dtype, state["exp_avg"].dtype, mesh, master is not None)
             lists = buckets[key]
             for i, t in enumerate((p, p.grad, state["exp_avg"], state["exp_avg_sq"])):
                 lists[i].append(t)
             lists[4].append(state["step"])
-        for (device, dtype, moments, _), lists in buckets.items():
+            if master is not None:
+                lists[5].append(master)
+        for (device, dtype, moments, _, held), lists in buckets.items():
+            if held:
+                self._master_update(group, *lists)
+                continue
             if moments != dtype:
-                self._lowp_update(group, *lists)
+                self._lowp_update(group, *lists[:5])
                 continue
             update = {
                 "fused": self._fused_update,
                 "foreach": self._foreach_update,
                 "plain": self._plain_update,
             }[implementation(group.get("fused"), device)]
-            update(group, *lists)
+            update(group, *lists[:5])
+
+    def _master_update(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        masters: list[torch.Tensor],
+    ) -> None:
+        """bf16 parameters with fp32 masters (`lm_core.lowp_weights`): the Triton kernel, or
+        the fp32 (or bf16-moment) update of the masters by PyTorch ops, each parameter then
+        set to its master rounded to nearest."""
+        device = params[0].device
+        what = "AdamW(fused=True): the update of bf16 weights with fp32 masters"
+        if optim_lowp.backend(group.get("fused"), device, what) == "triton":
+            steps = self._device_steps(params, steps)
+            self._advance(steps)
+            for p, g, m, v, s, w in zip(params, grads, exp_avgs, exp_avg_sqs, steps, masters):
+                work = [t.contiguous() for t in (p, w, g, m, v)]
+                optim_lowp.master_kernel_step(*work, s, group, self.state_rounding)
+                for t, c in zip((p, w, g, m, v), work):
+                    if c is not t and t is not g:
+                        t.copy_(c)
+            return
+        steps = self._host_steps(params, steps)  # resolved here: the updates see masters
+        grads32 = [g.float() for g in grads]
+        if exp_avgs[0].dtype != torch.float32:
+            self._lowp_torch(group, masters, grads32, exp_avgs, exp_avg_sqs, steps)
+        elif _foreach_available():
+            self._foreach_update(group, masters, grads32, exp_avgs, exp_avg_sqs, steps)
+        else:
+            self._plain_update(group, masters, grads32, exp_avgs, exp_avg_sqs, steps)
+        for p, w in zip(params, masters):
+            p.copy_(w)
 
     def _lowp_update(
         self,
@@ -281,11 +351,14 @@ class AdamW(torch.optim.Optimizer):
         steps: list[torch.Tensor],
     ) -> None:
         # The fp32 update on fp32 copies (scratch), then the moments rounded back into bf16.
+        # `params` may be masters, which are no keys of self.state: the counts are resolved
+        # to CPU tensors of the state first, then read from the list.
+        steps = self._host_steps(params, steps) if params[0] in self.state else steps
         m32 = [m.float() for m in exp_avgs]
         v32 = [v.float() for v in exp_avg_sqs]
         update = self._foreach_update if _foreach_available() else self._plain_update
         update(group, params, grads, m32, v32, steps)
-        counts = [int(self.state[p]["step"].item()) for p in params]  # CPU tensors by now
+        counts = [int(s.item()) for s in steps]  # CPU tensors, advanced in place
         rounding = self.state_rounding
         moments = [[optim_lowp.local(t) for t in ts] for ts in (exp_avgs, exp_avg_sqs)]
         optim_lowp.round_into(moments[0], [optim_lowp.local(t) for t in m32], counts, 0, rounding)

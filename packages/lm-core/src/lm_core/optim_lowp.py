@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from lm_core import lowp_weights
+
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 # the names of the trainer's --optimizer-state-dtype and perf_tools.bench's
 STATE_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -61,9 +63,12 @@ def check_rounding(rounding: Any) -> str:
 
 
 def moment_dtype(param: torch.Tensor, state_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of a parameter's moments: `state_dtype` for an fp32 parameter, the
-    parameter's own dtype otherwise (bf16 or fp64 parameters keep torch's behaviour)."""
-    return state_dtype if param.dtype == torch.float32 else param.dtype
+    """The dtype of a parameter's moments: `state_dtype` for an fp32 parameter or a bf16
+    one with an fp32 master (`lm_core.lowp_weights`), the parameter's own dtype otherwise
+    (bf16 or fp64 parameters keep torch's behaviour)."""
+    if param.dtype == torch.float32 or lowp_weights.is_held(param):
+        return state_dtype
+    return param.dtype
 
 
 # ----------------------------------------------------------------------------- backend
@@ -84,7 +89,11 @@ def _kernel_runnable(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def backend(fused: bool | None, device: torch.device) -> str:
+def backend(
+    fused: bool | None,
+    device: torch.device,
+    what: str = "AdamW(fused=True, state_dtype=torch.bfloat16): the fused update with bf16 moments",
+) -> str:
     """'triton' or 'torch': how an fp32 parameter with bf16 moments steps on `device`.
 
     fused=None: the Triton kernel for CUDA parameters when triton is importable, else PyTorch
@@ -96,10 +105,7 @@ def backend(fused: bool | None, device: torch.device) -> str:
     if ok:
         return "triton"
     if fused:
-        raise RuntimeError(
-            f"AdamW(fused=True, state_dtype=torch.bfloat16): the fused update with bf16 "
-            f"moments is a Triton kernel, and {why}; pass fused=None or False"
-        )
+        raise RuntimeError(f"{what} is a Triton kernel, and {why}; pass fused=None or False")
     return "torch"
 
 
@@ -118,6 +124,36 @@ def kernel_step(
     beta1, beta2 = group["betas"]
     adamw_bf16_state_step(
         param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step,
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        stochastic=rounding == "stochastic",
+    )
+
+
+def master_kernel_step(
+    param: torch.Tensor,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    group: dict[str, Any],
+    rounding: str,
+) -> None:
+    """One held weight's update by the Triton kernel (`lm_core.lowp_weights`)."""
+    from lm_core.adamw_triton import adamw_master_step
+
+    beta1, beta2 = group["betas"]
+    adamw_master_step(
+        param,
+        master,
         grad,
         exp_avg,
         exp_avg_sq,

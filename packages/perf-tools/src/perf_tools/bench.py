@@ -111,6 +111,7 @@ TABLE_COLUMNS = [
     "matmul",
     "opt_overlap",
     "opt_state",
+    "weights",
     "autograd_threads",
     "status",
     "mean_ms",
@@ -144,6 +145,7 @@ OPTIONAL_CONFIG_COLUMNS = {
     "matmul": "default",
     "opt_overlap": False,
     "opt_state": "fp32",
+    "weights": "fp32",
     "autograd_threads": "on",
 }
 OPT_STATE_DTYPES = ("fp32", "bf16")
@@ -223,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train rows of lm_core: the dtype of AdamW's moments (weights stay fp32); "
         "bf16 changes the numerics (lm_core.optim_lowp). Several for a sweep axis "
         "(--optimizer-state-dtype fp32 bf16); default fp32",
+    )
+    g.add_argument(
+        "--matmul-weights",
+        nargs="+",
+        type=_cli.listed(_cli.choice(OPT_STATE_DTYPES)),
+        default=None,
+        metavar="{fp32,bf16}",
+        help="bf16 train rows of lm_core: bf16 holds the blocks' linear weights in bf16, "
+        "their fp32 masters in AdamW (lm_core.lowp_weights: no weight casts in the step, "
+        "the same math); several for a sweep axis (--matmul-weights fp32 bf16); default fp32",
     )
     g.add_argument(
         "--autograd-threads",
@@ -330,6 +342,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.overlaps = {"off": [False], "on": [True], "both": [False, True]}[args.optimizer_overlap]
     args.graphs = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]
     args.opt_states = _cli.flatten(args.optimizer_state_dtype) or ["fp32"]
+    args.weights = list(dict.fromkeys(_cli.flatten(args.matmul_weights) or ["fp32"]))
     threads = _cli.flatten(args.autograd_threads) or ["on"]
     args.autograd_threads = [t == "on" for t in dict.fromkeys(threads)]
     args.competitors = _cli.flatten(args.compare) or []
@@ -347,6 +360,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.opt_states != ["fp32"] and "train" not in args.modes:
         parser.error("argument --optimizer-state-dtype: a train step's option; add --mode train")
+    if args.weights != ["fp32"] and ("train" not in args.modes or "bf16" not in args.precisions):
+        parser.error(
+            "argument --matmul-weights: bf16 weights serve bf16 train steps; add --mode train "
+            "--precision bf16"
+        )
     if args.autograd_threads != [True] and args.modes == ["forward"]:
         parser.error("argument --autograd-threads: where the backward runs; add --mode train")
     if args.memory_snapshot is not None and not on_gpu:
@@ -384,11 +402,13 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                     ours_train = impl == OURS and mode == "train"
                     overlaps = args.overlaps if ours_train else [False]
                     opt_states = getattr(args, "opt_states", ["fp32"]) if ours_train else ["fp32"]
+                    held = ours_train and precision == "bf16"
+                    weights = getattr(args, "weights", ["fp32"]) if held else ["fp32"]
                     threads = (
                         getattr(args, "autograd_threads", [True]) if mode != "forward" else [True]
                     )
-                    for overlap, opt_state, thread in itertools.product(
-                        overlaps, opt_states, threads
+                    for overlap, opt_state, weight, thread in itertools.product(
+                        overlaps, opt_states, weights, threads
                     ):
                         specs.append(
                             BenchSpec(
@@ -403,6 +423,7 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                                 matmul=matmul,
                                 overlap=overlap,
                                 opt_state=opt_state,
+                                weights=weight,
                                 autograd_threads=thread,
                             )
                         )
@@ -416,7 +437,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Step time against context (several contexts) or against model size (one context)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     cols = ["model", "size", "attention", "compile", "cuda_graph", "opt_overlap", "precision"]
-    cols += ["opt_state", "mode"]
+    cols += ["opt_state", "weights", "mode"]
     contexts = {r["context"] for r in rows}
     x = "context" if len(contexts) > 1 else "params_M"
     group = [c for c in cols if (len({r.get(c) for r in rows}) > 1 and c != "size") or c == "mode"]

@@ -109,6 +109,7 @@ def check_multi_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     for flag, used in (
         ("--optimizer-overlap", args.optimizer_overlap != "off"),
         ("--optimizer-state-dtype", args.opt_states != ["fp32"]),
+        ("--matmul-weights", args.weights != ["fp32"]),
         ("--autograd-threads", args.autograd_threads != [True]),
         ("--cuda-graph", args.cuda_graph != "off"),
         ("--compare", bool(args.competitors)),

@@ -53,14 +53,17 @@ class BenchSpec:
     matmul: str = "default"  # lm_core rows: how linear layers multiply in fp32
     overlap: bool = False  # train rows of lm_core: lm_core.OverlappedOptimizer
     opt_state: str = "fp32"  # train rows of lm_core: AdamW's moments, fp32 or bf16
+    # train rows of lm_core in bf16: "bf16" holds the blocks' linear weights in bf16 with
+    # fp32 masters in AdamW (lm_core.lowp_weights)
+    weights: str = "fp32"
     # train rows: the backward on autograd's device thread (torch's default) or, False, on
     # the calling thread (torch.autograd.set_multithreading_enabled(False))
     autograd_threads: bool = True
 
     @property
-    def model_key(self) -> tuple[str, str, str | None, bool | str, str]:
+    def model_key(self) -> tuple[str, str, str | None, bool | str, str, str]:
         """Cells with the same key share one built model."""
-        return (self.impl, self.size, self.attention, self.compile, self.matmul)
+        return (self.impl, self.size, self.attention, self.compile, self.matmul, self.weights)
 
     def label(self) -> str:
         parts = [self.impl, self.size, self.attention or "default", self.precision, self.mode]
@@ -75,6 +78,8 @@ class BenchSpec:
             parts.append("opt-overlap")
         if self.opt_state != "fp32":
             parts.append(f"opt-state-{self.opt_state}")
+        if self.weights != "fp32":
+            parts.append(f"weights-{self.weights}")
         if not self.autograd_threads:
             parts.append("autograd-threads-off")
         if self.fsdp and self.fsdp != "none":
@@ -140,7 +145,12 @@ def _optimizer(spec: BenchSpec, model: nn.Module, device: torch.device) -> Any:
 
 def _build(spec: BenchSpec, config: Any, device: torch.device) -> nn.Module:
     if spec.impl == OURS:
-        return build_model(config, device)
+        model = build_model(config, device)
+        if spec.weights == "bf16":
+            from lm_core import lowp_weights
+
+            lowp_weights.hold_in_bf16(lowp_weights.matmul_weights(model))
+        return model
     from perf_tools.hf_baseline import build_hf_llama
 
     return build_hf_llama(config, device)
@@ -399,7 +409,7 @@ def _model_cells(
     n_cells: int,
 ) -> list[Row]:
     """The cells that share one model: build it once, then measure each cell on it."""
-    impl, size, attention, compiled, matmul = key
+    impl, size, attention, compiled, matmul, _ = key  # weights: _build reads cells[0]
     base = {"model": impl, "size": size}
     overrides = dict(opts.overrides, matmul=matmul) if impl == OURS else opts.overrides
     try:
@@ -504,6 +514,7 @@ def cell_row(
         "matmul": spec.matmul,
         "opt_overlap": spec.overlap,
         "opt_state": spec.opt_state,
+        "weights": spec.weights,
         "autograd_threads": "on" if spec.autograd_threads else "off",
         "mode": spec.mode,
         "context": spec.context,
