@@ -217,3 +217,68 @@ def test_a_second_optimizer_starts_its_masters_from_the_bf16_weights(tiny):
     for p, b in zip(_held(model), before):
         assert opt.state[p]["master"].dtype == torch.float32
         assert not torch.equal(opt.state[p]["master"], b)  # stepped from the bf16 value
+
+
+FAST = ["--size", "tiny", "--context-length", "32", "--batch-size", "4", "--no-progress"]
+FAST += ["--bf16", "--log-every", "1", "--cosine-steps", "4"]
+
+
+def test_trainer_bf16_weights_train_as_autocast_and_checkpoint_the_fp32_model(tmp_path):
+    """`--bf16-weights`: the losses of `--bf16` bit for bit (no clipping here: clipped bf16
+    gradients are scaled in bf16); the checkpoint holds the fp32 model and no masters twice;
+    2 + 2 resumed steps equal 4 uninterrupted ones; the checkpoint also resumes without
+    the option."""
+    from lm_core.checkpoint import read_checkpoint
+    from lm_core.train import main
+
+    common = [*FAST, "--grad-clip", "0"]
+    plain = main([*common, "--steps", "4"])
+    held = main([*common, "--steps", "4", "--bf16-weights", "--out-dir", str(tmp_path / "h")])
+    assert [h["loss"] for h in held.history] == [h["loss"] for h in plain.history]
+    payload = read_checkpoint(tmp_path / "h" / "checkpoint.pt")
+    for name, value in plain.model.state_dict().items():
+        assert payload["model"][name].dtype == value.dtype, name
+        assert torch.equal(payload["model"][name], value), name
+    assert not any("master" in e for e in payload["optimizer"]["state"].values())
+
+    main([*common, "--steps", "2", "--bf16-weights", "--out-dir", str(tmp_path / "a")])
+    ckpt = str(tmp_path / "a" / "checkpoint.pt")
+    resumed = main([*common, "--steps", "4", "--bf16-weights", "--resume", ckpt])
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in held.history[2:]]
+    for a, b in zip(held.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    unheld = main([*common, "--steps", "4", "--resume", ckpt])
+    assert [h["loss"] for h in unheld.history] == [h["loss"] for h in plain.history[2:]]
+
+
+def test_trainer_bf16_weights_with_clipping_stays_close():
+    from lm_core.train import main
+
+    plain = main([*FAST, "--steps", "4", "--grad-clip", "0.5"])
+    held = main([*FAST, "--steps", "4", "--grad-clip", "0.5", "--bf16-weights"])
+    assert held.history[0]["loss"] == plain.history[0]["loss"]
+    assert held.history[0]["grad_norm"] == plain.history[0]["grad_norm"]
+    a = torch.tensor([h["loss"] for h in held.history])
+    b = torch.tensor([h["loss"] for h in plain.history])
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--grad-accum-steps", "2"], "grad-accum-steps"),
+        (["--checkpoint-format", "dcp"], "checkpoint-format"),
+        (["--ddp", "flat"], "--ddp"),
+    ],
+)
+def test_trainer_refuses_what_bf16_weights_cannot_do(extra, why, capsys):
+    from lm_core.train import main
+
+    with pytest.raises(SystemExit):
+        main([*FAST, "--steps", "1", "--bf16-weights", *extra])
+    err = capsys.readouterr().err
+    assert "--bf16-weights" in err
+    assert why in err
+    with pytest.raises(SystemExit):
+        main([*[a for a in FAST if a != "--bf16"], "--steps", "1", "--bf16-weights"])
+    assert "needs --bf16" in capsys.readouterr().err

@@ -100,23 +100,47 @@ def new_master(p: torch.Tensor) -> torch.Tensor:
     return p.detach().float() if master is None else master.to(p.device)
 
 
-def master_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """`model.state_dict()` with each held weight replaced by its fp32 master (from the
-    optimizer's state, or the one still waiting on the parameter): the fp32 model."""
-    masters: dict[int, torch.Tensor] = {}
+def _masters(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Parameter name -> fp32 master of each held weight of `model` (from the optimizer's
+    state, also `OverlappedOptimizer`'s units, or the one still waiting on the parameter)."""
+    found: dict[int, torch.Tensor] = {}
     states = [optimizer.state]
     states += [u.optimizer.state for u in getattr(optimizer, "_units", [])]
     for state in states:
         for p, entry in state.items():
             if isinstance(entry, dict) and "master" in entry:
-                masters[id(p)] = entry["master"]
-    names = {id(p): name for name, p in model.named_parameters()}
-    out = model.state_dict()
-    for p in model.parameters():
-        if not is_held(p):
-            continue
-        master = masters.get(id(p), getattr(p, PENDING, None))
-        if master is None:
-            raise RuntimeError(f"master_state_dict: no master for {names[id(p)]}")
-        out[names[id(p)]] = master.detach().clone()
+                found[id(p)] = entry["master"]
+    out = {}
+    for name, p in model.named_parameters():
+        if is_held(p):
+            master = found.get(id(p), getattr(p, PENDING, None))
+            if master is None:
+                raise RuntimeError(f"no fp32 master for the held weight {name}")
+            out[name] = master
     return out
+
+
+def with_masters(
+    state: dict[str, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """A copy of `state` (a state dict of `model`) with each held weight replaced by a copy
+    of its fp32 master: the fp32 model, as a checkpoint should hold it."""
+    out = dict(state)
+    for name, master in _masters(model, optimizer).items():
+        out[name] = master.detach().clone()
+    return out
+
+
+def master_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """`model.state_dict()` with each held weight replaced by its fp32 master."""
+    return with_masters(model.state_dict(), model, optimizer)
+
+
+def without_masters(optimizer_state: dict) -> dict:
+    """A copy of an optimizer state dict without the masters (the model state carries them;
+    the held weights are held again after loading it: `hold_in_bf16`)."""
+    state = {
+        k: ({n: v for n, v in e.items() if n != "master"} if isinstance(e, dict) else e)
+        for k, e in optimizer_state["state"].items()
+    }
+    return {**optimizer_state, "state": state}

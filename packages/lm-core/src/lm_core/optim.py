@@ -255,9 +255,9 @@ class AdamW(torch.optim.Optimizer):
                     state[name] = torch.zeros_like(
                         p, dtype=dtype, memory_format=torch.preserve_format
                     )
-                if lowp_weights.is_held(p):
-                    state["master"] = lowp_weights.new_master(p)
             master = state.get("master")
+            if master is None and lowp_weights.is_held(p):  # also held after a resume
+                master = state["master"] = lowp_weights.new_master(p)
             mesh = getattr(p, "device_mesh", None)
             key = (p.device, p.dtype, state["exp_avg"].dtype, mesh, master is not None)
             lists = buckets[key]
@@ -521,8 +521,10 @@ def clip_grad_norm(
     """Scale gradients in place so their global L2 norm is at most `max_norm`.
 
     The scale is min(1, max_norm / (norm + eps)), applied on the device with no host sync
-    (norms by `torch._foreach_norm` per (device, dtype) group). Returns the total norm before
-    clipping as a 0-dim fp32 tensor on the first gradient's device (0 if no gradients).
+    (norms by `torch._foreach_norm` per (device, dtype) group, of bf16 / fp16 gradients in
+    fp32; those are scaled in their dtype, one rounding more than fp32 gradients get).
+    Returns the total norm before clipping as a 0-dim fp32 tensor on the first gradient's
+    device (0 if no gradients).
     """
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
@@ -536,8 +538,13 @@ def clip_grad_norm(
         groups[(g.device, g.dtype)].append(g)
     first = grads[0].device
     norms = []
-    for group in groups.values():
-        norms.extend(n.to(device=first, dtype=torch.float32) for n in torch._foreach_norm(group))
+    for (_, dtype), group in groups.items():
+        # low-precision gradients (held bf16 weights, lm_core.lowp_weights): norms in fp32,
+        # as of their values in fp32
+        kw = {} if dtype in (torch.float32, torch.float64) else {"dtype": torch.float32}
+        norms.extend(
+            n.to(device=first, dtype=torch.float32) for n in torch._foreach_norm(group, 2, **kw)
+        )
     total = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.clamp(max_norm / (total + eps), max=1.0)
     for (device, _), group in groups.items():

@@ -75,6 +75,7 @@ def resolve_config(
     _check_parallel(c, n)
     check_cuda_graph(c, n)
     _check_checkpoint_format(c, n)
+    _check_bf16_weights(c, n)
     _check_files(c, n)
     _check_sample(c, n)
     _apply_sidecar(c, n)
@@ -137,6 +138,28 @@ def _check_ranges(c: TrainConfig, n: KeyNames) -> None:
     if c.logging.peak_tflops is not None and not c.logging.peak_tflops > 0:
         key = "logging.peak_tflops"
         raise ConfigError(key, f"{n(key)} must be positive, got {c.logging.peak_tflops}")
+
+
+def _check_bf16_weights(c: TrainConfig, n: KeyNames) -> None:
+    """training.bf16_weights: bf16 autocast, one optimizer step per backward (bf16 gradients
+    would be summed in bf16), no wrapper that reduces or shards the gradients, and the full
+    checkpoint format (whose model state holds the fp32 masters)."""
+    t, p = c.training, c.parallel
+    if not t.bf16_weights:
+        return
+    key = "training.bf16_weights"
+    clashes = [
+        (not t.bf16, f"needs {n('training.bf16')}"),
+        (t.grad_accum_steps > 1, f"excludes {n('training.grad_accum_steps')} > 1"),
+        (p.ddp != "none", f"excludes {n('parallel.ddp')}"),
+        (p.fsdp != "none", f"excludes {n('parallel.fsdp')}"),
+        (p.zero, f"excludes {n('parallel.zero')}"),
+        (p.tp > 1, f"excludes {n('parallel.tp')}"),
+        (c.checkpoint.format == "dcp", f"needs {n('checkpoint.format')} full"),
+    ]
+    for clash, why in clashes:
+        if clash:
+            raise ConfigError(key, f"{n(key)} {why} (lm_core.lowp_weights)")
 
 
 def _check_parallel(c: TrainConfig, n: KeyNames) -> None:

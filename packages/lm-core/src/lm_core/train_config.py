@@ -113,6 +113,12 @@ class TrainingOptions:
     seed: int = _opt(0, "seeds the weights, the data order and the samples")
     device: str = _opt("auto", "auto, cpu, cuda, cuda:1, ...")
     bf16: bool = _opt(False, "bf16 autocast (weights stay fp32)")
+    bf16_weights: bool = _opt(
+        False,
+        "with --bf16: hold the blocks' linear weights in bf16 and their fp32 masters in AdamW, "
+        "so no step casts them (the same math; one process, no accumulation, the full "
+        "checkpoint format; lm_core.lowp_weights)",
+    )
     tf32: bool = _opt(False, "allow TF32 matmuls on CUDA")
     compile: bool = _opt(False, "torch.compile the model")
     cuda_graph: bool = _opt(

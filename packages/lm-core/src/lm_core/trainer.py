@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lm_core import lowp_weights
 from lm_core.activation_ckpt import apply_activation_checkpointing, block_activation_ratio
 from lm_core.checkpoint import (
     check_optimizer_state,
@@ -345,6 +346,9 @@ def _save(
         return
     model_state = pm.full_state_dict()
     optimizer_state = pm.full_optimizer_state_dict(optimizer)
+    if config.training.bf16_weights:  # the fp32 model; the masters are not saved twice
+        model_state = lowp_weights.with_masters(model_state, pm.model, optimizer)
+        optimizer_state = lowp_weights.without_masters(optimizer_state)
     if env.is_main:
         save_checkpoint(
             path, model_state, optimizer_state, step, config=config.model_config, extra=extra
@@ -499,6 +503,8 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
     start = 0
     if config.checkpoint.resume is not None:
         start = _resume(config.checkpoint.resume, pm, optimizer, data, config, param_shapes)
+    if t.bf16_weights:  # after loading: the masters are the loaded fp32 weights
+        lowp_weights.hold_in_bf16(lowp_weights.matmul_weights(model))
     # captured after the resume: the graph holds the parameters and optimizer state in place
     graph = _graph_step(pm, optimizer, config, env) if t.cuda_graph else None
     result = TrainResult(model=model, optimizer=optimizer, step=start, parallel=pm)

@@ -50,6 +50,7 @@ COLUMNS = [
     "precision",
     "compile",
     "cuda_graph",
+    "bf16_weights",
     "batch",
     "context",
     "steps",
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the whole step in one CUDA graph (bench --cuda-graph, train --cuda-graph; GPU)",
     )
     g.add_argument("--fused-loss", action="store_true", help="lm_core's fused LM head + CE")
+    g.add_argument(
+        "--bf16-weights",
+        action="store_true",
+        help="with --precision bf16: linear weights held in bf16, fp32 masters in AdamW "
+        "(train --bf16-weights, bench --matmul-weights bf16; lm_core.lowp_weights)",
+    )
     g.add_argument("--tf32", action="store_true", help="allow TF32 matmuls")
     g.add_argument("--device", type=_cli.device_arg, help="cpu or cuda (default: cuda if any)")
     g.add_argument("--seed", type=int, default=0, help="weights and data")
@@ -141,6 +148,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if a.grad_clip < 0:
         parser.error(f"argument --grad-clip: expected >= 0, got {a.grad_clip}")
+    if a.bf16_weights and a.precision != "bf16":
+        parser.error("argument --bf16-weights: needs --precision bf16")
     return a
 
 
@@ -165,6 +174,7 @@ def train_config(a: argparse.Namespace, out_dir: Path) -> Any:
                 "compile": a.compile,
                 "cuda_graph": a.cuda_graph,
                 "fused_loss": a.fused_loss,
+                "bf16_weights": a.bf16_weights,
             },
             "optim": {"grad_clip": a.grad_clip},
             "checkpoint": {"out_dir": str(out_dir), "every": a.ckpt_every, "overwrite": True},
@@ -198,8 +208,9 @@ def bench_row(a: argparse.Namespace) -> dict[str, Any]:
     if a.tf32:
         set_tf32(True)
     spec = BenchSpec(
-        OURS, a.size, a.attention, a.compile, a.precision, "train", a.context, a.cuda_graph
-    )
+        OURS, a.size, a.attention, a.compile, a.precision, "train", a.context, a.cuda_graph,
+        weights="bf16" if a.bf16_weights else "fp32",
+    )  # fmt: skip
     opts = BenchOptions(
         device=a.device,
         batch=a.batch,
@@ -232,6 +243,7 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         "precision": a.precision,
         "compile": a.compile,
         "cuda_graph": a.cuda_graph,
+        "bf16_weights": a.bf16_weights,
         "batch": a.batch,
         "context": a.context,
     }
