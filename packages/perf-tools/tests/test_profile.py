@@ -93,3 +93,15 @@ def test_default_output_is_under_runs():
     from pathlib import Path
 
     assert profile.build_parser().parse_args([]).out == Path("runs/profile")
+
+
+def test_bench_profile_keeps_the_train_options():
+    """`bench --profile` profiles the cells bench would time: the optimizer's state dtype
+    and held bf16 weights reach the profiled specs."""
+    from perf_tools import bench
+    from perf_tools.profile import _specs
+
+    argv = ["--size", "tiny", "--context", "16", "--mode", "train", "--precision", "bf16"]
+    argv += ["--optimizer-state-dtype", "bf16", "--matmul-weights", "fp32", "bf16"]
+    specs = _specs(bench.parse_args([*argv, "--profile", "unused"]))
+    assert [(s.opt_state, s.weights) for s in specs] == [("bf16", "fp32"), ("bf16", "bf16")]

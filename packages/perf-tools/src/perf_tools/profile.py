@@ -135,10 +135,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _specs(args: argparse.Namespace) -> list[BenchSpec]:
     attentions = [a or "naive" for a in args.attentions]
-    overlaps = getattr(args, "overlaps", [False])  # bench --profile --optimizer-overlap
+    # bench --profile with --optimizer-overlap / --optimizer-state-dtype / --matmul-weights
+    overlaps = getattr(args, "overlaps", [False])
+    opt_states = getattr(args, "opt_states", ["fp32"])
+    weights = getattr(args, "weights", ["fp32"])
     return [
         BenchSpec(
-            OURS, size, attention, compiled, precision, mode, context, matmul=matmul, overlap=o
+            OURS,
+            size,
+            attention,
+            compiled,
+            precision,
+            mode,
+            context,
+            matmul=matmul,
+            overlap=o,
+            opt_state=state,
+            weights=w,
         )
         for size in args.sizes
         for attention in attentions
@@ -148,6 +161,8 @@ def _specs(args: argparse.Namespace) -> list[BenchSpec]:
         for context in sorted(args.contexts)
         for mode in args.modes
         for o in (overlaps if mode == "train" else [False])
+        for state in (opt_states if mode == "train" else ["fp32"])
+        for w in (weights if mode == "train" and precision == "bf16" else ["fp32"])
     ]
 
 
