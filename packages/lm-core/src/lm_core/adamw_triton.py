@@ -187,6 +187,20 @@ def _log2(beta: float) -> float:
     return math.log2(beta) if beta > 0 else float("-inf")
 
 
+def _lr_args(lr: float | torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """(LR pointer, lr value, LR_ON_DEVICE) for a float or a 0-dim tensor learning rate: a
+    tensor on the step's device is read there (CUDA graphs); a host tensor by its value."""
+    if isinstance(lr, torch.Tensor) and lr.device != step.device:
+        lr = float(lr)
+    if isinstance(lr, torch.Tensor):
+        return lr, 0.0, True
+    return step, float(lr), False  # the pointer is unused when the lr is a float
+
+
+def _device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def adamw_bf16_state_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -215,15 +229,11 @@ def adamw_bf16_state_step(
         raise ValueError("the bf16-state kernel takes contiguous tensors")
     if n == 0:
         return
-    if isinstance(lr, torch.Tensor) and lr.device != param.device:
-        lr = float(lr)  # a host tensor: its value (a device tensor is read where it lives)
-    lr_on_device = isinstance(lr, torch.Tensor)
-    lr_ptr = lr if lr_on_device else step  # unused when the lr is a float
-    guard = torch.cuda.device(param.device) if param.is_cuda else contextlib.nullcontext()
-    with guard:
+    lr_ptr, lr_value, lr_on_device = _lr_args(lr, step)
+    with _device_guard(param):
         adamw_bf16_state_kernel[(triton.cdiv(n, BLOCK),)](
             param, grad, exp_avg.view(torch.int16), exp_avg_sq.view(torch.int16), step, lr_ptr,
-            0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps,
             weight_decay, n, LR_ON_DEVICE=lr_on_device, STOCHASTIC=stochastic, BLOCK=BLOCK,
             num_warps=4,
         )  # fmt: skip
@@ -266,17 +276,13 @@ def adamw_master_step(
         raise ValueError("the master-weight kernel takes contiguous tensors")
     if n == 0:
         return
-    if isinstance(lr, torch.Tensor) and lr.device != master.device:
-        lr = float(lr)
-    lr_on_device = isinstance(lr, torch.Tensor)
-    lr_ptr = lr if lr_on_device else step
+    lr_ptr, lr_value, lr_on_device = _lr_args(lr, step)
     moments_bf16 = exp_avg.dtype == torch.bfloat16
     m, v = (t.view(torch.int16) if moments_bf16 else t for t in (exp_avg, exp_avg_sq))
-    guard = torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext()
-    with guard:
+    with _device_guard(master):
         adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
             param.view(torch.int16), master, grad.view(torch.int16), m, v, step, lr_ptr,
-            0.0 if lr_on_device else float(lr), beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps,
             weight_decay, n, LR_ON_DEVICE=lr_on_device, MOMENTS_BF16=moments_bf16,
             STOCHASTIC=stochastic, BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip

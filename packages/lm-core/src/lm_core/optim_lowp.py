@@ -109,6 +109,19 @@ def backend(
     return "torch"
 
 
+def _kernel_hparams(group: dict[str, Any], rounding: str) -> dict[str, Any]:
+    """The keyword arguments of the Triton AdamW steps for one param group."""
+    beta1, beta2 = group["betas"]
+    return {
+        "lr": group["lr"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+        "stochastic": rounding == "stochastic",
+    }
+
+
 def kernel_step(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -121,19 +134,8 @@ def kernel_step(
     """One tensor's update by the Triton kernel (lm_core.adamw_triton)."""
     from lm_core.adamw_triton import adamw_bf16_state_step
 
-    beta1, beta2 = group["betas"]
     adamw_bf16_state_step(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        step,
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        stochastic=rounding == "stochastic",
+        param, grad, exp_avg, exp_avg_sq, step, **_kernel_hparams(group, rounding)
     )
 
 
@@ -150,20 +152,8 @@ def master_kernel_step(
     """One held weight's update by the Triton kernel (`lm_core.lowp_weights`)."""
     from lm_core.adamw_triton import adamw_master_step
 
-    beta1, beta2 = group["betas"]
     adamw_master_step(
-        param,
-        master,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        step,
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        stochastic=rounding == "stochastic",
+        param, master, grad, exp_avg, exp_avg_sq, step, **_kernel_hparams(group, rounding)
     )
 
 
