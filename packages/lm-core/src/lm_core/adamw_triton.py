@@ -125,6 +125,7 @@ def adamw_master_kernel(
     V,  # (n,) exp_avg_sq, likewise
     STEP,
     LR,
+    GS,  # () float32 gradient scale (clipping) when HAS_GS
     lr,
     beta1,
     beta2,
@@ -134,13 +135,16 @@ def adamw_master_kernel(
     weight_decay,
     n,
     LR_ON_DEVICE: tl.constexpr,
+    HAS_GS: tl.constexpr,
     MOMENTS_BF16: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The update of `adamw_bf16_state_kernel` on an fp32 master of a bf16 parameter: reads
     the bf16 gradient (2 bytes), the master and the moments; writes them and the bf16
-    parameter (2 bytes). With fp32 moments: 14 bytes read and 14 written per parameter."""
+    parameter (2 bytes). With fp32 moments: 14 bytes read and 14 written per parameter.
+    HAS_GS: the gradient is multiplied by the scale at GS in fp32 first (clipping, as fp32
+    gradients are scaled), so the bf16 gradient is never rounded again."""
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -149,6 +153,8 @@ def adamw_master_kernel(
         lr = tl.load(LR).to(tl.float32)
     p = tl.load(P + offs, mask=mask, other=0.0)
     g = _bf16_bits_to_f32(tl.load(G + offs, mask=mask, other=0))
+    if HAS_GS:
+        g = g * tl.load(GS)
     if MOMENTS_BF16:
         m = _bf16_bits_to_f32(tl.load(M + offs, mask=mask, other=0))
         v = _bf16_bits_to_f32(tl.load(V + offs, mask=mask, other=0))
@@ -253,11 +259,13 @@ def adamw_master_step(
     eps: float,
     weight_decay: float,
     stochastic: bool,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One AdamW update of an fp32 `master` from the bf16 `grad` of the bf16 `param`, which
     is then set to the new master rounded to nearest (`lm_core.lowp_weights`). Moments fp32
     or bf16 (rounded as `stochastic` says); all contiguous, one shape, one device; `step` and
-    `lr` as for `adamw_bf16_state_step`."""
+    `lr` as for `adamw_bf16_state_step`; `grad_scale` a 0-dim fp32 tensor there (clipping)
+    that multiplies the gradient in fp32."""
     n = master.numel()
     for name, t in (
         ("param", param),
@@ -279,10 +287,13 @@ def adamw_master_step(
     lr_ptr, lr_value, lr_on_device = _lr_args(lr, step)
     moments_bf16 = exp_avg.dtype == torch.bfloat16
     m, v = (t.view(torch.int16) if moments_bf16 else t for t in (exp_avg, exp_avg_sq))
+    has_gs = grad_scale is not None
+    if has_gs and (grad_scale.device != master.device or grad_scale.dtype != torch.float32):
+        raise ValueError("grad_scale: expected a float32 tensor on the master weight's device")
     with _device_guard(master):
         adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
             param.view(torch.int16), master, grad.view(torch.int16), m, v, step, lr_ptr,
-            lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps,
-            weight_decay, n, LR_ON_DEVICE=lr_on_device, MOMENTS_BF16=moments_bf16,
+            grad_scale if has_gs else step, lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            weight_decay, n, LR_ON_DEVICE=lr_on_device, HAS_GS=has_gs, MOMENTS_BF16=moments_bf16,
             STOCHASTIC=stochastic, BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip

@@ -15,7 +15,9 @@ The step computes what the fp32 weights under autocast compute: autocast multipl
 the same bf16 product either way (autocast then casts it up exactly), and the update is
 AdamW's on the fp32 master. Gradients summed over several backwards (accumulation) are
 summed in bf16, though, where fp32 weights sum them in fp32: hold weights only when every
-optimizer step follows one backward. The weights must be used under bf16 autocast (an fp32
+optimizer step follows one backward. Clipping (`lm_core.optim.clip_grad_norm`) takes the
+norm in fp32 and leaves a held gradient's scale to the optimizer kernel, which applies it in
+fp32: the same as scaling an fp32 gradient. The weights must be used under bf16 autocast (an fp32
 input meets a bf16 weight otherwise), and only lm_core's AdamW (plain, or per block through
 `OverlappedOptimizer`) knows the masters.
 
@@ -35,6 +37,7 @@ from torch import nn
 
 HELD = "_lm_core_bf16_held"  # attribute set on a held parameter
 PENDING = "_lm_core_fp32_master"  # the master until the optimizer's first step takes it
+GRAD_SCALE = "_lm_core_grad_scale"  # a clip scale left for the optimizer to apply
 
 
 def matmul_weights(model: nn.Module) -> list[nn.Parameter]:
@@ -73,6 +76,21 @@ def hold_in_bf16(params: Iterable[torch.Tensor]) -> None:
 def is_held(p: torch.Tensor) -> bool:
     """Whether `p` is a bf16 weight whose fp32 master the optimizer keeps."""
     return getattr(p, HELD, False)
+
+
+def defer_grad_scale(p: torch.Tensor, scale: torch.Tensor) -> None:
+    """Leave the clip scale of held `p`'s gradient for the optimizer, which multiplies the
+    gradient by it in fp32 (as an fp32 gradient is scaled) instead of it being scaled, and
+    rounded again, in bf16 (`lm_core.optim.clip_grad_norm`)."""
+    setattr(p, GRAD_SCALE, scale)
+
+
+def take_grad_scale(p: torch.Tensor) -> torch.Tensor | None:
+    """The scale `defer_grad_scale` left on `p` (once), else None."""
+    scale = getattr(p, GRAD_SCALE, None)
+    if scale is not None:
+        delattr(p, GRAD_SCALE)
+    return scale
 
 
 def take_master(p: torch.Tensor, check: bool = True) -> torch.Tensor | None:

@@ -300,13 +300,18 @@ class AdamW(torch.optim.Optimizer):
             self._advance(steps)
             for p, g, m, v, s, w in zip(params, grads, exp_avgs, exp_avg_sqs, steps, masters):
                 work = [t.contiguous() for t in (p, w, g, m, v)]
-                optim_lowp.master_kernel_step(*work, s, group, self.state_rounding)
+                scale = lowp_weights.take_grad_scale(p)
+                optim_lowp.master_kernel_step(*work, s, group, self.state_rounding, scale)
                 for t, c in zip((p, w, g, m, v), work):
                     if c is not t and t is not g:
                         t.copy_(c)
             return
         steps = self._host_steps(params, steps)  # resolved here: the updates see masters
         grads32 = [g.float() for g in grads]
+        for p, g in zip(params, grads32):
+            scale = lowp_weights.take_grad_scale(p)  # clipping, in fp32 (clip_grad_norm)
+            if scale is not None:
+                g.mul_(scale)
         if exp_avgs[0].dtype != torch.float32:
             self._lowp_torch(group, masters, grads32, exp_avgs, exp_avg_sqs, steps)
         elif _foreach_available():
@@ -522,7 +527,8 @@ def clip_grad_norm(
 
     The scale is min(1, max_norm / (norm + eps)), applied on the device with no host sync
     (norms by `torch._foreach_norm` per (device, dtype) group, of bf16 / fp16 gradients in
-    fp32; those are scaled in their dtype, one rounding more than fp32 gradients get).
+    fp32). Gradients of held bf16 weights (`lm_core.lowp_weights`) are not scaled here: AdamW
+    multiplies them by the scale in fp32 at its next step, as fp32 gradients are scaled.
     Returns the total norm before clipping as a 0-dim fp32 tensor on the first gradient's
     device (0 if no gradients).
     """
@@ -530,23 +536,32 @@ def clip_grad_norm(
         raise ValueError(f"clip_grad_norm: max_norm must be > 0, got {max_norm}")
     if isinstance(params, torch.Tensor):
         params = [params]
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grads]
     if not grads:
         return torch.tensor(0.0)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
+    positions: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, g in enumerate(grads):
         groups[(g.device, g.dtype)].append(g)
+        positions[(g.device, g.dtype)].append(i)
     first = grads[0].device
-    norms = []
-    for (_, dtype), group in groups.items():
+    norms: list[torch.Tensor] = [torch.empty(0)] * len(grads)
+    for (device, dtype), group in groups.items():
         # low-precision gradients (held bf16 weights, lm_core.lowp_weights): norms in fp32,
-        # as of their values in fp32
+        # as of their values in fp32; stacked in parameter order, so the sum is the one an
+        # all-fp32 model takes
         kw = {} if dtype in (torch.float32, torch.float64) else {"dtype": torch.float32}
-        norms.extend(
-            n.to(device=first, dtype=torch.float32) for n in torch._foreach_norm(group, 2, **kw)
-        )
+        for i, n in zip(positions[(device, dtype)], torch._foreach_norm(group, 2, **kw)):
+            norms[i] = n.to(device=first, dtype=torch.float32)
     total = torch.linalg.vector_norm(torch.stack(norms))
     scale = torch.clamp(max_norm / (total + eps), max=1.0)
+    held = {id(p.grad) for p in with_grads if lowp_weights.is_held(p)}
+    for p in with_grads:
+        if id(p.grad) in held:
+            lowp_weights.defer_grad_scale(p, scale.to(p.device))
     for (device, _), group in groups.items():
-        torch._foreach_mul_(group, scale.to(device))
+        group = [g for g in group if id(g) not in held]
+        if group:
+            torch._foreach_mul_(group, scale.to(device))
     return total

@@ -148,12 +148,14 @@ def master_kernel_step(
     step: torch.Tensor,
     group: dict[str, Any],
     rounding: str,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
     """One held weight's update by the Triton kernel (`lm_core.lowp_weights`)."""
     from lm_core.adamw_triton import adamw_master_step
 
+    hparams = _kernel_hparams(group, rounding)
     adamw_master_step(
-        param, master, grad, exp_avg, exp_avg_sq, step, **_kernel_hparams(group, rounding)
+        param, master, grad, exp_avg, exp_avg_sq, step, grad_scale=grad_scale, **hparams
     )
 
 
