@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import gluon_dkdv, gluon_dq, options
+from flashattn_triton import gluon_dkdv, gluon_dq, gluon_fwd, options
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_dkdv.py"
 
@@ -29,6 +29,38 @@ def test_never_applies_off_gpu():
     assert not gluon_dkdv.try_dkdv(q, q, q, q, None, None, q, q, True, 0.1)
     assert not gluon_dq.try_dq(q, q, q, q, None, None, q, True, 0.1)
     assert not gluon_dq.small_grid(q)  # no SM count off-GPU
+
+
+def test_gluon_forward_never_applies_off_gpu():
+    q = torch.zeros(1, 2, 16384, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 16384)
+    assert not gluon_fwd.try_fwd(q, q, q, q, lse, True, 0.1)
+
+
+def test_gluon_forward_defaults():
+    """Only the measured head dim; 128-row programs of two 64-row warpgroups."""
+    assert set(gluon_fwd.DEFAULTS) == {128}
+    cfg = gluon_fwd.DEFAULTS[128]
+    assert cfg["block_m"] == 128
+    assert cfg["min_keys"] >= 1
+
+
+@pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize(("causal", "kv_group"), [(True, 1), (False, 4)])
+def test_gluon_forward_compiles_for_hopper(causal, kv_group):
+    """The shipped forward variant compiles for sm_90 without a GPU (Gluon API drift shows
+    here before any GPU time), with its loader warp and both math warpgroups."""
+    env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
+    env.pop("TRITON_INTERPRET", None)
+    script = BENCH.parent / "gluon_fwd_ab.py"
+    args = [sys.executable, str(script), "--offline", "--kv-group", str(kv_group)]
+    out = subprocess.run(
+        args + ["--causal"] * causal, capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "reg " in out.stdout, out.stdout
+    assert "warps 12" in out.stdout, out.stdout  # 4 + 4 math warps, 1 loader, padded
+    assert int(out.stdout.split("wgmma ")[1].split()[0]) > 0
 
 
 def test_tma_layout_rule():

@@ -125,6 +125,11 @@ def forward(
             return _decode(q, k, v, o, lse, causal, softmax_scale, feat, call)
 
     def launch_jit() -> None:
+        # Hopper, d = 128, long enough: the Gluon forward (gluon_fwd) when it applies.
+        if q.is_cuda and (feat is None or not feat.window):
+            kern_causal = causal if feat is None else feat.causal
+            if _gluon_fwd(q, k, v, o, lse, kern_causal, softmax_scale):
+                return
         kern = _kernels()
         block_d = C.block_d_for(d)
         args = {
@@ -155,6 +160,13 @@ def forward(
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
     remember_call(_CALLS, call, key, ())
     return o, lse
+
+
+def _gluon_fwd(*args) -> bool:
+    """``gluon_fwd.try_fwd`` (imported on first CUDA forward: it imports Triton's Gluon)."""
+    from . import gluon_fwd
+
+    return gluon_fwd.try_fwd(*args)
 
 
 # Repeated forward calls by call key (``launch_plans.call_key``): the replay and the shapes

@@ -1,0 +1,293 @@
+"""d = 128 forward: the Gluon ping-pong kernel (``gluon_fwd``) against our Triton forward and
+SDPA (cuDNN, flash), forward only, bf16, in one process.
+
+    python benchmarks/gluon_fwd_ab.py OUT.json [--quick] [--sweep]
+    python benchmarks/gluon_fwd_ab.py --offline [--causal] [--kv-group G]   # no GPU needed
+
+First checks each Gluon variant against a float32 reference on awkward shapes (ragged
+lengths, Nq != Nk, grouped-query heads, causal and not), then times every variant and
+provider per shape in interleaved rounds (``do_bench`` medians; the median over rounds is
+reported). "ours_triton" is the package's forward with the Gluon forward switched off.
+``--offline`` compiles the shipped d = 128 variant for sm_90 without a GPU and prints its
+registers, shared memory and tensor-core instruction count (catches Gluon API drift).
+``--sweep`` adds the package's forward with and without the Gluon forward (any length) over
+the attention sweep's batch-1 shapes, forward alone and forward + backward: where the
+Gluon forward starts to pay (``gluon_fwd.DEFAULTS``'s ``min_keys``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashattn_triton as fa
+from flashattn_triton import gluon_fwd
+from flashattn_triton.launch import clear_plans
+
+D = 128
+
+
+def reference(q, k, v, causal, scale):
+    """float32 o and natural-log lse, bottom-right causal alignment."""
+    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    n_q, n_k = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        s = s.masked_fill(j > i + n_k - n_q, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bhkd->bhqd", p, v.float()), lse
+
+
+def run(q, k, v, causal, **kw):
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    gluon_fwd.launch_fwd(q, k, v, o, lse, causal, 1 / math.sqrt(D), **kw)
+    return o, lse
+
+
+VARIANTS = {
+    "nopp_s2_plain": {"block_n": 128, "stages": 2, "pingpong": False},
+    "nopp_s2_group4": {"block_n": 128, "stages": 2, "pingpong": False, "head_group": 4},
+    "nopp_s2_group8": {"block_n": 128, "stages": 2, "pingpong": False, "head_group": 8},
+    "pp_s2_group8": {"block_n": 128, "stages": 2, "pingpong": True, "head_group": 8},
+    "nopp_s3_group8": {"block_n": 128, "stages": 3, "pingpong": False, "head_group": 8},
+}
+
+
+class GluonForward:
+    """Within the block the package's d = 128 forward uses the Gluon kernel from min_keys
+    keys (None: never); launch plans are cleared on entry and exit."""
+
+    def __init__(self, min_keys: int | None):
+        self.min_keys = min_keys
+
+    def __enter__(self):
+        self.saved = dict(gluon_fwd.DEFAULTS)
+        if self.min_keys is None:
+            gluon_fwd.DEFAULTS.clear()
+        else:
+            gluon_fwd.DEFAULTS[D] = {**self.saved[D], "min_keys": self.min_keys}
+        clear_plans()
+
+    def __exit__(self, *exc):
+        gluon_fwd.DEFAULTS.clear()
+        gluon_fwd.DEFAULTS.update(self.saved)
+        clear_plans()
+
+
+def check(rows: list) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, h, h_kv, n_q, n_k, causal in [
+        (2, 3, 3, 1000, 1000, True),
+        (2, 3, 3, 1000, 1000, False),
+        (1, 2, 2, 77, 300, True),
+        (1, 2, 2, 300, 77, False),
+        (1, 2, 2, 300, 77, True),
+        (1, 1, 1, 1, 129, True),
+        (1, 4, 4, 4096, 4096, True),
+        (2, 8, 2, 700, 700, True),
+        (1, 6, 1, 513, 513, False),
+    ]:
+        q = torch.randn(b, h, n_q, D, device="cuda", generator=g).bfloat16()
+        k = torch.randn(b, h_kv, n_k, D, device="cuda", generator=g).bfloat16()
+        v = torch.randn(b, h_kv, n_k, D, device="cuda", generator=g).bfloat16()
+        ke, ve = (t.repeat_interleave(h // h_kv, dim=1) for t in (k, v))
+        o_ref, lse_ref = reference(q, ke, ve, causal, 1 / math.sqrt(D))
+        sdpa_err = None
+        if n_q == n_k or not causal:
+            o_s = F.scaled_dot_product_attention(q, ke, ve, is_causal=causal)
+            sdpa_err = (o_s.float() - o_ref).abs().max().item()
+        fin = torch.isfinite(lse_ref)
+        calls = {
+            name: (lambda kw=kw, q=q, k=k, v=v, c=causal: run(q, k, v, c, **kw))
+            for name, kw in VARIANTS.items()
+        }
+
+        def package(q=q, k=k, v=v, causal=causal):
+            with GluonForward(0):
+                return fa.flash_attention(q, k, v, causal, return_lse=True)
+
+        calls["package, gluon from 0 keys"] = package
+        for name, call in calls.items():
+            head = {"check": f"{b}x{h}/{h_kv}x{n_q}x{n_k}", "causal": causal, "variant": name}
+            try:
+                o, lse = call()
+                torch.cuda.synchronize()
+                row = {
+                    **head, "o_err": (o.float() - o_ref).abs().max().item(),
+                    "lse_err": (lse - lse_ref)[fin].abs().max().item() if fin.any() else 0.0,
+                    "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~fin)),
+                    "sdpa_o_err": sdpa_err,
+                }  # fmt: skip
+            except Exception as e:  # a variant that fails to compile is reported, not fatal
+                row = {**head, "error": repr(e)[:300]}
+            rows.append(row)
+            print(row, flush=True)
+
+
+def sweep(rows: list, rounds: int) -> None:
+    """The package's forward (and forward + backward) with the Gluon forward from any length
+    against without it, over the attention sweep's batch-1 shapes at d = 128."""
+    for h, n in [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]:
+        for causal in (True, False):
+            q, k, v = (
+                torch.randn(1, h, n, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
+            do = torch.randn_like(q)
+
+            def fwd(q=q, k=k, v=v, causal=causal):
+                with torch.no_grad():
+                    fa.flash_attention(q, k, v, causal)
+
+            def fwd_bwd(q=q, k=k, v=v, causal=causal, do=do):
+                o = fa.flash_attention(q, k, v, causal)
+                torch.autograd.grad(o, (q, k, v), do)
+
+            times: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                for label, min_keys in (("triton_fwd", None), ("gluon_fwd", 0)):
+                    with GluonForward(min_keys):
+                        times.setdefault(label + " fwd", []).append(bench(fwd))
+                        times.setdefault(label + " fwd+bwd", []).append(bench(fwd_bwd))
+            for name, ts in times.items():
+                row = {
+                    "sweep": f"1x{h}x{n}", "causal": causal, "provider": name,
+                    "ms": round(statistics.median(ts), 4), "rounds": [round(t, 4) for t in ts],
+                }  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=120, return_mode="median")
+
+
+def timing(rows: list, shapes, rounds: int) -> None:
+    for b, h, n, causal in shapes:
+        q, k, v = (torch.randn(b, h, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+        def triton_forward(q=q, k=k, v=v, causal=causal):
+            with GluonForward(None):
+                return fa.flash_attention(q, k, v, causal)
+
+        fns = {"ours_triton": triton_forward}
+        for name, kw in VARIANTS.items():
+            fns["gluon_" + name] = lambda kw=kw, q=q, k=k, v=v, c=causal: run(q, k, v, c, **kw)
+
+        def sdpa(backend, q=q, k=k, v=v, causal=causal):
+            def call():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            return call
+
+        fns["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+        fns["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        times: dict[str, list[float]] = {}
+        with torch.no_grad():
+            for _ in range(rounds):
+                for name, fn in fns.items():
+                    try:
+                        times.setdefault(name, []).append(bench(fn))
+                    except Exception as e:
+                        times.setdefault(name, []).append(float("nan"))
+                        print(name, repr(e)[:200], flush=True)
+        flops = 4 * b * h * n * n * D * (0.5 if causal else 1.0)
+        best_sdpa = min(
+            statistics.median(times["sdpa_cudnn"]), statistics.median(times["sdpa_flash"])
+        )
+        for name, ts in times.items():
+            ms = statistics.median(ts)
+            row = {
+                "shape": f"{b}x{h}x{n}", "causal": causal, "provider": name, "ms": round(ms, 4),
+                "tflops": round(flops / ms / 1e9, 1), "vs_best_sdpa": round(ms / best_sdpa, 3),
+                "rounds": [round(t, 4) for t in ts],
+            }  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+
+
+def offline(causal: bool, kv_group: int) -> None:
+    """Compile the shipped d = 128 variant for sm_90 on any machine and print its resources."""
+    import sys
+    from pathlib import Path
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compile_offline import _resource_usage
+
+    cfg = {k: v for k, v in gluon_fwd.DEFAULTS[D].items() if k != "min_keys"}
+    q = torch.empty(1, kv_group, 1024, D, dtype=torch.bfloat16, device="meta")
+
+    def desc(rows):
+        block = [1, 1, rows, D]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return mangle_type(TensorDescriptor(q, list(q.shape), list(q.stride()), block, layout))
+
+    sig = {"q_desc": desc(cfg["block_m"] // 2), "k_desc": desc(cfg["block_n"])}
+    sig["v_desc"] = sig["k_desc"]
+    sig.update(Out="*bf16", LSE="*fp32", qk_scale="fp32")
+    names_i32 = ("stride_ob", "stride_oh", "stride_om", "n_heads", "n_q", "n_k", "kv_group")
+    for name in (*names_i32, "head_group"):
+        sig[name] = "i32"
+    consts = {
+        "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "HEAD_DIM": D,
+        "STAGES": cfg["stages"], "CAUSAL": causal, "PINGPONG": cfg["pingpong"],
+        "CONSUMER_REGS": 240, "GROUPED": True, "num_warps": 4,
+    }  # fmt: skip
+    if kv_group == 1:
+        consts["kv_group"] = 1  # as Triton specializes an argument equal to 1
+    names = gluon_fwd.fwd_kernel.arg_names
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = GluonASTSource(
+        gluon_fwd.fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()}
+    )
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = c.asm["ptx"]
+    print(_resource_usage(c.asm["cubin"]), "shared", c.metadata.shared)
+    print("warps", c.metadata.num_warps, "wgmma", ptx.count("wgmma.mma_async"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--offline", action="store_true")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--kv-group", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    if args.offline:
+        offline(args.causal, args.kv_group)
+        return
+    if args.out is None:
+        ap.error("OUT.json is required unless --offline")
+    rows: list = []
+    check(rows)
+    if args.sweep:
+        sweep(rows, rounds=2)
+    shapes = [(1, 16, 16384, True), (1, 16, 16384, False), (4, 32, 4096, True), (8, 8, 8192, True)]
+    if not args.quick:
+        shapes += [(4, 32, 2048, True), (2, 16, 8192, False), (1, 32, 32768, True)]
+    timing(rows, shapes, rounds=2 if args.quick else 3)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

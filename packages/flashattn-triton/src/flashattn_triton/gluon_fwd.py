@@ -1,0 +1,364 @@
+"""The forward on Hopper written in Gluon: two math warpgroups that take turns on the tensor
+cores, and a loader warp.
+
+Triton 3.6 waits for each ``tl.dot`` before its result is used, so inside one warpgroup the
+exponentials never run while the tensor cores work; the Triton forward relies on two
+programs per SM to fill each other's gaps. At head dim 128 a 128-row program already needs
+most of the registers for its output tile, so the overlap has to come from within a program.
+This kernel follows FlashAttention-3's schedule:
+
+* One program owns 128 query rows of one (batch, head): two warpgroups of 64 rows each
+  (``_consume``, one the default partition, one a worker) share the K / V tiles that a loader
+  warp (``_produce``) streams into shared memory by TMA, K and V on barriers of their own.
+* Within a warpgroup, key tile n goes: issue S[n] = Q K[n]^T and O += P[n-1] V[n-1]; wait for
+  S[n] only; softmax of S[n] while P[n-1] V[n-1] still runs; wait for it.
+* Between the warpgroups (``PINGPONG``), a pair of mbarriers hands the tensor cores back and
+  forth: a warpgroup issues its two products only in its turn, so one warpgroup's
+  exponentials run while the other's products do.
+
+q, k, v, o are (B, H, N, d) with any strides whose last is 1 (TMA reads 4-D tiles; rows past
+a head's end read as zeros); lse is (B, H, Nq) float32, natural log.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import fastlaunch
+from ._device import head_group_args
+from .gluon_dkdv import GL_DTYPES, HAVE_GLUON, LOG2E, _desc, launch_order, run_guarded
+from .gluon_dkdv import applies as _applies
+from .options import get_options
+
+# Measured defaults by head dim (H200, ``benchmarks/gluon_fwd_ab.py``): tiles, stages,
+# ping-pong (off: no faster here, the two warpgroups interleave on their own), programs of
+# ``head_group`` heads at a time (the K / V rows of few heads stay in L2: 1.02-1.24x over
+# the plain order on seven shapes), and the fewest keys from which it runs (below,
+# the Triton forward's two programs per SM win: a 128-row program here fills a whole SM, and
+# its start, the first loads, is not hidden behind another program's work).
+DEFAULTS: dict[int, dict] = {
+    128: {
+        "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
+        "min_keys": 2048,
+    },
+}  # fmt: skip
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_dkdv import _tma_load
+    from .kernels import _grouped_program
+
+    @gluon.jit
+    def _produce(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+        v_empty, b, h, hk, start_m, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        HALF_M: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp: both halves of the Q tile (q head h), then K and V (k/v head hk) of
+        each key tile as soon as both warpgroups have released its stage (a fresh barrier
+        counts as released)."""
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, start_m, 0], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [b, h, start_m + HALF_M, 0], q_ready, q_smem.index(1))
+        for i in range(n_tiles):
+            stage = i % STAGES
+            phase = ((i // STAGES) & 1) ^ 1
+            row = i * BLOCK_N
+            mbarrier.wait(k_empty.index(stage), phase)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, hk, row, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            _tma_load(v_desc, [b, hk, row, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _scores_to_p(
+        s, m_i, l_i, start_n, offs_m, offs_n, n_k, causal_off, qk_scale, needs_mask,
+        CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Online softmax of one raw score tile (log2 units): P, the factor that rescales the
+        running output, the new row max and row sum. Masked tiles set invisible scores to
+        -inf; a row that has seen no key keeps m = -inf and P = 0."""
+        if needs_mask:
+            cols = start_n + offs_n
+            keep = (cols < n_k)[None, :]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_off)
+            s = gl.where(keep, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - m_sub[:, None])
+            alpha = gl.exp2(m_i - m_sub)
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _turn_wait(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Block until it is warpgroup WG's k-th turn on the tensor cores (WG 0 goes first:
+        parity 1 of a fresh barrier has completed)."""
+        if PINGPONG:
+            if WG == 0:
+                mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+            else:
+                mbarrier.wait(turn.index(1), k & 1)
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """Hand the tensor cores to the other warpgroup."""
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consume(
+        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m, n_q, n_k,
+        n_tiles, causal_off, qk_scale,
+        WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        PINGPONG: gl.constexpr,
+    ):  # fmt: skip
+        """One math warpgroup: rows start_m + WG * HALF_M .. + HALF_M of the program's tile."""
+        dtype: gl.constexpr = k_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        row0 = start_m + WG * HALF_M
+        offs_m = row0 + gl.arange(0, HALF_M, layout=row_layout)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
+        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        # Key tiles from this one on contain a key that some row of the warpgroup must not
+        # see (the causal diagonal): they compute the mask.
+        mask_from = row0 + causal_off - BLOCK_N + 1
+        q_tile = q_smem.index(WG).reshape([HALF_M, HEAD_DIM])
+
+        mbarrier.wait(q_ready, 0)
+        # Tile 0: its scores alone.
+        _turn_wait(turn, 0, WG, PINGPONG)
+        mbarrier.wait(k_ready.index(0), 0)
+        k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        needs_mask = n_k < BLOCK_N
+        if CAUSAL:
+            needs_mask = needs_mask | (mask_from < 0)
+        p, alpha, m_i, l_i = _scores_to_p(
+            s, m_i, l_i, 0, offs_m, offs_n, n_k, causal_off, qk_scale, needs_mask, CAUSAL
+        )
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for n in range(1, n_tiles):
+            stage = n % STAGES
+            prev = (n - 1) % STAGES
+            _turn_wait(turn, n, WG, PINGPONG)
+            mbarrier.wait(k_ready.index(stage), (n // STAGES) & 1)
+            k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
+            s_tok = warpgroup_mma(
+                q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True
+            )
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.wait(v_ready.index(prev), ((n - 1) // STAGES) & 1)
+            v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+            acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            _turn_pass(turn, WG, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            start_n = n * BLOCK_N
+            needs_mask = start_n + BLOCK_N > n_k
+            if CAUSAL:
+                needs_mask = needs_mask | (start_n > mask_from)
+            p, alpha, m_i, l_i = _scores_to_p(
+                s, m_i, l_i, start_n, offs_m, offs_n, n_k, causal_off, qk_scale, needs_mask,
+                CAUSAL,
+            )  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        # The last tile's P V.
+        last = n_tiles - 1
+        _turn_wait(turn, n_tiles, WG, PINGPONG)
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        v_tile = v_smem.index(last % STAGES).reshape([BLOCK_N, HEAD_DIM])
+        acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+        _turn_pass(turn, WG, PINGPONG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        o = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
+        out_rows = row0 + gl.arange(0, HALF_M, layout=o_rows)
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+        offs = base + out_rows.to(gl.int64)[:, None] * stride_om + out_cols[None, :]
+        gl.store(Out + offs, o.to(dtype), mask=(out_rows < n_q)[:, None])
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf for a row that saw no key
+        lse_base = (b * n_heads + h).to(gl.int64) * n_q
+        gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < n_q)
+
+    @gluon.jit
+    def fwd_kernel(
+        q_desc, k_desc, v_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q, n_k,
+        qk_scale, kv_group, head_group,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """One program: BLOCK_M query rows of one (batch, head); heaviest tiles first, with
+        GROUPED head_group heads at a time (``kernels._grouped_program``)."""
+        gl.static_assert(num_warps == 4, "the default partition is one math warpgroup")
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        pid_bh, tile = _grouped_program(head_group, GROUPED)
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        hk = h // kv_group  # grouped-query heads: the k/v head this q head reads
+        start_m = (gl.num_programs(1) - 1 - tile) * BLOCK_M
+        dtype: gl.constexpr = q_desc.dtype
+        causal_off = n_k - n_q
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + causal_off), 0)
+        else:
+            hi = n_k
+        # At least one tile: a tile where no row sees a key comes out fully masked (o = 0).
+        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        mbarrier.init(q_ready, count=1)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(st), count=1)
+            mbarrier.init(v_ready.index(st), count=1)
+            mbarrier.init(k_empty.index(st), count=2)  # both warpgroups release a stage
+            mbarrier.init(v_empty.index(st), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+
+        gl.warp_specialize(
+            [
+                (
+                    _consume,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, HALF_M, BLOCK_N,
+                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                    ),
+                ),
+                (
+                    _consume,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, HALF_M, BLOCK_N,
+                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                    ),
+                ),
+                (
+                    _produce,
+                    (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
+                        k_empty, v_ready, v_empty, b, h, hk, start_m, n_tiles, STAGES, BLOCK_N,
+                        HALF_M,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+        mbarrier.invalidate(q_ready)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(st))
+            mbarrier.invalidate(v_ready.index(st))
+            mbarrier.invalidate(k_empty.index(st))
+            mbarrier.invalidate(v_empty.index(st))
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
+
+
+def launch_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    *,
+    block_m: int = 128,
+    block_n: int = 128,
+    stages: int = 2,
+    pingpong: bool = True,
+    consumer_regs: int = 240,
+    maxnreg: int | None = None,
+    head_group: int = 0,
+) -> None:
+    """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
+    (B, H, Nq, d), k, v (B, Hkv, Nk, d), Hkv dividing H (grouped-query heads), in the layouts
+    ``applies`` accepts. Checks nothing: ``try_fwd`` is the gated entry point; this one is for
+    benchmarks that pick their own tiles. ``head_group``: programs of that many heads at a
+    time (``kernels._grouped_program``); 0: the plain order."""
+    if not HAVE_GLUON:
+        raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
+    if q.dtype not in GL_DTYPES:
+        raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    half = block_m // 2
+    group, grouped = launch_order(head_group, b * h)
+    fastlaunch.launch(
+        fwd_kernel, (b * h, -(-n_q // block_m)),
+        _desc(q, half), _desc(k, block_n), _desc(v, block_n), o, lse,
+        o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
+        h // k.shape[1], group,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, GROUPED=grouped, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )  # fmt: skip
+
+
+def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
+    """Run the Gluon forward where it applies: the Gluon kernels apply
+    (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
+    ``DEFAULTS`` and at least its ``min_keys`` keys. False if the caller should run the Triton
+    forward (also after a failed first compile, ``gluon_dkdv.run_guarded``)."""
+    d = q.shape[-1]
+    cfg = DEFAULTS.get(d)
+    if cfg is None or k.shape[2] < cfg["min_keys"] or not _applies(q, k, v, o, defaults=DEFAULTS):
+        return False
+    tiles = {name: value for name, value in cfg.items() if name != "min_keys"}
+    b, h = q.shape[:2]
+    if get_options().head_group != "auto":  # "off" or a number of heads, as for every kernel
+        tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]
+    return run_guarded(
+        "forward",
+        (d, q.dtype, causal, k.shape[1] != h),
+        lambda: launch_fwd(q, k, v, o, lse, causal, softmax_scale, **tiles),
+    )

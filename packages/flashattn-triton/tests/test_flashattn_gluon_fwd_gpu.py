@@ -1,0 +1,165 @@
+"""GPU tests of the Gluon d = 128 forward (``gluon_fwd``; run with `nox -s gpu_tests`).
+
+Each case runs the public ``flash_attention`` with the Gluon forward allowed from any length
+(its default starts at ``DEFAULTS[128]["min_keys"]`` keys), checks that the kernel ran, and
+compares o, lse and the three gradients with a float64 reference: errors at most 2x SDPA's
+on the same inputs (+1e-4), lse within 1e-3 (1 + |lse|), -inf exactly for rows without keys.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from flashattn_testutil import reference_features, rel_err
+
+from flashattn_triton import flash_attention, gluon_dkdv, gluon_fwd, launch
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture
+def gluon_forward(monkeypatch):
+    """Counts the Gluon forward's launches; ``allow(min_keys)`` sets where it starts (None:
+    the shipped default). Skips off Hopper or without Gluon."""
+    if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels run on Hopper GPUs (compute capability 9) only")
+    launches: list[tuple] = []
+    real = gluon_fwd.launch_fwd
+
+    def spy(q, k, v, *args, **kwargs):
+        launches.append((tuple(q.shape), tuple(k.shape)))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(gluon_fwd, "launch_fwd", spy)
+
+    def allow(min_keys: int | None) -> list[tuple]:
+        if min_keys is not None:
+            cfg = {**gluon_fwd.DEFAULTS[128], "min_keys": min_keys}
+            monkeypatch.setitem(gluon_fwd.DEFAULTS, 128, cfg)
+        launch.clear_plans()
+        return launches
+
+    yield allow
+    launch.clear_plans()
+
+
+def _tensors(b, h, h_kv, n_q, n_k, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, h, n_q, 128, device=DEV, generator=g).to(dtype)
+    k = torch.randn(b, h_kv, n_k, 128, device=DEV, generator=g).to(dtype)
+    v = torch.randn(b, h_kv, n_k, 128, device=DEV, generator=g).to(dtype)
+    do = torch.randn(b, h, n_q, 128, device=DEV, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _ours(q, k, v, do, causal):
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention(qq, kk, vv, causal, return_lse=True)
+    o.backward(do)
+    return {"o": o.detach(), "lse": lse, "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
+
+
+def _sdpa(q, k, v, do, causal):
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=True)
+    o.backward(do)
+    return {"o": o.detach(), "dq": qq.grad, "dk": kk.grad, "dv": vv.grad}
+
+
+def _check(q, k, v, do, causal, compare_sdpa=True):
+    ref = reference_features(q, k, v, do, causal)
+    ours = _ours(q, k, v, do, causal)
+    if compare_sdpa:
+        sdpa = _sdpa(q, k, v, do, causal)
+        bound = {n: 2 * rel_err(sdpa[n], ref[n]) + 1e-4 for n in ("o", "dq", "dk", "dv")}
+    else:  # SDPA aligns a causal mask top-left where Nq != Nk: no comparison there
+        bound = dict.fromkeys(("o", "dq", "dk", "dv"), 0.02)
+    for name, limit in bound.items():
+        assert torch.isfinite(ours[name]).all(), name
+        err = rel_err(ours[name], ref[name])
+        assert err <= limit, (name, err, limit)
+    fin = torch.isfinite(ref["lse"])
+    assert torch.equal(torch.isneginf(ours["lse"]), ~fin), "rows without keys must have lse -inf"
+    if fin.any():
+        err = (ours["lse"][fin].double() - ref["lse"][fin]).abs() / (1 + ref["lse"][fin].abs())
+        assert err.max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("b", "h", "h_kv", "n_q", "n_k", "causal"),
+    [
+        (2, 3, 3, 1000, 1000, True),  # ragged: 7.8 tiles of 128
+        (2, 2, 2, 777, 777, False),
+        (1, 2, 2, 300, 500, True),  # bottom-right causal, Nq < Nk
+        (1, 2, 2, 500, 300, True),  # Nq > Nk: the first rows see no key
+        (1, 1, 1, 65, 1, False),  # one key
+        (2, 8, 2, 700, 700, True),  # grouped-query heads, 4 per k/v head
+        (1, 4, 1, 513, 513, False),  # multi-query
+    ],
+)
+def test_gluon_forward(b, h, h_kv, n_q, n_k, causal, dtype, gluon_forward):
+    launches = gluon_forward(0)
+    q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, dtype, seed=n_q + n_k + h)
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
+    assert launches
+    assert all(s == (tuple(q.shape), tuple(k.shape)) for s in launches)
+
+
+def test_gluon_forward_on_strided_views(gluon_forward):
+    """A model's (B, N, 3, H, d) qkv buffer seen as (B, H, N, d) views: the 4-D descriptors
+    read them in place and o comes back in q's layout."""
+    launches = gluon_forward(0)
+    b, n, h = 2, 600, 4
+    x = torch.randn(b, n, 3, h, 128, device=DEV, dtype=torch.bfloat16)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    do = torch.randn(b, n, h, 128, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    assert not q.is_contiguous()
+    _check(q, k, v, do, True)
+    assert launches
+
+
+def test_gluon_forward_default_length(gluon_forward, monkeypatch):
+    """Shipped default: the Gluon forward from min_keys keys on, the Triton forward below;
+    both give the same o to within rounding."""
+    launches = gluon_forward(None)
+    cfg = dict(gluon_fwd.DEFAULTS[128])
+    n = cfg["min_keys"]
+    q, k, v, _ = _tensors(1, 2, 2, n, n, torch.bfloat16, seed=1)
+    o_gluon = flash_attention(q, k, v, True)
+    assert len(launches) == 1
+    flash_attention(q[:, :, : n // 2], k[:, :, : n // 2], v[:, :, : n // 2], True)
+    assert len(launches) == 1
+    monkeypatch.setitem(gluon_fwd.DEFAULTS, 128, {**cfg, "min_keys": 2 * n})
+    launch.clear_plans()
+    o_triton = flash_attention(q, k, v, True)
+    assert len(launches) == 1
+    assert rel_err(o_gluon, o_triton) < 1e-2
+
+
+def test_gluon_forward_in_cuda_graph(gluon_forward):
+    """Replays of a captured forward + backward give the eager result bit for bit."""
+    gluon_forward(0)
+    q, k, v, do = _tensors(2, 4, 4, 1024, 1024, torch.bfloat16, seed=3)
+
+    def step():
+        # Fresh leaves per call: their gradient nodes belong to the stream of the call.
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = flash_attention(qq, kk, vv, True)
+        return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, static):
+        assert torch.equal(a, b)
