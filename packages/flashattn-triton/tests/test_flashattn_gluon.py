@@ -45,6 +45,29 @@ def test_gluon_forward_defaults():
     assert cfg["min_keys"] >= 1
 
 
+def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
+    """Where the kernels would apply, the Gluon forward runs from min_keys keys with the
+    shipped tiles and head groups; Options.head_group other than auto overrides the groups."""
+    launches = []
+    monkeypatch.setattr(gluon_fwd, "_applies", lambda *t, defaults=None: True)
+    monkeypatch.setattr(gluon_fwd, "launch_fwd", lambda *a, **kw: launches.append(kw))
+    monkeypatch.setattr(gluon_fwd, "head_group_args", lambda *a: {"head_group": 3})
+    n = gluon_fwd.DEFAULTS[128]["min_keys"]
+    q = torch.zeros(2, 8, n, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, n, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 8, n)
+    short = kv[:, :, : n - 1]
+    assert not gluon_fwd.try_fwd(q, short, short, q, lse, True, 0.1)
+    assert not launches
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
+    shipped = {k: v for k, v in gluon_fwd.DEFAULTS[128].items() if k != "min_keys"}
+    assert launches == [shipped]
+    set_options(head_group="off")
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)
+    assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
+    assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
+
+
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(("causal", "kv_group"), [(True, 1), (False, 4)])
 def test_gluon_forward_compiles_for_hopper(causal, kv_group):
