@@ -29,6 +29,11 @@
 #   speed      xl bf16 and small fp32 (strict with cuBLAS, then TF32, then strict with
 #              cuBLASLt) train steps: eager vs compiled x launched kernel by kernel vs one
 #              CUDA graph per step                                               ~4-5 min
+#   d128       flashattn-triton at head dim 128: the Gluon forward's correctness checks and
+#              variant A/B with the package's forward with and without it over the sweep's
+#              batch-1 shapes (benchmarks/gluon_fwd_ab.py --sweep), the eager d = 128 sweep,
+#              the leaderboard shape at d = 128, and the GQA / window feature rows
+#              (estimate ~8 min: its parts ran in 1-4 min each on one H200)
 #   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
 #              compiled forward + backward on either autograd thread, launch ops against the
 #              public custom ops, the phases of one call), then the compiled causal sweep
@@ -171,6 +176,16 @@ if want attention_full; then
     --csv "$WORK/attention_naive.csv" --json "$WORK/attention_naive.json" --plot "$WORK/attention_naive.png"
   run attention_flash $PY -m perf_tools.attention flash --quiet \
     --csv "$WORK/attention_flash.csv" --json "$WORK/attention_flash.json" --plot "$WORK/attention_flash.png"
+fi
+if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leaderboard shape
+  FA="$ROOT/packages/flashattn-triton/benchmarks"
+  run d128_gluon_fwd $PY "$FA/gluon_fwd_ab.py" "$WORK/gluon_fwd_ab.json" --sweep
+  run d128_sweep $PY -m perf_tools.attention_sweep --d 128 --modes eager --quiet \
+    --csv "$WORK/sweep_d128.csv" --json "$WORK/sweep_d128.json" --plot "$WORK/sweep_d128.png"
+  run d128_leaderboard $PY "$FA/leaderboard_bench.py" --d 128 \
+    --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
+  run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
+    --csv "$WORK/features_d128.csv" --json "$WORK/features_d128.json"
 fi
 if want hostcost; then  # a lone attention call's host time, ours against SDPA, eager and compiled
   run host_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/host_cost.py" --shape 128x512x64 \
