@@ -66,6 +66,12 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
     assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
+    set_options(head_group="auto", tile_configs="fwd=128,64,4,2")  # explicit Triton tiles
+    assert not gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
+    set_options(tile_configs="dq=128,64,8,3")  # other kinds leave the forward alone
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
+    set_options(tile_configs="", autotune=True)
+    assert not gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")

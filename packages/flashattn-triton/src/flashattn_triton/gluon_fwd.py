@@ -26,6 +26,7 @@ import torch
 
 from . import fastlaunch
 from ._device import head_group_args
+from .configs import parse_overrides
 from .gluon_dkdv import GL_DTYPES, HAVE_GLUON, LOG2E, _desc, launch_order, run_guarded
 from .gluon_dkdv import applies as _applies
 from .options import get_options
@@ -347,15 +348,20 @@ def launch_fwd(
 def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     """Run the Gluon forward where it applies: the Gluon kernels apply
     (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
-    ``DEFAULTS`` and at least its ``min_keys`` keys. False if the caller should run the Triton
-    forward (also after a failed first compile, ``gluon_dkdv.run_guarded``)."""
+    ``DEFAULTS`` and at least its ``min_keys`` keys, and no forward tiles are asked for
+    (``Options.tile_configs`` with a ``fwd`` entry, or ``autotune``). False if the caller
+    should run the Triton forward (also after a failed first compile,
+    ``gluon_dkdv.run_guarded``)."""
     d = q.shape[-1]
     cfg = DEFAULTS.get(d)
     if cfg is None or k.shape[2] < cfg["min_keys"] or not _applies(q, k, v, o, defaults=DEFAULTS):
         return False
+    opts = get_options()
+    if opts.autotune or "fwd" in parse_overrides(opts.tile_configs):
+        return False  # the caller asked for the Triton forward's tiles: it gets them
     tiles = {name: value for name, value in cfg.items() if name != "min_keys"}
     b, h = q.shape[:2]
-    if get_options().head_group != "auto":  # "off" or a number of heads, as for every kernel
+    if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
         tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
         "forward",

@@ -48,7 +48,8 @@ class Options:
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
         ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
         ('highest' -> tf32x3, else tf32).
-    gluon: allow the Hopper Gluon kernels (d = 128 backward) where they apply.
+    gluon: allow the Hopper Gluon kernels (d = 128: the forward from 2048 keys, the backward)
+        where they apply.
     head_group: launch order by head groups, ``auto``, ``off`` or a number of heads.
     tile_configs: tile overrides, ``"fwd=128,64,4,3;dq=128,64,8,3,tma"`` (see
         ``configs.TileConfig.parse``; ``kind.fp32=...`` for float32 inputs).
