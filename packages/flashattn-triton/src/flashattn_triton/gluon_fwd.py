@@ -1,5 +1,5 @@
-"""The forward on Hopper written in Gluon: two math warpgroups that take turns on the tensor
-cores, and a loader warp.
+"""The forward on Hopper written in Gluon: two math warpgroups sharing the K / V tiles that a
+loader warp streams in (head dim 128, from ``DEFAULTS``' ``min_keys`` keys).
 
 Triton 3.6 waits for each ``tl.dot`` before its result is used, so inside one warpgroup the
 exponentials never run while the tensor cores work; the Triton forward relies on two
@@ -12,9 +12,9 @@ This kernel follows FlashAttention-3's schedule:
   warp (``_produce``) streams into shared memory by TMA, K and V on barriers of their own.
 * Within a warpgroup, key tile n goes: issue S[n] = Q K[n]^T and O += P[n-1] V[n-1]; wait for
   S[n] only; softmax of S[n] while P[n-1] V[n-1] still runs; wait for it.
-* Between the warpgroups (``PINGPONG``), a pair of mbarriers hands the tensor cores back and
-  forth: a warpgroup issues its two products only in its turn, so one warpgroup's
-  exponentials run while the other's products do.
+* Optionally (``PINGPONG``, off by default: measured no faster, the hardware already
+  interleaves the two warpgroups), a pair of mbarriers hands the tensor cores back and forth
+  between the warpgroups: each issues its two products only in its turn.
 
 q, k, v, o are (B, H, N, d) with any strides whose last is 1 (TMA reads 4-D tiles; rows past
 a head's end read as zeros); lse is (B, H, Nq) float32, natural log.
