@@ -45,6 +45,15 @@ def test_gluon_forward_defaults():
     assert cfg["min_keys"] >= 1
 
 
+@pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize(("name", "value"), [("block_m", 64), ("block_n", 256)])
+def test_gluon_forward_rejects_tiles_it_cannot_run(name, value):
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 256)
+    with pytest.raises(ValueError, match=name):
+        gluon_fwd.launch_fwd(q, q, q, q, lse, True, 0.1, **{name: value})
+
+
 def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     """Where the kernels would apply, the Gluon forward runs from min_keys keys with the
     shipped tiles and head groups; Options.head_group other than auto overrides the groups."""

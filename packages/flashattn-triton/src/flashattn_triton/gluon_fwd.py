@@ -316,9 +316,8 @@ def launch_fwd(
     block_m: int = 128,
     block_n: int = 128,
     stages: int = 2,
-    pingpong: bool = True,
+    pingpong: bool = False,
     consumer_regs: int = 240,
-    maxnreg: int | None = None,
     head_group: int = 0,
 ) -> None:
     """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
@@ -330,6 +329,10 @@ def launch_fwd(
         raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
     if q.dtype not in GL_DTYPES:
         raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
+    if block_m != 128:
+        raise ValueError(f"block_m must be 128 (two warpgroups of 64 rows), got {block_m}")
+    if block_n not in (64, 128):
+        raise ValueError(f"block_n must be 64 or 128, got {block_n}")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     half = block_m // 2
@@ -341,7 +344,6 @@ def launch_fwd(
         h // k.shape[1], group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, GROUPED=grouped, num_warps=4,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
