@@ -545,18 +545,6 @@ def try_dkdv(
     b, h, n_q, d = q.shape
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
-    from . import gluon_bwd_ws  # two warpgroups per program where the rows allow TMA
-
-    two_wg = gluon_bwd_ws.DKDV_DEFAULTS.get(d)
-    if two_wg is not None and rows_by_tma(lse, delta):
-        return run_guarded(
-            "dK/dV (two warpgroups)",
-            (d, q.dtype, causal, h_kv != h),
-            lambda: gluon_bwd_ws.launch_dkdv(
-                q, k, v, do, lse, delta, dk, dv, causal, softmax_scale, **two_wg,
-                head_group=group, lse_log2=lse_log2,
-            ),
-        )  # fmt: skip
     return run_guarded(
         "dK/dV",
         (d, q.dtype, causal, h_kv != h),

@@ -208,18 +208,6 @@ def run_default(q, k, v, do, lse, delta, dq, causal: bool, softmax_scale: float)
     which must compute D first)."""
     b, h, _, d = q.shape
     group = head_group_args(k, b * h, k.shape[2], d)["head_group"]
-    from . import gluon_bwd_ws  # two warpgroups per program from MIN_KEYS keys
-
-    two_wg = gluon_bwd_ws.DQ_DEFAULTS.get(d)
-    if two_wg is not None and k.shape[2] >= two_wg["min_keys"]:
-        tiles = {name: value for name, value in two_wg.items() if name != "min_keys"}
-        return run_guarded(
-            "dQ (two warpgroups)",
-            (d, q.dtype, causal, k.shape[1] != h),
-            lambda: gluon_bwd_ws.launch_dq(
-                q, k, v, do, lse, delta, dq, causal, softmax_scale, **tiles, head_group=group
-            ),
-        )
     return run_guarded(
         "dQ",
         (d, q.dtype, causal, k.shape[1] != h),
