@@ -8,7 +8,9 @@ Same parameters and math as the course model, laid out for fewer, larger kernels
   is initialized as the separate course matrix would be.
 - attention goes through a backend chosen by name (default: PyTorch SDPA, a fused kernel);
 - RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers);
-- RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back).
+- RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back);
+- the SwiGLU activation runs as two Triton kernels on CUDA (`lm_core.swiglu`): its backward
+  writes the gradient of w13's output in one pass instead of concatenating two halves.
 Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, activation
 checkpointing (`lm_core.activation_ckpt`), compilation and mixed precision are applied from
 outside (see `lm_core.train`). `model(token_ids, targets)` returns the loss through the fused
@@ -41,6 +43,7 @@ from lm_core.data import check_packing
 from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
+from lm_core.swiglu import swiglu
 
 __all__ = [
     "MODEL_SIZES",
@@ -209,8 +212,7 @@ class SwiGLU(nn.Module):
         _trunc_normal_(self.w2.weight.data, _linear_std(self.d_ff, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)  # (B, T, F) each
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w13(x)))  # silu(gate) * up of (B, T, 2F) -> (B, T, F)
 
 
 class TransformerBlock(nn.Module):
