@@ -7,7 +7,9 @@ Same parameters and math as the course model, laid out for fewer, larger kernels
   the SwiGLU's w1 and w3 are one (2*d_ff, d_model) matrix `w13` (rows: w1, then w3). Each part
   is initialized as the separate course matrix would be.
 - attention goes through a backend chosen by name (default: PyTorch SDPA, a fused kernel);
-- RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers);
+- RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers),
+  on CUDA in the Triton kernel that also splits q, k, v out of the projection
+  (`lm_core.qkv_rope`);
 - RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back);
 - the SwiGLU activation runs as two Triton kernels on CUDA (`lm_core.swiglu`): its backward
   writes the gradient of w13's output in one pass instead of concatenating two halves.
@@ -43,6 +45,7 @@ from lm_core.data import check_packing
 from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
+from lm_core.qkv_rope import rotate_pairs, split_rotate
 from lm_core.swiglu import swiglu
 
 __all__ = [
@@ -134,10 +137,7 @@ class RotaryEmbedding(nn.Module):
         rows = slice(seq) if positions is None else positions
         cos = self.cos[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
         sin = self.sin[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
-        pairs = x.unflatten(-1, (-1, 2))  # (B, T, ..., Dh/2, 2)
-        x0, x1 = pairs[..., 0], pairs[..., 1]  # (B, T, ..., Dh/2) each
-        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-        return rotated.flatten(-2).to(x.dtype)  # (B, T, ..., Dh)
+        return rotate_pairs(x, cos, sin)
 
 
 class CausalSelfAttention(nn.Module):
@@ -181,11 +181,12 @@ class CausalSelfAttention(nn.Module):
         h = n * self.num_heads // (self.num_heads + 2 * self.num_kv_heads)
         h_kv = (n - h) // 2
         qkv = qkv.view(b, t, n, self.head_dim)  # (B, T, H + 2Hkv, Dh)
-        positions = None if kv_cache is None else kv_cache.positions
-        qk = self.rope(qkv[:, :, : h + h_kv], positions)  # (B, T, H + Hkv, Dh): q, k in one pass
-        q = qk[:, :, :h].transpose(1, 2)  # (B, H, T, Dh)
-        k = qk[:, :, h:].transpose(1, 2)  # (B, Hkv, T, Dh)
-        v = qkv[:, :, h + h_kv :].transpose(1, 2)  # (B, Hkv, T, Dh)
+        if kv_cache is None:  # q, k rotated and v in one pass (one kernel on CUDA)
+            q, k, v = split_rotate(qkv, self.rope.cos, self.rope.sin, h, h_kv)
+        else:  # positions from the cache
+            qk = self.rope(qkv[:, :, : h + h_kv], kv_cache.positions)  # (B, T, H + Hkv, Dh)
+            q, k, v = qk[:, :, :h], qk[:, :, h:], qkv[:, :, h + h_kv :]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, Dh)
         if kv_cache is not None:  # stores k and v, attends over the cached keys
             out = kv_cache.attend(q, k, v, self.attn_fn, self.window)  # (B, H, T, Dh)
         elif self.window is None and cu_seqlens is None:

@@ -1,0 +1,88 @@
+"""The q/k/v split with RoPE (`lm_core.qkv_rope`): the Triton kernels in Triton's interpreter
+against a float64 reference (q, k, v and dqkv), at awkward sizes (a head dim that is not a
+power of two, grouped-query heads, one token, strided gradients, outputs left out of the
+loss); the plain path is the model's RoPE; errors name the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lm_core.model import RotaryEmbedding
+from lm_core.qkv_rope import _why_not, split_rotate, split_rotate_reference
+
+INTERPRETER = pytest.mark.skipif(
+    bool(_why_not("cpu")), reason="the kernels need TRITON_INTERPRET=1 and triton here"
+)
+
+
+def _tables(head_dim, context=16):
+    rope = RotaryEmbedding(head_dim, context, 10000.0)
+    return rope.cos, rope.sin
+
+
+@INTERPRETER
+@pytest.mark.parametrize(
+    ("b", "t", "n_q", "n_kv", "d"), [(2, 5, 3, 3, 8), (1, 1, 4, 1, 80), (2, 3, 6, 2, 16)]
+)
+def test_kernels_match_float64(b, t, n_q, n_kv, d):
+    gen = torch.Generator().manual_seed(b * 100 + t * 10 + d)
+    cos, sin = _tables(d)
+    qkv = torch.randn(b, t, n_q + 2 * n_kv, d, generator=gen, requires_grad=True)
+    outs = split_rotate(qkv, cos, sin, n_q, n_kv, backend="triton")
+    grads_out = [torch.randn(o.shape, generator=gen) for o in outs]
+    # strided incoming gradients, as attention's transposed ones are
+    grads_out = [g.transpose(1, 2).contiguous().transpose(1, 2) for g in grads_out]
+    (dqkv,) = torch.autograd.grad(outs, qkv, grads_out)
+    q64 = qkv.detach().double().requires_grad_()
+    ref = split_rotate_reference(q64, cos.double(), sin.double(), n_q, n_kv)
+    (dref,) = torch.autograd.grad(ref, q64, [g.double() for g in grads_out])
+    for o, r in zip(outs, ref):
+        assert o.shape == r.shape
+        torch.testing.assert_close(o.double(), r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dqkv.double(), dref, rtol=1e-5, atol=1e-5)
+
+
+@INTERPRETER
+def test_outputs_left_out_of_the_loss_get_zero_gradients():
+    cos, sin = _tables(8)
+    qkv = torch.randn(1, 4, 4, 8, requires_grad=True)  # n_q 2, n_kv 1
+    q = split_rotate(qkv, cos, sin, 2, 1, backend="triton")[0]
+    (dqkv,) = torch.autograd.grad(q.sum(), qkv)
+    q64 = qkv.detach().double().requires_grad_()
+    (dref,) = torch.autograd.grad(split_rotate_reference(q64, cos, sin, 2, 1)[0].sum(), q64)
+    torch.testing.assert_close(dqkv.double(), dref, rtol=1e-5, atol=1e-5)
+    assert dqkv[:, :, 2:].abs().max() == 0
+
+
+@INTERPRETER
+def test_kernels_take_a_strided_qkv():
+    cos, sin = _tables(8)
+    base = torch.randn(2, 3, 5, 8, 2)
+    qkv = base[..., 0]  # last stride 2: copied first
+    outs = split_rotate(qkv, cos, sin, 3, 1, backend="triton")
+    for o, r in zip(outs, split_rotate_reference(qkv, cos, sin, 3, 1)):
+        torch.testing.assert_close(o, r, rtol=1e-6, atol=1e-6)
+
+
+def test_plain_path_is_the_models_rope():
+    cos, sin = _tables(16)
+    rope = RotaryEmbedding(16, 16, 10000.0)
+    qkv = torch.randn(2, 7, 8, 16)
+    q, k, v = split_rotate(qkv, cos, sin, 4, 2)  # CPU "auto": the plain ops
+    qk = rope(qkv[:, :, :6])
+    assert torch.equal(q, qk[:, :, :4])
+    assert torch.equal(k, qk[:, :, 4:])
+    assert torch.equal(v, qkv[:, :, 6:])
+
+
+def test_errors_name_the_argument():
+    cos, sin = _tables(8)
+    with pytest.raises(ValueError, match="qkv: expected"):
+        split_rotate(torch.randn(1, 2, 5, 8), cos, sin, 2, 2)
+    with pytest.raises(ValueError, match="cos, sin"):
+        split_rotate(torch.randn(1, 20, 4, 8), cos, sin, 2, 1)
+    with pytest.raises(ValueError, match="backend must be"):
+        split_rotate(torch.randn(1, 2, 4, 8), cos, sin, 2, 1, backend="gpu")
+    with pytest.raises(TypeError, match="float32 tables"):
+        split_rotate(torch.randn(1, 2, 4, 8), cos.double(), sin.double(), 2, 1, backend="triton")
