@@ -21,6 +21,7 @@ import triton.language as tl
 from lm_core._triton_util import is_interpreted
 
 ELEMENTS = 1024  # heads x head dim per program
+WARPS = 2  # 2 warps per 1024 elements: 8.9 / 9.3 us per xl layer against 11.0 / 12.0 at 4 (H200)
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def forward(
     if b * t:
         qkv_rope_fwd_kernel[(b * t, triton.cdiv(n, heads))](
             qkv, cos, sin, q, k, v, t, n_q, n_kv, d, *qkv.stride()[:3],
-            HEADS=heads, BLOCK_D=block_d, num_warps=4,
+            HEADS=heads, BLOCK_D=block_d, num_warps=WARPS,
         )  # fmt: skip
     return q, k, v
 
@@ -139,7 +140,7 @@ def backward(
         qkv_rope_bwd_kernel[(b * t, triton.cdiv(n, heads))](
             dq, dk, dv, cos, sin, dqkv, t, n_q, n_kv, d,
             *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            HEADS=heads, BLOCK_D=block_d, num_warps=4,
+            HEADS=heads, BLOCK_D=block_d, num_warps=WARPS,
         )  # fmt: skip
     return dqkv
 
