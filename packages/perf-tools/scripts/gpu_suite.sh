@@ -34,6 +34,11 @@
 #              batch-1 shapes (benchmarks/gluon_fwd_ab.py --sweep), the eager d = 128 sweep,
 #              the leaderboard shape at d = 128, and the GQA / window feature rows
 #              (estimate ~8 min: its parts ran in 1-4 min each on one H200)
+#   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
+#              graph, AdamW during the backward, bf16-held weights): SDPA against our
+#              attention, then lm_core's SwiGLU and q/k/v RoPE kernels off / on
+#              (scripts/kernel_ab.py, two rounds each), then a profile of the step
+#              (measured: its parts ran in 40 s to 2.5 min each on one H200)
 #   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
 #              compiled forward + backward on either autograd thread, launch ops against the
 #              public custom ops, the phases of one call), then the compiled causal sweep
@@ -186,6 +191,21 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
     --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
   run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
     --csv "$WORK/features_d128.csv" --json "$WORK/features_d128.json"
+fi
+if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
+  XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks
+    --cuda-graph on --optimizer-overlap on --matmul-weights bf16 --warmup 3 --steps 10"
+  # shellcheck disable=SC2086
+  run xl_attention $PY -m perf_tools.bench $XL --attention sdpa flash-triton --quiet \
+    --csv "$WORK/xl_attention.csv"
+  for kernels in swiglu qkv_rope; do
+    # shellcheck disable=SC2086
+    run "xl_${kernels}_ab" $PY "$ROOT/packages/perf-tools/scripts/kernel_ab.py" \
+      "$WORK/xl_${kernels}_ab" 2 "$kernels" -- $XL
+  done
+  # shellcheck disable=SC2086
+  run xl_profile $PY -m perf_tools.bench ${XL/--cuda-graph on/} --steps 2 \
+    --attention flash-triton --quiet --profile "$WORK/xl_profile"
 fi
 if want hostcost; then  # a lone attention call's host time, ours against SDPA, eager and compiled
   run host_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/host_cost.py" --shape 128x512x64 \

@@ -1,17 +1,44 @@
-import torch, triton
-from lm_core import qkv_rope_triton as R
+"""Tile sweep of lm_core's q/k/v RoPE kernels alone (CUDA graphs, GPU time): elements per
+program x warps, forward and backward, with the largest difference from the first variant
+(float contraction differs between variants by at most a 16-bit rounding). Output:
+rope_tiles.txt beside this file (one H200, 2026-11-29)."""
+
+import torch
+import triton
+
+from lm_core import qkv_rope_triton as kernels
 from lm_core.model import RotaryEmbedding
-for (b, t, nq, nkv, d) in [(4, 512, 25, 25, 64), (1, 4096, 32, 8, 128)]:
+
+
+def sweep(b, t, n_q, n_kv, d):
     rope = RotaryEmbedding(d, t, 10000.0).cuda()
-    qkv = torch.randn(b, t, nq + 2 * nkv, d, device="cuda", dtype=torch.bfloat16)
-    g = [torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for h in (nq, nkv, nkv)]
-    ref = None
-    for el in (512, 1024, 2048, 4096):
-        for w in (2, 4, 8):
-            R.ELEMENTS, R.WARPS = el, w
-            out = R.forward(qkv, rope.cos, rope.sin, nq, nkv); dq = R.backward(*g, rope.cos, rope.sin)
-            if ref is None: ref = (out, dq)
-            diff = max((a.float() - b_.float()).abs().max().item() for a, b_ in zip((*out, dq), (*ref[0], ref[1])))
-            f = triton.testing.do_bench_cudagraph(lambda: R.forward(qkv, rope.cos, rope.sin, nq, nkv), rep=50, return_mode="median")
-            bw = triton.testing.do_bench_cudagraph(lambda: R.backward(*g, rope.cos, rope.sin), rep=50, return_mode="median")
-            print(f"{(b,t,nq,nkv,d)} elements {el:5d} warps {w}: fwd {f*1e3:6.1f} us bwd {bw*1e3:6.1f} us  max diff vs first {diff:.3g}", flush=True)
+    qkv = torch.randn(b, t, n_q + 2 * n_kv, d, device="cuda", dtype=torch.bfloat16)
+    grads = [
+        torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        for h in (n_q, n_kv, n_kv)
+    ]
+
+    def fwd():
+        return kernels.forward(qkv, rope.cos, rope.sin, n_q, n_kv)
+
+    def bwd():
+        return kernels.backward(*grads, rope.cos, rope.sin)
+
+    first = None
+    for elements in (512, 1024, 2048, 4096):
+        for warps in (2, 4, 8):
+            kernels.ELEMENTS, kernels.WARPS = elements, warps
+            outs = (*fwd(), bwd())
+            first = first or outs
+            diff = max((a.float() - f.float()).abs().max().item() for a, f in zip(outs, first))
+            f_us = triton.testing.do_bench_cudagraph(fwd, rep=50, return_mode="median") * 1e3
+            b_us = triton.testing.do_bench_cudagraph(bwd, rep=50, return_mode="median") * 1e3
+            print(
+                f"{(b, t, n_q, n_kv, d)} elements {elements:5d} warps {warps}: fwd {f_us:6.1f} us "
+                f"bwd {b_us:6.1f} us  max diff vs first {diff:.3g}",
+                flush=True,
+            )
+
+
+for shape in [(4, 512, 25, 25, 64), (1, 4096, 32, 8, 128)]:
+    sweep(*shape)
