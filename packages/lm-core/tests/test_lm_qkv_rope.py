@@ -86,3 +86,29 @@ def test_errors_name_the_argument():
         split_rotate(torch.randn(1, 2, 4, 8), cos, sin, 2, 1, backend="gpu")
     with pytest.raises(TypeError, match="float32 tables"):
         split_rotate(torch.randn(1, 2, 4, 8), cos.double(), sin.double(), 2, 1, backend="triton")
+
+
+@INTERPRETER
+def test_model_with_both_kernel_pairs_matches_the_plain_ops(monkeypatch):
+    """The model's integration of the q/k/v RoPE and SwiGLU kernels (CPU, interpreter): loss
+    and every gradient against the plain ops, grouped-query heads included."""
+    from lm_core import TransformerLM, get_config
+    from lm_core import qkv_rope as qkv_rope_module
+    from lm_core import swiglu as swiglu_module
+
+    torch.manual_seed(0)
+    config = get_config("tiny", context_length=16, num_kv_heads=2)
+    model = TransformerLM(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    results = []
+    for kernels in (True, False):
+        monkeypatch.setitem(qkv_rope_module._RUNNABLE, "cpu", kernels)
+        monkeypatch.setitem(swiglu_module._RUNNABLE, "cpu", kernels)
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_k, grads_k), (loss_t, grads_t) = results
+    torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
+    for gk, gt in zip(grads_k, grads_t):
+        torch.testing.assert_close(gk, gt, rtol=1e-4, atol=1e-6)
