@@ -1,6 +1,11 @@
-"""Helpers shared by lm_core's Triton modules (imported only by them: needs triton)."""
+"""Helpers shared by lm_core's Triton modules and their dispatchers. Nothing here imports
+triton at import time: the dispatchers (`lm_core.swiglu`, `lm_core.qkv_rope`) import this
+module on every machine."""
 
 from __future__ import annotations
+
+import importlib
+import os
 
 
 def is_interpreted(kernel) -> bool:
@@ -11,3 +16,20 @@ def is_interpreted(kernel) -> bool:
     except ImportError:  # the interpreter's numpy missing
         return False
     return isinstance(kernel, interp.InterpretedFunction)
+
+
+def why_kernels_cannot_run(device_type: str, module: str) -> str:
+    """Why the Triton kernels of `lm_core.<module>` (a module exposing INTERPRETED) cannot
+    run on this device type here; "" if they can: CUDA with triton importable, or CPU under
+    Triton's interpreter (TRITON_INTERPRET=1 set before that module's first import)."""
+    if device_type not in ("cuda", "cpu"):
+        return f"the kernels run on CUDA (or CPU in Triton's interpreter), not {device_type}"
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "CPU tensors need TRITON_INTERPRET=1 set before the first call"
+    try:
+        kernels = importlib.import_module(f"lm_core.{module}")
+    except ImportError as exc:
+        return f"triton is not importable ({exc})"
+    if device_type == "cpu" and not kernels.INTERPRETED:
+        return f"TRITON_INTERPRET=1 was set after lm_core.{module} was imported"
+    return ""

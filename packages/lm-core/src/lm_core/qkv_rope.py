@@ -14,9 +14,9 @@ call).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from lm_core._triton_util import why_kernels_cannot_run
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _RUNNABLE: dict[str, bool] = {}  # device type -> whether "auto" runs the Triton kernels
@@ -97,17 +97,7 @@ def _triton_runs(device_type: str) -> bool:
 
 def _why_not(device_type: str) -> str:
     """Why the kernels cannot run on this device type here ("" if they can)."""
-    if device_type not in ("cuda", "cpu"):
-        return f"the kernels run on CUDA (or CPU in Triton's interpreter), not {device_type}"
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "CPU tensors need TRITON_INTERPRET=1 set before the first call"
-    try:
-        from lm_core import qkv_rope_triton
-    except ImportError as exc:
-        return f"triton is not importable ({exc})"
-    if device_type == "cpu" and not qkv_rope_triton.INTERPRETED:
-        return "TRITON_INTERPRET=1 was set after lm_core.qkv_rope_triton was imported"
-    return ""
+    return why_kernels_cannot_run(device_type, "qkv_rope_triton")
 
 
 class _SplitRotate(torch.autograd.Function):
