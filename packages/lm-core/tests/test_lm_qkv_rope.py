@@ -80,6 +80,8 @@ def test_errors_name_the_argument():
     cos, sin = _tables(8)
     with pytest.raises(ValueError, match="qkv: expected"):
         split_rotate(torch.randn(1, 2, 5, 8), cos, sin, 2, 2)
+    with pytest.raises(ValueError, match="n_q, n_kv"):
+        split_rotate(torch.randn(1, 2, 4, 8), cos, sin, 4, 0)
     with pytest.raises(ValueError, match="cos, sin"):
         split_rotate(torch.randn(1, 20, 4, 8), cos, sin, 2, 1)
     with pytest.raises(ValueError, match="backend must be"):
@@ -112,3 +114,19 @@ def test_model_with_both_kernel_pairs_matches_the_plain_ops(monkeypatch):
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
     for gk, gt in zip(grads_k, grads_t):
         torch.testing.assert_close(gk, gt, rtol=1e-4, atol=1e-6)
+
+
+def test_dispatch_traces_without_a_graph_break():
+    """The "auto" gates (`_triton_util.auto_gate`) are constants to dynamo: the model's
+    attention inputs and activation compile as one graph (eager backend: no code generation)."""
+    from lm_core.swiglu import swiglu
+
+    cos, sin = _tables(8)
+
+    def step(qkv, h):
+        q, k, v = split_rotate(qkv, cos, sin, 2, 1)
+        return q.sum() + k.sum() + v.sum() + swiglu(h).sum()
+
+    qkv, h = torch.randn(1, 3, 4, 8), torch.randn(3, 8)
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(qkv, h), step(qkv, h))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
+
+import torch
 
 
 def is_interpreted(kernel) -> bool:
@@ -33,3 +36,21 @@ def why_kernels_cannot_run(device_type: str, module: str) -> str:
     if device_type == "cpu" and not kernels.INTERPRETED:
         return f"TRITON_INTERPRET=1 was set after lm_core.{module} was imported"
     return ""
+
+
+def auto_gate(module: str) -> tuple[dict[str, bool], Callable[[str], bool]]:
+    """(cache, runs) for a dispatcher's "auto" backend: runs(device_type) says whether the
+    kernels of `lm_core.<module>` run there (CUDA only, `why_kernels_cannot_run` empty),
+    checked once per device type into cache (tests and A/B scripts may set its entries).
+    `runs` is a constant to torch.compile, so compiled graphs do not re-check it."""
+    cache: dict[str, bool] = {}
+
+    @torch.compiler.assume_constant_result
+    def runs(device_type: str) -> bool:
+        if device_type not in cache:
+            cache[device_type] = device_type == "cuda" and not why_kernels_cannot_run(
+                device_type, module
+            )
+        return cache[device_type]
+
+    return cache, runs

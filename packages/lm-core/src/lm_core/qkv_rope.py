@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from lm_core._triton_util import why_kernels_cannot_run
+from lm_core._triton_util import auto_gate, why_kernels_cannot_run
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_RUNNABLE: dict[str, bool] = {}  # device type -> whether "auto" runs the Triton kernels
+# device type -> whether "auto" runs the Triton kernels; _triton_runs reads it
+_RUNNABLE, _triton_runs = auto_gate("qkv_rope_triton")
 
 
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,8 @@ def split_rotate(
     """q, k (rotated) and v of qkv (B, T, n_q + 2 n_kv, Dh); cos, sin: float32 (>= T, Dh / 2)
     tables of positions 0.. . backend: "auto" (the kernels on CUDA where they run), "triton"
     or "torch"."""
+    if n_q < 1 or n_kv < 1:
+        raise ValueError(f"n_q, n_kv: expected at least one head each, got {n_q}, {n_kv}")
     if qkv.dim() != 4 or qkv.shape[2] != n_q + 2 * n_kv or qkv.shape[3] % 2:
         raise ValueError(
             f"qkv: expected (B, T, n_q + 2 n_kv = {n_q + 2 * n_kv}, even Dh), got "
@@ -85,14 +88,6 @@ def split_rotate(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     return _SplitRotate.apply(qkv, cos, sin, n_q, n_kv)
-
-
-@torch.compiler.assume_constant_result
-def _triton_runs(device_type: str) -> bool:
-    """Whether "auto" runs the kernels on this device type (CUDA with triton; checked once)."""
-    if device_type not in _RUNNABLE:
-        _RUNNABLE[device_type] = device_type == "cuda" and not _why_not(device_type)
-    return _RUNNABLE[device_type]
 
 
 def _why_not(device_type: str) -> str:

@@ -40,6 +40,16 @@ def _rotate(x, cos, sin, INVERSE: tl.constexpr, HEADS: tl.constexpr, BLOCK_D: tl
 
 
 @triton.jit
+def _table_rows(COS, SIN, t, head_dim, BLOCK_D: tl.constexpr):
+    """Row t of the (T, head_dim / 2) cos and sin tables (1 and 0 past their end)."""
+    halves = tl.arange(0, BLOCK_D // 2)
+    in_row = halves < head_dim // 2
+    cos = tl.load(COS + t * (head_dim // 2) + halves, mask=in_row, other=1.0)
+    sin = tl.load(SIN + t * (head_dim // 2) + halves, mask=in_row, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def qkv_rope_fwd_kernel(
     QKV, COS, SIN, Q, K, V, seq, n_q, n_kv, head_dim,
     stride_b, stride_t, stride_h,
@@ -50,14 +60,12 @@ def qkv_rope_fwd_kernel(
     t = tok % seq
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     dims = tl.arange(0, BLOCK_D)
-    halves = tl.arange(0, BLOCK_D // 2)
     in_d = dims < head_dim
     n = n_q + 2 * n_kv
     mask = (heads < n)[:, None] & in_d[None, :]
     src = QKV + b * stride_b + t * stride_t + heads[:, None] * stride_h + dims[None, :]
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    cos = tl.load(COS + t * (head_dim // 2) + halves, mask=halves < head_dim // 2, other=1.0)
-    sin = tl.load(SIN + t * (head_dim // 2) + halves, mask=halves < head_dim // 2, other=0.0)
+    cos, sin = _table_rows(COS, SIN, t, head_dim, BLOCK_D)
     rot = _rotate(x, cos, sin, False, HEADS, BLOCK_D)
     is_q = heads < n_q
     is_k = (heads >= n_q) & (heads < n_q + n_kv)
@@ -82,7 +90,6 @@ def qkv_rope_bwd_kernel(
     t = tok % seq
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     dims = tl.arange(0, BLOCK_D)
-    halves = tl.arange(0, BLOCK_D // 2)
     in_d = (dims < head_dim)[None, :]
     n = n_q + 2 * n_kv
     is_q = (heads < n_q)[:, None]
@@ -96,8 +103,7 @@ def qkv_rope_bwd_kernel(
     g += tl.load(DK + b * sk_b + t * sk_t + hk * sk_h + col, mask=is_k & in_d, other=0.0)
     g += tl.load(DV + b * sv_b + t * sv_t + hv * sv_h + col, mask=is_v & in_d, other=0.0)
     g = g.to(tl.float32)
-    cos = tl.load(COS + t * (head_dim // 2) + halves, mask=halves < head_dim // 2, other=1.0)
-    sin = tl.load(SIN + t * (head_dim // 2) + halves, mask=halves < head_dim // 2, other=0.0)
+    cos, sin = _table_rows(COS, SIN, t, head_dim, BLOCK_D)
     rot = _rotate(g, cos, sin, True, HEADS, BLOCK_D)
     out = tl.where(is_q | is_k, rot, g).to(DQKV.dtype.element_ty)
     tl.store(DQKV + (tok * n + hq) * head_dim + col, out, mask=(heads < n)[:, None] & in_d)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lm_core._triton_util import why_kernels_cannot_run
+from lm_core._triton_util import auto_gate, why_kernels_cannot_run
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_RUNNABLE: dict[str, bool] = {}  # device type -> whether "auto" runs the Triton kernels
+# device type -> whether "auto" runs the Triton kernels; _triton_runs reads it
+_RUNNABLE, _triton_runs = auto_gate("swiglu_triton")
 
 
 def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
@@ -30,8 +31,8 @@ def swiglu_reference(h: torch.Tensor) -> torch.Tensor:
 def swiglu(h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """(..., 2F) -> (..., F): silu of the first half times the second half. backend: "auto"
     (the kernels on CUDA where they run), "triton" or "torch"."""
-    if h.shape[-1] % 2:
-        raise ValueError(f"h: the last dimension must be even (gate, up), got {h.shape[-1]}")
+    if h.dim() == 0 or h.shape[-1] % 2:
+        raise ValueError(f"h: expected an even last dimension (gate, up), got {tuple(h.shape)}")
     if backend == "torch":
         return swiglu_reference(h)
     if backend == "auto":
@@ -45,14 +46,6 @@ def swiglu(h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if why:
         raise RuntimeError(f"backend='triton': {why}")
     return _SwiGLU.apply(h)
-
-
-@torch.compiler.assume_constant_result
-def _triton_runs(device_type: str) -> bool:
-    """Whether "auto" runs the kernels on this device type (CUDA with triton; checked once)."""
-    if device_type not in _RUNNABLE:
-        _RUNNABLE[device_type] = device_type == "cuda" and not _why_not(device_type)
-    return _RUNNABLE[device_type]
 
 
 def _why_not(device_type: str) -> str:

@@ -25,25 +25,27 @@ INTERPRETER_BLOCK = 64  # small tiles keep the interpreter's temporaries small
 
 
 @triton.jit
-def swiglu_fwd_kernel(H, Y, n_ff, stride_h, stride_y, BLOCK: tl.constexpr):
+def _gate_up(H, n_ff, stride_h, BLOCK: tl.constexpr):
+    """This program's row, columns, column mask and its gate, up values in float32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_ff
     h_row = H + row * stride_h
     gate = tl.load(h_row + cols, mask=mask).to(tl.float32)
     up = tl.load(h_row + n_ff + cols, mask=mask).to(tl.float32)
+    return row, cols, mask, gate, up
+
+
+@triton.jit
+def swiglu_fwd_kernel(H, Y, n_ff, stride_h, stride_y, BLOCK: tl.constexpr):
+    row, cols, mask, gate, up = _gate_up(H, n_ff, stride_h, BLOCK)
     y = gate * tl.sigmoid(gate) * up
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def swiglu_bwd_kernel(H, DY, DH, n_ff, stride_h, stride_dy, stride_dh, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_ff
-    h_row = H + row * stride_h
-    gate = tl.load(h_row + cols, mask=mask).to(tl.float32)
-    up = tl.load(h_row + n_ff + cols, mask=mask).to(tl.float32)
+    row, cols, mask, gate, up = _gate_up(H, n_ff, stride_h, BLOCK)
     dy = tl.load(DY + row * stride_dy + cols, mask=mask).to(tl.float32)
     s = tl.sigmoid(gate)
     silu = gate * s
