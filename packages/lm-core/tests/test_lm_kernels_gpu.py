@@ -1,8 +1,9 @@
 """lm-core's CUDA kernel pairs inside the model (run by `nox -s gpu_tests`): the SwiGLU
-activation (`lm_core.swiglu`) and the q/k/v split with RoPE (`lm_core.qkv_rope`). Each runs
+activation (`lm_core.swiglu`), the q/k/v split with RoPE (`lm_core.qkv_rope`) and RMSNorm
+with the residual add (`lm_core.rmsnorm`). Each runs
 inside a compiled block with no graph break (its kernels appear in inductor's code), and the
 model's loss and gradients with it match those with the plain ops. The kernels' own numerics
-are in test_lm_swiglu_gpu.py and test_lm_qkv_rope_gpu.py."""
+are in test_lm_swiglu_gpu.py, test_lm_qkv_rope_gpu.py and test_lm_rmsnorm_gpu.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.gpu
 KERNELS = {  # module -> the kernels it launches
     "swiglu": ("swiglu_fwd_kernel", "swiglu_bwd_kernel"),
     "qkv_rope": ("qkv_rope_fwd_kernel", "qkv_rope_bwd_kernel"),
+    "rmsnorm": ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel"),
 }
 
 

@@ -91,13 +91,32 @@ def test_errors_name_the_argument():
 
 
 @INTERPRETER
+def _counted(fn, key, launches):
+    def call(*args):
+        launches[key] = launches.get(key, 0) + 1
+        return fn(*args)
+
+    return call
+
+
 def test_model_with_both_kernel_pairs_matches_the_plain_ops(monkeypatch):
-    """The model's integration of the q/k/v RoPE and SwiGLU kernels (CPU, interpreter): loss
-    and every gradient against the plain ops, grouped-query heads included."""
+    """The model's integration of the q/k/v RoPE, SwiGLU and RMSNorm kernels (CPU,
+    interpreter): loss and every gradient against the plain ops, grouped-query heads
+    included; every kernel pair is counted as launched."""
+    import importlib
+
     from lm_core import TransformerLM, get_config
     from lm_core import qkv_rope as qkv_rope_module
+    from lm_core import rmsnorm as rmsnorm_module
     from lm_core import swiglu as swiglu_module
 
+    launches = {}
+    for name in ("qkv_rope_triton", "swiglu_triton", "rmsnorm_triton"):
+        kernels = importlib.import_module(f"lm_core.{name}")
+        for step in ("forward", "backward"):
+            monkeypatch.setattr(
+                kernels, step, _counted(getattr(kernels, step), f"{name}.{step}", launches)
+            )
     torch.manual_seed(0)
     config = get_config("tiny", context_length=16, num_kv_heads=2)
     model = TransformerLM(config)
@@ -106,10 +125,18 @@ def test_model_with_both_kernel_pairs_matches_the_plain_ops(monkeypatch):
     for kernels in (True, False):
         monkeypatch.setitem(qkv_rope_module._RUNNABLE, "cpu", kernels)
         monkeypatch.setitem(swiglu_module._RUNNABLE, "cpu", kernels)
+        monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", kernels)
         model.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        if kernels:  # per block one pair for q/k/v, SwiGLU, each norm; the final norm
+            layers = config.num_layers
+            assert launches == {
+                **{f"{m}_triton.{step}": layers for m in ("qkv_rope", "swiglu")
+                   for step in ("forward", "backward")},
+                **{f"rmsnorm_triton.{step}": 2 * layers + 1 for step in ("forward", "backward")},
+            }  # fmt: skip
     (loss_k, grads_k), (loss_t, grads_t) = results
     torch.testing.assert_close(loss_k, loss_t, rtol=1e-5, atol=1e-6)
     for gk, gt in zip(grads_k, grads_t):

@@ -3,7 +3,8 @@ process.
 
     python packages/perf-tools/scripts/kernel_ab.py OUT_DIR ROUNDS KERNELS -- BENCH_ARGS...
 
-KERNELS: `swiglu` (`lm_core.swiglu`) or `qkv_rope` (`lm_core.qkv_rope`). Each round runs
+KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`) or `rmsnorm`
+(`lm_core.rmsnorm`). Each round runs
 `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the module's "auto" held to the
 plain ops, then with the kernels, resetting dynamo before each so every variant compiles
 its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv, KERNELS_on_R.csv).
@@ -19,7 +20,7 @@ import torch
 
 from perf_tools import bench
 
-KERNELS = ("swiglu", "qkv_rope")
+KERNELS = ("swiglu", "qkv_rope", "rmsnorm")
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,9 @@ Same parameters and math as the course model, laid out for fewer, larger kernels
 - RoPE rotates q and k in one pass from precomputed cos/sin tables (non-persistent buffers),
   on CUDA in the Triton kernel that also splits q, k, v out of the projection
   (`lm_core.qkv_rope`);
-- RMSNorm uses `F.rms_norm` on fp32 (the course computes RMSNorm in fp32 and casts back);
+- RMSNorm computes in fp32 (as the course does) and rounds once to the dtype the next linear
+  layer multiplies in (autocast's, else the input's); the second norm of a block takes the
+  residual add with it (`RMSNorm.add_forward`), on CUDA as Triton kernels (`lm_core.rmsnorm`);
 - the SwiGLU activation runs as two Triton kernels on CUDA (`lm_core.swiglu`): its backward
   writes the gradient of w13's output in one pass instead of concatenating two halves.
 Nothing here syncs with the device or breaks a `torch.compile` graph. Parallelism, activation
@@ -35,7 +37,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lm_core.annotate import annotate
@@ -46,6 +47,7 @@ from lm_core.fused_loss import fused_linear_cross_entropy
 from lm_core.generation import CacheStep, LayerCache, generate
 from lm_core.matmul import Linear, check_matmul
 from lm_core.qkv_rope import rotate_pairs, split_rotate
+from lm_core.rmsnorm import rms_norm
 from lm_core.swiglu import swiglu
 
 __all__ = [
@@ -66,6 +68,13 @@ def _is_compiling() -> bool:
     return False
 
 
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype for x's device when autocast is on (what a linear layer casts its
+    input to), else None: x's own dtype."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
     """Course init: normal(0, std) truncated to [-3 std, 3 std]."""
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
@@ -79,7 +88,8 @@ def _linear_std(fan_in: int, fan_out: int) -> float:
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32.
 
-    (..., D) -> (..., D) in the input dtype, like the course RMSNorm (eps 1e-5, weight ones).
+    (..., D) -> (..., D) in the input dtype (or out_dtype), like the course RMSNorm (eps 1e-5,
+    weight ones).
     """
 
     def __init__(self, d_model: int, eps: float = 1e-5) -> None:
@@ -91,10 +101,27 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-        out = F.rms_norm(x.to(compute), (x.shape[-1],), self.weight.to(compute), self.eps)
-        return out.to(x.dtype)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out_dtype: the result's dtype (default x's); `lm_core.rms_norm` says when it runs
+        as Triton kernels."""
+        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
+
+    def add_forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, self(s)) for s = x + residual, or s = x passed through without a residual (its
+        later gradient then joins the norm's backward kernel): one fused kernel pair where
+        `rms_norm` runs its kernels. A module with forward hooks (tensor parallelism's
+        sequence-parallel layouts) is called instead, so that its hooks see s."""
+        if self._forward_pre_hooks or self._forward_hooks:
+            s = x if residual is None else x + residual
+            return s, self(s, out_dtype=out_dtype)
+        return rms_norm(
+            x, self.weight, self.eps, residual=residual, out_dtype=out_dtype, return_sum=True
+        )
 
 
 class RotaryEmbedding(nn.Module):
@@ -243,15 +270,18 @@ class TransformerBlock(nn.Module):
         with annotate("attention"):
             # extra arguments only when given: module hooks (tensor parallelism's input
             # layouts) see one input in plain training
-            h = self.ln1(x)
+            # the norms round to the dtype the linear layers after them multiply in
+            dtype = _matmul_dtype(x)
+            x, h = self.ln1.add_forward(x, None, out_dtype=dtype)
             if kv_cache is not None:
-                x = x + self.attn(h, kv_cache=kv_cache)
+                a = self.attn(h, kv_cache=kv_cache)
             elif cu_seqlens is not None:
-                x = x + self.attn(h, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+                a = self.attn(h, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
             else:
-                x = x + self.attn(h)
+                a = self.attn(h)
         with annotate("ffn"):
-            x = x + self.ffn(self.ln2(x))
+            x, h = self.ln2.add_forward(x, a, out_dtype=dtype)
+            x = x + self.ffn(h)
         return x
 
 
