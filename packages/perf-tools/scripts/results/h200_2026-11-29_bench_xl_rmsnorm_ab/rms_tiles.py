@@ -1,6 +1,9 @@
 """Tile sweep of lm_core's RMSNorm kernels alone (CUDA graphs, GPU time) at the xl block's
 shapes (2048 rows x 1600, fp32 stream, bf16 branch and output), against inductor's kernels
-for the same op (the plain ops compiled), forward + backward through autograd."""
+for the same op (the plain ops compiled), forward + backward through autograd. Output:
+rms_tiles.txt; rms_tiles_without_prefetch.txt is the same sweep (without the "kernel alone"
+column) of an earlier backward that loaded each row block only when it reached it and
+summed dw on every iteration."""
 
 import torch
 import triton
@@ -36,7 +39,7 @@ def bwd():
 
 def bwd_kernel_only():
     d_s, d_s2 = torch.empty_like(s0), torch.empty_like(dy)
-    rows, block_d = kernels._tiles(D)
+    rows, block_d, _ = kernels._tiles(D)
     programs = min(triton.cdiv(ROWS, rows), kernels.BWD_PROGRAMS)
     part = torch.empty(programs, D, device="cuda")
     kernels.rms_norm_bwd_kernel[(programs,)](
@@ -61,7 +64,8 @@ for elements in (4096, 8192, 16384):
             diff = max((a.float() - f.float()).abs().max().item() for a, f in zip(outs, first))
             f_us, b_us, k_us = bench(fwd), bench(bwd), bench(bwd_kernel_only)
             print(
-                f"elements {elements:5d} warps {warps:2d} programs {programs:4d}: fwd {f_us:6.1f} us"
+                f"elements {elements:5d} warps {warps:2d} programs {programs:4d}:"
+                f" fwd {f_us:6.1f} us"
                 f" ({fwd_bytes / f_us / 1e6:.2f} TB/s) bwd {b_us:6.1f} us, kernel alone"
                 f" {k_us:6.1f} us ({bwd_bytes / k_us / 1e6:.2f} TB/s) max diff vs first {diff:.3g}",
                 flush=True,
