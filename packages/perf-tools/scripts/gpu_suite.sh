@@ -36,7 +36,7 @@
 #              (estimate ~8 min: its parts ran in 1-4 min each on one H200)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
 #              graph, AdamW during the backward, bf16-held weights): SDPA against our
-#              attention, then lm_core's SwiGLU and q/k/v RoPE kernels off / on
+#              attention, then lm_core's SwiGLU, q/k/v RoPE and RMSNorm kernels off / on
 #              (scripts/kernel_ab.py, two rounds each), then a profile of the step
 #              (measured: its parts ran in 40 s to 2.5 min each on one H200)
 #   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
@@ -198,7 +198,7 @@ if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kerne
   # shellcheck disable=SC2086
   run xl_attention $PY -m perf_tools.bench $XL --attention sdpa flash-triton --quiet \
     --csv "$WORK/xl_attention.csv"
-  for kernels in swiglu qkv_rope; do
+  for kernels in swiglu qkv_rope rmsnorm; do
     # shellcheck disable=SC2086
     run "xl_${kernels}_ab" $PY "$ROOT/packages/perf-tools/scripts/kernel_ab.py" \
       "$WORK/xl_${kernels}_ab" 2 "$kernels" -- $XL
