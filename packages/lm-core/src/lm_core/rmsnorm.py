@@ -124,9 +124,10 @@ class _RMSNorm(torch.autograd.Function):
 
         ctx.set_materialize_grads(False)
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        x_rows = _rows(x)
         r_rows = None if residual is None else _rows(residual)
-        s, y, rstd = rmsnorm_triton.forward(_rows(x), r_rows, weight, eps, out_dtype, sum_dtype)
-        ctx.save_for_backward(_rows(x) if s is None else s, weight, rstd)
+        s, y, rstd = rmsnorm_triton.forward(x_rows, r_rows, weight, eps, out_dtype, sum_dtype)
+        ctx.save_for_backward(x_rows if s is None else s, weight, rstd)
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
         y = y.view(x.shape)
