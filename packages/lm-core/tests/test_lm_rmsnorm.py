@@ -153,6 +153,23 @@ def test_auto_keeps_cpu_on_torch():
     assert torch.equal(y, rms_norm_reference(x + r, w, 1e-5).to(BF16))
 
 
+@INTERPRETER
+def test_auto_takes_the_plain_ops_past_the_widest_kernel_row(monkeypatch):
+    from lm_core import rmsnorm as rmsnorm_module
+    from lm_core import rmsnorm_triton
+
+    assert rmsnorm_triton.MAX_D == _MAX_D
+    monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", True)
+    calls = []
+    monkeypatch.setattr(rmsnorm_triton, "forward", lambda *a: calls.append(a) or None)
+    wide = torch.randn(2, _MAX_D + 1)
+    assert torch.equal(
+        rms_norm(wide, torch.ones(_MAX_D + 1)),
+        rms_norm_reference(wide, torch.ones(_MAX_D + 1), 1e-5),
+    )
+    assert not calls
+
+
 def test_model_norm_is_the_course_norm():
     """`RMSNorm` keeps the course math: fp32 F.rms_norm rounded to the input's dtype, and
     out_dtype rounds that result (what a linear layer under autocast would do)."""

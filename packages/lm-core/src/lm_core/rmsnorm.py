@@ -7,7 +7,7 @@ for float64 input), returned in `out_dtype` (default x's dtype). With `residual=
 (x, rms_norm(x)), x passed through as a view, so that the gradient of x's later uses (the
 block's residual stream) joins the norm's in the same backward kernel instead of an add.
 
-On CUDA (float32 / float16 / bfloat16 rows of at most 8192, triton importable) two Triton
+On CUDA (float32 / float16 / bfloat16 rows of at most 4096, triton importable) two Triton
 kernels (`lm_core.rmsnorm_triton`) do it: the forward writes s, y and one float per row; the
 backward reads s, dy and s's incoming gradient once and writes s's gradient (and its copy in
 the residual's dtype) with per-program partial sums of the weight's gradient. Elsewhere
@@ -27,7 +27,7 @@ from lm_core._triton_util import auto_gate, why_kernels_cannot_run
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # device type -> whether "auto" runs the Triton kernels; _triton_runs reads it
 _RUNNABLE, _triton_runs = auto_gate("rmsnorm_triton")
-_MAX_D = 8192  # rmsnorm_triton.MAX_D, repeated so that this module does not import triton
+_MAX_D = 4096  # rmsnorm_triton.MAX_D, repeated so that this module does not import triton
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as DTensor
 
 

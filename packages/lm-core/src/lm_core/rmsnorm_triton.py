@@ -22,12 +22,12 @@ import triton.language as tl
 
 from lm_core._triton_util import is_interpreted
 
-MAX_D = 8192  # widest row a program holds in registers; wider rows take the plain ops
+MAX_D = 4096  # widest row tested in registers (8B's d_model); wider rows take the plain ops
 # Tiles from a sweep at the xl block's shape (2048 x 1600, H200; lm-core DESIGN.md): 4096
 # elements, 8 warps, 132 backward programs: 8.1 us forward (4.9 TB/s), 14.3 us backward
 # (3.7 TB/s) before the weight gradient's partial sums are added up.
 ELEMENTS = 4096  # row elements per program (ROWS = ELEMENTS // next_pow2(D), at least 1)
-WARPS = 8  # 16 for rows of 8192 (16 values per thread per tensor, as at 4096 elements)
+WARPS = 8
 BWD_PROGRAMS = 132  # programs walking the row blocks in the backward (one per SM)
 
 
@@ -124,7 +124,7 @@ def _tiles(d: int) -> tuple[int, int, int]:
     """(rows per program, padded row width, warps) for rows of width d."""
     block_d = triton.next_power_of_2(d)
     rows = max(1, (64 if INTERPRETED else ELEMENTS) // block_d)
-    return rows, block_d, WARPS * max(1, block_d // 4096)
+    return rows, block_d, WARPS
 
 
 def forward(
