@@ -20,8 +20,7 @@ pytestmark = pytest.mark.gpu
 KERNELS = {  # module -> the kernels it launches
     "swiglu": ("swiglu_fwd_kernel", "swiglu_bwd_kernel"),
     "qkv_rope": ("qkv_rope_fwd_kernel", "qkv_rope_bwd_kernel"),
-    # compiled, the norm's forward is torch ops that inductor fuses (rmsnorm.COMPILED_FORWARD)
-    "rmsnorm": ("rms_norm_bwd_kernel",),
+    "rmsnorm": ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel"),
 }
 
 

@@ -170,53 +170,6 @@ def test_auto_takes_the_plain_ops_past_the_widest_kernel_row(monkeypatch):
     assert not calls
 
 
-def _backward_ops(s, weight, rstd, dy, ds_in, ds2_dtype):
-    """rmsnorm_triton.backward in torch ops (dynamo cannot trace interpreted kernels)."""
-    xhat = s.float() * rstd[:, None]
-    g = dy.float() * weight.float()
-    ds = (g - xhat * (xhat * g).mean(-1, keepdim=True)) * rstd[:, None]
-    ds = ds if ds_in is None else ds + ds_in.float()
-    ds2 = None if ds2_dtype is None else ds.to(ds2_dtype)
-    return ds.to(s.dtype), ds2, (dy.float() * xhat).sum(0)
-
-
-@pytest.mark.parametrize("compiled_forward", ["ops", "kernel"])
-def test_compiled_forward_choice(monkeypatch, compiled_forward):
-    """Under torch.compile the forward is torch ops ("ops", the default: the kernel is not
-    traced) or the kernel; either gives the eager result and gradients."""
-    from lm_core import rmsnorm as rmsnorm_module
-    from lm_core import rmsnorm_triton
-
-    monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", True)
-    monkeypatch.setattr(rmsnorm_module, "COMPILED_FORWARD", compiled_forward)
-
-    def forward(*args):
-        if compiled_forward == "ops" and torch.compiler.is_compiling():
-            raise AssertionError("the forward kernel was traced under torch.compile")
-        return rmsnorm_module._forward_ops(*args)
-
-    monkeypatch.setattr(rmsnorm_triton, "forward", forward)
-    monkeypatch.setattr(rmsnorm_triton, "backward", _backward_ops)
-
-    def block(x, a, w1, w2):
-        x, h = rms_norm(x, w1, return_sum=True, out_dtype=BF16)
-        s, h2 = rms_norm(x, w2, residual=a * h.float(), out_dtype=BF16)
-        return s + h2.float()
-
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(2, 3, 32, generator=gen).requires_grad_()
-    a = torch.randn(2, 3, 32, generator=gen)
-    w1, w2 = (torch.rand(32, generator=gen).add(0.5).requires_grad_() for _ in range(2))
-    eager = block(x, a, w1, w2)
-    eager_grads = torch.autograd.grad(eager.sum(), (x, w1, w2))
-    torch._dynamo.reset()
-    out = torch.compile(block, backend="aot_eager", fullgraph=True)(x, a, w1, w2)
-    grads = torch.autograd.grad(out.sum(), (x, w1, w2))
-    torch.testing.assert_close(out, eager, rtol=1e-2, atol=1e-2)  # bf16 y, 1 ulp apart
-    for g, e in zip(grads, eager_grads):
-        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
-
-
 def test_model_norm_is_the_course_norm():
     """`RMSNorm` keeps the course math: fp32 F.rms_norm rounded to the input's dtype, and
     out_dtype rounds that result (what a linear layer under autocast would do)."""

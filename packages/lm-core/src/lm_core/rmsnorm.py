@@ -29,10 +29,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _RUNNABLE, _triton_runs = auto_gate("rmsnorm_triton")
 _MAX_D = 4096  # rmsnorm_triton.MAX_D, repeated so that this module does not import triton
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not subclasses such as DTensor
-# Under torch.compile the forward is written in torch ops ("ops"), which inductor fuses
-# into one reduction kernel, or launches the forward kernel ("kernel"); the backward is
-# the kernel either way. Read when a graph is traced.
-COMPILED_FORWARD = "ops"
 
 
 def rms_norm_reference(
@@ -121,15 +117,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _forward_ops(x, residual, weight, eps, out_dtype, sum_dtype):
-    """The forward kernel's (s or None, y, rstd) in torch ops, for inductor to fuse."""
-    s = None if residual is None else (x + residual).to(sum_dtype)
-    s32 = (x if s is None else s).float()
-    rstd = torch.rsqrt(s32.pow(2).mean(-1) + eps)
-    y = (s32 * rstd[:, None] * weight.float()).to(out_dtype)
-    return s, y, rstd
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, out_dtype, return_sum):
@@ -139,10 +126,7 @@ class _RMSNorm(torch.autograd.Function):
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         x_rows = _rows(x)
         r_rows = None if residual is None else _rows(residual)
-        if torch.compiler.is_compiling() and COMPILED_FORWARD == "ops":
-            s, y, rstd = _forward_ops(x_rows, r_rows, weight, eps, out_dtype, sum_dtype)
-        else:
-            s, y, rstd = rmsnorm_triton.forward(x_rows, r_rows, weight, eps, out_dtype, sum_dtype)
+        s, y, rstd = rmsnorm_triton.forward(x_rows, r_rows, weight, eps, out_dtype, sum_dtype)
         ctx.save_for_backward(x_rows if s is None else s, weight, rstd)
         ctx.shape = x.shape
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
