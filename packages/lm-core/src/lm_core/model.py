@@ -268,11 +268,11 @@ class TransformerBlock(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         with annotate("attention"):
-            # extra arguments only when given: module hooks (tensor parallelism's input
-            # layouts) see one input in plain training
             # the norms round to the dtype the linear layers after them multiply in
             dtype = _matmul_dtype(x)
             x, h = self.ln1.add_forward(x, None, out_dtype=dtype)
+            # extra arguments only when given: module hooks (tensor parallelism's input
+            # layouts) see one input in plain training
             if kv_cache is not None:
                 a = self.attn(h, kv_cache=kv_cache)
             elif cu_seqlens is not None:

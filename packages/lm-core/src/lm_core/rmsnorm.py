@@ -53,8 +53,10 @@ def rms_norm(
     """y = norm(x) of x (..., D) with weight (D,), in out_dtype (default x.dtype); with a
     residual (x's shape) or return_sum=True, (s, norm(s)) for s = x (+ residual). backend:
     "auto" (the kernels on CUDA where they run), "triton" or "torch"."""
-    d = x.shape[-1] if x.dim() else 0
-    if x.dim() == 0 or weight.shape != (d,):
+    if x.dim() == 0:
+        raise ValueError("x: expected at least one dimension (..., D), got a 0-d tensor")
+    d = x.shape[-1]
+    if weight.shape != (d,):
         raise ValueError(
             f"weight: expected shape ({d},) for x of shape {tuple(x.shape)}, got "
             f"{tuple(weight.shape)}"
