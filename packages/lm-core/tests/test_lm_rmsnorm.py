@@ -184,6 +184,27 @@ def test_model_norm_is_the_course_norm():
     assert torch.equal(norm(x, out_dtype=F32), expect)
 
 
+@INTERPRETER
+def test_decoding_keeps_the_plain_norms(monkeypatch):
+    """With a KV cache (prefill and decode) the norms are the plain ops even where "auto"
+    runs the kernels; a training forward runs them."""
+    from lm_core import TransformerLM, get_config, rmsnorm_triton
+    from lm_core import rmsnorm as rmsnorm_module
+
+    monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", True)
+    calls = []
+    forward = rmsnorm_triton.forward
+    monkeypatch.setattr(rmsnorm_triton, "forward", lambda *a: calls.append(1) or forward(*a))
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("tiny", context_length=16))
+    model.generate(torch.randint(0, model.config.vocab_size, (1, 4)), 3, temperature=0)
+    decode_calls = len(calls)
+    model(torch.randint(0, model.config.vocab_size, (1, 8)))
+    layers = model.config.num_layers
+    assert decode_calls == 0
+    assert len(calls) == 2 * layers + 1  # each block's two norms, the final norm
+
+
 def test_add_forward_goes_through_hooks():
     """With a forward hook (tensor parallelism's layouts), add_forward calls the module on
     the sum, so the hook sees it; without one, it is the fused call with the same result."""

@@ -101,16 +101,19 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """out_dtype: the result's dtype (default x's); `lm_core.rms_norm` says when it runs
-        as Triton kernels."""
-        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype)
+    def forward(
+        self, x: torch.Tensor, out_dtype: torch.dtype | None = None, backend: str = "auto"
+    ) -> torch.Tensor:
+        """out_dtype: the result's dtype (default x's); backend: as `lm_core.rms_norm`'s,
+        which says when "auto" runs Triton kernels."""
+        return rms_norm(x, self.weight, self.eps, out_dtype=out_dtype, backend=backend)
 
     def add_forward(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         out_dtype: torch.dtype | None = None,
+        backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, self(s)) for s = x + residual, or s = x passed through without a residual (its
         later gradient then joins the norm's backward kernel): one fused kernel pair where
@@ -118,9 +121,15 @@ class RMSNorm(nn.Module):
         sequence-parallel layouts) is called instead, so that its hooks see s."""
         if self._forward_pre_hooks or self._forward_hooks:
             s = x if residual is None else x + residual
-            return s, self(s, out_dtype=out_dtype)
+            return s, self(s, out_dtype=out_dtype, backend=backend)
         return rms_norm(
-            x, self.weight, self.eps, residual=residual, out_dtype=out_dtype, return_sum=True
+            x,
+            self.weight,
+            self.eps,
+            residual=residual,
+            out_dtype=out_dtype,
+            return_sum=True,
+            backend=backend,
         )
 
 
@@ -268,9 +277,12 @@ class TransformerBlock(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         with annotate("attention"):
-            # the norms round to the dtype the linear layers after them multiply in
+            # the norms round to the dtype the linear layers after them multiply in; decoding
+            # (a few rows a call) keeps the plain ops, as its RoPE does: the kernels were
+            # measured on training steps only
             dtype = _matmul_dtype(x)
-            x, h = self.ln1.add_forward(x, None, out_dtype=dtype)
+            norms = "torch" if kv_cache is not None else "auto"
+            x, h = self.ln1.add_forward(x, None, out_dtype=dtype, backend=norms)
             # extra arguments only when given: module hooks (tensor parallelism's input
             # layouts) see one input in plain training
             if kv_cache is not None:
@@ -280,7 +292,7 @@ class TransformerBlock(nn.Module):
             else:
                 a = self.attn(h)
         with annotate("ffn"):
-            x, h = self.ln2.add_forward(x, a, out_dtype=dtype)
+            x, h = self.ln2.add_forward(x, a, out_dtype=dtype, backend=norms)
             x = x + self.ffn(h)
         return x
 
@@ -410,7 +422,7 @@ class TransformerLM(nn.Module):
         else:
             check_packing(cu_seqlens, max_seqlen, *token_ids.shape, token_ids.device)
             x = self.run_blocks(x, cu_seqlens, max_seqlen)  # (B, T, D)
-        return self.ln_final(x)
+        return self.ln_final(x, backend="torch" if kv_cache is not None else "auto")
 
     @torch.no_grad()
     def generate(
