@@ -185,24 +185,32 @@ def test_model_norm_is_the_course_norm():
 
 
 @INTERPRETER
-def test_decoding_keeps_the_plain_norms(monkeypatch):
-    """With a KV cache (prefill and decode) the norms are the plain ops even where "auto"
-    runs the kernels; a training forward runs them."""
-    from lm_core import TransformerLM, get_config, rmsnorm_triton
+def test_decoding_keeps_the_plain_norms_and_activation(monkeypatch):
+    """With a KV cache (prefill and decode) the norms and the SwiGLU activation are the plain
+    ops even where "auto" runs the kernels; a training forward runs them."""
+    from lm_core import TransformerLM, get_config, rmsnorm_triton, swiglu_triton
     from lm_core import rmsnorm as rmsnorm_module
+    from lm_core import swiglu as swiglu_module
 
-    monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", True)
-    calls = []
-    forward = rmsnorm_triton.forward
-    monkeypatch.setattr(rmsnorm_triton, "forward", lambda *a: calls.append(1) or forward(*a))
+    calls = {"rmsnorm": 0, "swiglu": 0}
+    for name, gate, kernels in (
+        ("rmsnorm", rmsnorm_module._RUNNABLE, rmsnorm_triton),
+        ("swiglu", swiglu_module._RUNNABLE, swiglu_triton),
+    ):
+        monkeypatch.setitem(gate, "cpu", True)
+
+        def counted(*args, _name=name, _forward=kernels.forward):
+            calls[_name] += 1
+            return _forward(*args)
+
+        monkeypatch.setattr(kernels, "forward", counted)
     torch.manual_seed(0)
     model = TransformerLM(get_config("tiny", context_length=16))
     model.generate(torch.randint(0, model.config.vocab_size, (1, 4)), 3, temperature=0)
-    decode_calls = len(calls)
+    assert calls == {"rmsnorm": 0, "swiglu": 0}
     model(torch.randint(0, model.config.vocab_size, (1, 8)))
     layers = model.config.num_layers
-    assert decode_calls == 0
-    assert len(calls) == 2 * layers + 1  # each block's two norms, the final norm
+    assert calls == {"rmsnorm": 2 * layers + 1, "swiglu": layers}  # + the final norm
 
 
 def test_add_forward_goes_through_hooks():

@@ -248,8 +248,10 @@ class SwiGLU(nn.Module):
             _trunc_normal_(part, _linear_std(d_model, self.d_ff))
         _trunc_normal_(self.w2.weight.data, _linear_std(self.d_ff, d_model))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w13(x)))  # silu(gate) * up of (B, T, 2F) -> (B, T, F)
+    def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """backend: the activation's, as `lm_core.swiglu`'s."""
+        # silu(gate) * up of (B, T, 2F) -> (B, T, F)
+        return self.w2(swiglu(self.w13(x), backend=backend))
 
 
 class TransformerBlock(nn.Module):
@@ -278,11 +280,11 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         with annotate("attention"):
             # the norms round to the dtype the linear layers after them multiply in; decoding
-            # (a few rows a call) keeps the plain ops, as its RoPE does: the kernels were
-            # measured on training steps only
+            # (a few rows a call) keeps the plain norms and activation, as it keeps the plain
+            # RoPE: lm_core's kernels were measured on training steps only
             dtype = _matmul_dtype(x)
-            norms = "torch" if kv_cache is not None else "auto"
-            x, h = self.ln1.add_forward(x, None, out_dtype=dtype, backend=norms)
+            kernels = "torch" if kv_cache is not None else "auto"
+            x, h = self.ln1.add_forward(x, None, out_dtype=dtype, backend=kernels)
             # extra arguments only when given: module hooks (tensor parallelism's input
             # layouts) see one input in plain training
             if kv_cache is not None:
@@ -292,8 +294,9 @@ class TransformerBlock(nn.Module):
             else:
                 a = self.attn(h)
         with annotate("ffn"):
-            x, h = self.ln2.add_forward(x, a, out_dtype=dtype, backend=norms)
-            x = x + self.ffn(h)
+            x, h = self.ln2.add_forward(x, a, out_dtype=dtype, backend=kernels)
+            # module hooks see one input in plain training, as above
+            x = x + (self.ffn(h) if kv_cache is None else self.ffn(h, backend=kernels))
         return x
 
 
