@@ -1,6 +1,6 @@
 """Helpers shared by lm_core's Triton modules and their dispatchers. Nothing here imports
-triton at import time: the dispatchers (`lm_core.swiglu`, `lm_core.qkv_rope`) import this
-module on every machine."""
+triton at import time: the dispatchers (`lm_core.swiglu`, `lm_core.qkv_rope`,
+`lm_core.rmsnorm`) import this module on every machine."""
 
 from __future__ import annotations
 

@@ -49,6 +49,12 @@ def _table_rows(COS, SIN, t, head_dim, BLOCK_D: tl.constexpr):
     return cos, sin
 
 
+# The two kernels repeat their program prologue (token, heads, head dims) rather than share
+# it through a helper: a shared load helper in the SwiGLU kernels made torch 2.11 take its
+# pointer argument as written (lm-core DESIGN), and no GPU check of a new helper here has
+# been run.
+
+
 @triton.jit
 def qkv_rope_fwd_kernel(
     QKV, COS, SIN, Q, K, V, seq, n_q, n_kv, head_dim,

@@ -81,7 +81,7 @@ def rms_norm(
         )
         if not use:
             return _plain(x, weight, eps, residual, out_dtype, return_sum)
-        return _fused(x, weight, eps, residual, out_dtype, return_sum)
+        return _RMSNorm.apply(x, residual, weight, eps, out_dtype, return_sum)
     if backend != "triton":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not dtypes_ok:
@@ -96,7 +96,7 @@ def rms_norm(
     why = why_kernels_cannot_run(x.device.type, "rmsnorm_triton")
     if why:
         raise RuntimeError(f"backend='triton': {why}")
-    return _fused(x, weight, eps, residual, out_dtype, return_sum)
+    return _RMSNorm.apply(x, residual, weight, eps, out_dtype, return_sum)
 
 
 def _plain(x, weight, eps, residual, out_dtype, return_sum):
@@ -107,16 +107,17 @@ def _plain(x, weight, eps, residual, out_dtype, return_sum):
     return s, rms_norm_reference(s, weight, eps, out_dtype)
 
 
-def _fused(x, weight, eps, residual, out_dtype, return_sum):
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out_dtype = sum_dtype if out_dtype is None else out_dtype
-    return _RMSNorm.apply(x, residual, weight, eps, out_dtype, return_sum)
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t (..., D) as (rows, D) with a unit last stride (a view when it can be)."""
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _as(dtype, ds, ds2):
+    """The gradient ds in dtype: ds itself, its copy ds2 when that has the dtype, or a cast."""
+    if ds.dtype == dtype:
+        return ds
+    return ds2 if ds2 is not None and ds2.dtype == dtype else ds.to(dtype)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -126,6 +127,7 @@ class _RMSNorm(torch.autograd.Function):
 
         ctx.set_materialize_grads(False)
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out_dtype = sum_dtype if out_dtype is None else out_dtype
         x_rows = _rows(x)
         r_rows = None if residual is None else _rows(residual)
         s, y, rstd = rmsnorm_triton.forward(x_rows, r_rows, weight, eps, out_dtype, sum_dtype)
@@ -149,16 +151,14 @@ class _RMSNorm(torch.autograd.Function):
         if dy is None:  # only s was used: its gradient passes through the add
             ds, ds2, dw = ds_in.reshape(s.shape), None, None
         else:
-            # x's or the residual's copy of ds, when one's dtype differs from the sum's
-            other = r_dtype if r_dtype is not None and r_dtype != s.dtype else None
-            other = x_dtype if x_dtype != s.dtype else other
+            # the kernel also writes ds in the dtype of x or of the residual, whichever is not
+            # the sum's (the model's bf16 attention branch)
+            other = [t for t in (x_dtype, r_dtype) if t is not None and t != s.dtype]
             ds, ds2, dw = rmsnorm_triton.backward(
-                s, weight, rstd, _rows(dy), None if ds_in is None else _rows(ds_in), other
-            )
+                s, weight, rstd, _rows(dy), None if ds_in is None else _rows(ds_in),
+                other[-1] if other else None,
+            )  # fmt: skip
             dw = dw.to(weight.dtype)
-        dx = ds if x_dtype == s.dtype else (ds2 if ds2 is not None else ds.to(x_dtype))
-        dx = dx.view(ctx.shape)
-        if r_dtype is None:
-            return dx, None, dw, None, None, None
-        dr = ds if r_dtype == s.dtype else (ds2 if ds2 is not None else ds.to(r_dtype))
-        return dx, dr.view(ctx.shape), dw, None, None, None
+        dx = _as(x_dtype, ds, ds2).view(ctx.shape)
+        dr = None if r_dtype is None else _as(r_dtype, ds, ds2).view(ctx.shape)
+        return dx, dr, dw, None, None, None
