@@ -1,38 +1,38 @@
-"""A one-pass attention backward for head dim 128 in Gluon: an experiment the package does
-not use (flashattn-triton DESIGN.md, "One-pass backward with TMA reduce-adds").
+"""One-pass attention backward for head dim 128 in Gluon: the package's warp-specialized
+kernel (``flashattn_triton.gluon_bwd``, spec ``ws``) beside the simpler variants it grew
+from, which lost (flashattn-triton DESIGN.md, "One-pass backward").
 
-The package's d = 128 backward on Hopper is split: a dQ kernel, then a dK/dV kernel
-(``gluon_dq``, ``gluon_dkdv``), seven products where five are counted. This kernel is the
-dK/dV kernel with the fifth product added: per query tile it also computes dQ = dS K for its
-own keys and adds it into a zeroed float32 (B, H, n_q, d) buffer by a TMA reduce-add from
-shared memory (``cp.reduce.async.bulk.tensor``, done in L2); the buffer is then converted to
-dq's dtype. Triton 3.6's Gluon has no wrapper for that op; ``_reduce_add`` emits the one its
-builder provides (later Gluon names it ``tma.async_atomic_add``). Each query tile:
+The package's d = 128 split backward on Hopper (``gluon_dq``, ``gluon_dkdv``) computes seven
+products where five are counted. The one-pass variants add the fifth to the dK/dV loop: per
+query tile dQ = dS K for the program's own keys, added into a zeroed float32 (B, H, n_q, d)
+buffer by a TMA reduce-add from shared memory (done in L2), then converted to dq's dtype.
+The variants here (``bwd_kernel``) do everything in the math warps: each query tile
 
     issue S^T = K Q^T and dP^T = V dO^T; wait for S^T; refill a ring stage
     P^T = exp2(S^T - lse); issue dV += P^T dO; wait for dP^T
     dS^T = P^T (dP^T - delta); issue dK += dS^T Q; dS^T to shared memory; issue dQ = dS K
     wait for all; dQ * scale to a float32 staging buffer; reduce-add it (asynchronous)
 
-Results are correct (dq, dk, dv within 1.001x of the split kernels' error against float64,
-grouped-query heads and ragged lengths included) but slower than the split backward on an
-H200, because writing each float32 dQ tile to shared memory and reducing it costs more than
-the two recomputed products; ``--ablate`` shows the parts (DESIGN.md has the numbers).
-
 Variant spec ``BLOCK_N[,sep][,late]``: 64 keys per program (one warpgroup, dQ staged in the
 Q / dO ring stage it replaces, two programs per SM) or 128 (two warpgroups; ``sep``: two
 staging buffers of their own); ``late``: refill the ring stage after dK is issued instead
-of after S^T arrives.
+of after S^T arrives. ``ws[,REGS]``: the package's kernel, where two math warpgroups, a
+loader warp and a reducer warp are separate partitions. ``--ablate`` (first spec, not
+``ws``) times the ``bwd_kernel`` without the reduce (1) or without staging and reduce (2).
+The script makes the row statistics with torch ops, so its one-pass times include that work,
+which the package's launcher does in one kernel.
 
-    python benchmarks/onepass_bwd.py offline 64 128,sep,late        # any machine
-    python benchmarks/onepass_bwd.py check 64 128,sep,late --out $OUT  # Hopper GPU
-    python benchmarks/onepass_bwd.py time 64 128,sep,late --ablate 1 2 --out $OUT
+    python benchmarks/onepass_bwd.py offline ws 64 128,sep,late        # any machine
+    python benchmarks/onepass_bwd.py check ws 128,sep,late --out $OUT  # Hopper GPU
+    python benchmarks/onepass_bwd.py time ws 128,sep,late --out $OUT
+    python benchmarks/onepass_bwd.py time 128,sep,late 64 --ablate 1 2 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -48,7 +48,6 @@ from flashattn_triton.gluon_dkdv import (
 )
 
 if HAVE_GLUON:
-    from triton._C.libtriton import ir
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
@@ -62,19 +61,11 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from flashattn_triton.gluon_bwd import _load_stage, _reduce_add, bwd_ws_kernel
     from flashattn_triton.gluon_dkdv import _query_tile, _tma_load
     from flashattn_triton.kernels import _grouped_program
 
 if HAVE_GLUON:
-
-    @builtin
-    def _reduce_add(tensor_desc, coord, src, _semantic=None):
-        """global[box at coord] += shared memory ``src``, by TMA (completion as for a TMA
-        store: ``tma.store_wait``)."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(
-            ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-        )
 
     @builtin
     def _view_as(smem, dtype, shape, layout, _semantic=None):
@@ -82,27 +73,6 @@ if HAVE_GLUON:
         in Triton 3.6, ``reinterpret`` later)."""
         view = getattr(smem, "reinterpret", None) or smem._reinterpret
         return view(dtype, shape, layout, _semantic=_semantic)
-
-    @gluon.jit
-    def _load_stage(
-        i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem, lse_smem,
-        delta_smem, ready, b, stride_stats, STAGES: gl.constexpr, pred,
-    ):  # fmt: skip
-        """Start the TMA loads of the i-th query tile (rows row.. of q head qh): Q into
-        buffer 2 * stage of qdo_smem, dO into 2 * stage + 1, and the tile's log2-unit
-        log-sum-exp and delta rows, all on the stage's barrier."""
-        stage = i % STAGES
-        bar = ready.index(stage)
-        nbytes: gl.constexpr = (
-            q_desc.block_type.nbytes + do_desc.block_type.nbytes
-            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
-        )  # fmt: skip
-        mbarrier.expect(bar, nbytes, pred=pred)
-        _tma_load(q_desc, [b, qh, row, 0], bar, qdo_smem.index(2 * stage), pred=pred)
-        _tma_load(do_desc, [b, qh, row, 0], bar, qdo_smem.index(2 * stage + 1), pred=pred)
-        flat = stats_bh * stride_stats + row
-        _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
-        _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
 
     @gluon.jit
     def bwd_kernel(
@@ -300,30 +270,43 @@ if HAVE_GLUON:
 
 def launch_onepass(
     q, k, v, do, lse2, delta, dq_acc, dk, dv, causal: bool, softmax_scale: float, *,
-    block_n: int = 64, separate: bool = False, late: bool = False, ablate: int = 0,
-    head_group: int = 0,
+    block_n: int = 64, separate: bool = False, late: bool = False, ws: bool = False,
+    math_regs: int = 240, ablate: int = 0, head_group: int = 0,
 ) -> None:  # fmt: skip
     """dK, dV of (B, H, N, 128) 16-bit q, do and (B, Hkv, N, 128) k, v (TMA-readable, as
     ``gluon_dkdv.applies`` requires) into dk, dv, and dQ * softmax_scale added into dq_acc,
     a zeroed contiguous float32 (B, H, n_q, d) buffer. lse2 (log2 units, +inf for rows
     without keys) and delta: contiguous (B, H, rows) float32, rows a multiple of 4 >= n_q.
-    ``ablate`` (timing only, wrong dQ): 1 skips the reduce, 2 the staging store too."""
+    ``ws``: the warp-specialized kernel (128 keys, ``math_regs`` registers per math thread);
+    else ``bwd_kernel`` with ``block_n``, ``separate``, ``late``. ``ablate`` (timing only,
+    wrong dQ; not with ``ws``): 1 skips the reduce, 2 the staging store too."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     block_m = 64
+    if ws:
+        block_n = 128
     group, grouped = launch_order(head_group, b * h_kv)
-    block = [1, 1, block_m, d]
+    block = [1, 1, block_m, d // 2 if ws else d]
     dq_layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), block, dq_layout)
     ds_layout = gl.NVMMASharedLayout.get_default_for(
         [block_n, block_m], getattr(gl, GL_DTYPES[q.dtype])
     )
-    bwd_kernel[(b * h_kv, -(-n_k // block_n))](
+    args = (
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         _flat_desc(lse2, block_m), _flat_desc(delta, block_m), dq_desc, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         h, n_q, n_k, lse2.shape[-1], softmax_scale * LOG2E, softmax_scale, group, h // h_kv,
-        DS_LAYOUT=ds_layout, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=2,
+    )  # fmt: skip
+    grid = (b * h_kv, -(-n_k // block_n))
+    if ws:
+        bwd_ws_kernel[grid](
+            *args, DS_LAYOUT=ds_layout, BLOCK_M=block_m, HEAD_DIM=d, STAGES=2, CAUSAL=causal,
+            GROUPED=grouped, GQA=h_kv != h, MATH_REGS=math_regs, num_warps=4,
+        )  # fmt: skip
+        return
+    bwd_kernel[grid](
+        *args, DS_LAYOUT=ds_layout, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=2,
         CAUSAL=causal, GROUPED=grouped, GQA=h_kv != h, SEPARATE=separate, LATE=late,
         ABLATE=ablate, num_warps=block_n // 16,
     )  # fmt: skip
@@ -352,11 +335,15 @@ def backward_onepass(do, q, k, v, o, lse, causal: bool, scale: float, **variant)
 
 
 def parse_spec(spec: str) -> dict:
-    """``BLOCK_N[,sep][,late]`` -> ``launch_onepass`` keyword arguments."""
+    """``BLOCK_N[,sep][,late]`` or ``ws[,REGS]`` -> ``launch_onepass`` keyword arguments."""
     parts = spec.split(",")
+    if parts[0] == "ws":
+        if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+            raise ValueError(f"{spec!r}: want ws or ws,REGS")
+        return {"ws": True} | ({"math_regs": int(parts[1])} if len(parts) == 2 else {})
     flags = set(parts[1:])
     if parts[0] not in ("64", "128") or not flags <= {"sep", "late"}:
-        raise ValueError(f"{spec!r}: want BLOCK_N (64 or 128) then optional sep, late")
+        raise ValueError(f"{spec!r}: want BLOCK_N (64 or 128) then optional sep, late, or ws")
     return {"block_n": int(parts[0]), "separate": "sep" in flags, "late": "late" in flags}
 
 
@@ -375,7 +362,7 @@ def _inputs(b, h, h_kv, n_q, n_k, dtype, layout="bhnd"):
 
 
 def _split(do, q, k, v, o, lse, causal, scale):
-    """The package's own backward with its default (split) kernels."""
+    """The package's backward; the callers hold ``use_options(backward="split")``."""
     from flashattn_triton import launch
 
     return launch.backward(do, q, k, v, o, lse, causal, scale)
@@ -385,7 +372,7 @@ def check(specs: list[str], out: Path | None) -> int:
     """dq, dk, dv of each variant against float64 on awkward shapes (ragged, n_q != n_k,
     grouped-query heads, a (B, N, H, d) layout), the package's split backward as the
     yardstick; returns 1 if any variant is off."""
-    from flashattn_triton import launch
+    from flashattn_triton import launch, use_options
     from flashattn_triton.reference import attention_reference
 
     shapes = [  # B, H, Hkv, n_q, n_k, causal, layout
@@ -413,7 +400,9 @@ def check(specs: list[str], out: Path | None) -> int:
             def err(x, r):
                 return ((x.double() - r).norm() / r.norm()).item()
 
-            yard = [err(x, r) for x, r in zip(_split(do, q, k, v, o, lse, causal, scale), ref)]
+            with use_options(backward="split"):
+                split = _split(do, q, k, v, o, lse, causal, scale)
+            yard = [err(x, r) for x, r in zip(split, ref)]
             for spec in specs:
                 got = backward_onepass(do, q, k, v, o, lse, causal, scale, **parse_spec(spec))
                 errs = [err(x, r) for x, r in zip(got, ref)]
@@ -437,7 +426,7 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
     (with ``ablate`` parts left out, first spec only), then split again; one process."""
     import triton
 
-    from flashattn_triton import launch
+    from flashattn_triton import launch, use_options
 
     shapes = [(1, 16, 16, 16384, True), (1, 32, 32, 32768, True), (1, 16, 16, 16384, False),
               (4, 32, 32, 4096, True), (1, 32, 8, 16384, True)]  # fmt: skip
@@ -451,7 +440,8 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
             return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
         row = {"shape": [b, h, h_kv, n, 128], "causal": causal}
-        row["split"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
+        with use_options(backward="split"):
+            row["split"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
         for spec in specs:
             for ab in [0, *ablate] if spec == specs[0] else [0]:
                 kw = parse_spec(spec) | {"ablate": ab}
@@ -459,7 +449,8 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
                 row[label] = bench(
                     lambda kw=kw: backward_onepass(do, q, k, v, o, lse, causal, scale, **kw)  # noqa: B023
                 )  # fmt: skip
-        row["split again"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
+        with use_options(backward="split"):
+            row["split again"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
         rows.append(row)
         print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in row.items()), flush=True)  # fmt: skip
@@ -493,21 +484,37 @@ def offline(specs: list[str]) -> int:
     acc = torch.empty(b, h, n, d, dtype=torch.float32, device="meta")
     for spec in specs:
         o = parse_spec(spec)
-        bn = o["block_n"]
+        ws = o.get("ws", False)
+        bn = 128 if ws else o["block_n"]
         ds_layout = gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16)
-        block = [1, 1, 64, d]
+        block = [1, 1, 64, d // 2 if ws else d]
         dq_desc = TensorDescriptor(
             acc, list(acc.shape), list(acc.stride()), block,
             gl.NVMMASharedLayout.get_default_for(block, gl.float32),
         )  # fmt: skip
-        c = bwd_kernel.warmup(
+        args = (
             _desc(q, 64), _desc(q, bn), _desc(q, bn), _desc(q, 64), _flat_desc(lse, 64),
             _flat_desc(lse, 64), dq_desc, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, n,
-            0.18, 0.125, 2, 1, DS_LAYOUT=ds_layout,
-            BLOCK_M=64, BLOCK_N=bn, HEAD_DIM=d, STAGES=2, CAUSAL=True, GROUPED=True, GQA=False,
-            SEPARATE=o["separate"], LATE=o["late"], ABLATE=0, num_warps=bn // 16, grid=(1,),
+            0.18, 0.125, 2, 1,
         )  # fmt: skip
-        print(f"{spec:14s} {_resource_usage(c.asm['cubin'])} smem {c.metadata.shared // 1024}K")
+        if ws:
+            c = bwd_ws_kernel.warmup(
+                *args, DS_LAYOUT=ds_layout, BLOCK_M=64, HEAD_DIM=d, STAGES=2, CAUSAL=True,
+                GROUPED=True, GQA=False, MATH_REGS=o.get("math_regs", 240), num_warps=4,
+                grid=(1,),
+            )  # fmt: skip
+        else:
+            c = bwd_kernel.warmup(
+                *args, DS_LAYOUT=ds_layout, BLOCK_M=64, BLOCK_N=bn, HEAD_DIM=d, STAGES=2,
+                CAUSAL=True, GROUPED=True, GQA=False, SEPARATE=o["separate"], LATE=o["late"],
+                ABLATE=0, num_warps=bn // 16, grid=(1,),
+            )  # fmt: skip
+        ptx = c.asm["ptx"]
+        split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+        print(
+            f"{spec:14s} {_resource_usage(c.asm['cubin'])} smem {c.metadata.shared // 1024}K "
+            f"setmaxnreg {split or '-'}"
+        )
     return 0
 
 

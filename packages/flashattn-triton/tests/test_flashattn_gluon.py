@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashattn_triton import gluon_dkdv, gluon_dq, gluon_fwd, options
+from flashattn_triton import gluon_bwd, gluon_dkdv, gluon_dq, gluon_fwd, options
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gluon_dkdv.py"
 
@@ -29,6 +29,34 @@ def test_never_applies_off_gpu():
     assert not gluon_dkdv.try_dkdv(q, q, q, q, None, None, q, q, True, 0.1)
     assert not gluon_dq.try_dq(q, q, q, q, None, None, q, True, 0.1)
     assert not gluon_dq.small_grid(q)  # no SM count off-GPU
+
+
+def test_onepass_never_applies_off_gpu():
+    q = torch.zeros(1, 2, 16384, 128, dtype=torch.bfloat16)
+    stats = torch.zeros(1, 2, 16384)
+    assert not gluon_bwd.would_run(q, q, q, q)
+    assert not gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, True, 0.1)
+
+
+@pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_onepass_compiles_for_hopper():
+    """The one-pass backward compiles for sm_90 without a GPU, with its register split:
+    the math warpgroups raised, the loader and reducer warps lowered to 24."""
+    env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
+    env.pop("TRITON_INTERPRET", None)
+    script = BENCH.parent / "onepass_bwd.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "offline", "ws"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("ws "))
+    assert "reg " in line, line
+    assert "'24'" in line, line
+    assert f"'{gluon_bwd.MATH_REGS}'" in line, line
 
 
 def test_gluon_forward_never_applies_off_gpu():

@@ -189,6 +189,13 @@ def test_atomic_backward_with_tma_reduction(n_q, n_k, causal, monkeypatch, set_o
     _check(*_inputs((2,), n_q, n_k, 24), causal)
 
 
+def test_onepass_setting_off_hopper_runs_what_auto_picks(set_options):
+    """``backward="onepass"`` where the one-pass Gluon kernel cannot run (here: the CPU)
+    takes the scheme ``auto`` would, with the same results."""
+    set_options(backward="onepass")
+    _check(*_inputs((2,), 70, 70, 16), True)
+
+
 @pytest.mark.parametrize("group", ["1", "2", "3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch, set_options):

@@ -6,14 +6,19 @@ over query tiles (no atomics, P recomputed twice; on Hopper, for d = 128 and TMA
 layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids or with
 2048 keys or more the dQ kernel that of ``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
-``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics; ``auto``
-(default) = fused for causal 16-bit inputs on small grids (about one wave of programs, e.g.
-batch 1 with few heads and long sequences), split otherwise. On small causal grids the split
-kernels also halve their grid-axis tiles (``configs.for_small_grid``).
+``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics;
+``onepass`` = on Hopper at head dim 128 (16-bit, TMA-readable, from ``gluon_bwd.MIN_KEYS``
+keys, no window or packing) one warp-specialized Gluon kernel for dK, dV and dQ, dQ summed
+into a float32 buffer by TMA reduce-adds (``gluon_bwd``), elsewhere what ``auto`` picks;
+``auto`` (default) = onepass where it applies, fused for causal 16-bit inputs on small grids
+(about one wave of programs, e.g. batch 1 with few heads and long sequences), split
+otherwise. On small causal grids the split kernels also halve their grid-axis tiles
+(``configs.for_small_grid``).
 
-Calls with features (grouped-query heads, windows, packed sequences) always take the split
-backward (the fused and atomic kernels lack them); of those, only grouped-query calls may run
-the Gluon kernels (which lack windows and packing); the packed
+Calls with features (grouped-query heads, windows, packed sequences) take the split
+backward (the fused and atomic kernels lack them) unless the one-pass kernel applies; of
+those, only grouped-query calls may run the Gluon kernels (which lack windows and packing);
+the packed
 launcher (``launch_varlen.backward_varlen``) shares ``_stats_buffers`` and
 ``_backward_launches``. ``backward`` keeps its scheme choice per launch-plan key
 (``_BWD_SCHEMES``, emptied with the plans). ``launch.backward`` is this ``backward``.
@@ -56,6 +61,13 @@ def _gluon_dkdv(*args, **kwargs) -> bool:
     from . import gluon_dkdv
 
     return gluon_dkdv.try_dkdv(*args, **kwargs)
+
+
+def _gluon_bwd():
+    """The ``gluon_bwd`` module (the one-pass backward; imported like ``_gluon_dkdv``)."""
+    from . import gluon_bwd
+
+    return gluon_bwd
 
 
 def _gluon_dq():
@@ -213,7 +225,7 @@ def backward(
         key = _layout_key(inputs, "bwd", causal, softmax_scale, feat)
     plan = _BWD_SCHEMES.get(key) if key is not None else None
     if plan is None:
-        plan = _backward_scheme(q, k, causal, feat)
+        plan = _backward_scheme(q, k, causal, feat, v, do)
         if key is not None:
             if len(_BWD_SCHEMES) >= 4096:
                 _BWD_SCHEMES.clear()
@@ -229,7 +241,7 @@ def backward(
             dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only, feat,
         )  # fmt: skip
 
-    if scheme == "atomic":  # accumulates into dq_acc: never replayed
+    if scheme in ("atomic", "onepass"):  # accumulate into float32 buffers: never replayed
         key = None
     _launch_planned(key, inputs, (dq, dk, dv, *stats), launch_jit)
     if scheme == "atomic":
@@ -273,24 +285,45 @@ _CALLS: dict[tuple, tuple] = keyed_cache()
 
 
 def _backward_scheme(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, feat: Features | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    feat: Features | None = None,
+    v: torch.Tensor | None = None,
+    do: torch.Tensor | None = None,
 ) -> tuple[str, str | None, bool, bool]:
     """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics).
-    Calls with features (``Features``) take the split backward on full-size tiles."""
+    Where the one-pass Gluon backward applies (``_onepass_applies``), ``auto`` and
+    ``onepass`` take it; other calls with features (``Features``) take the split backward
+    on full-size tiles."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
+    setting = get_options().backward
+    if setting in ("auto", "onepass") and _onepass_applies(q, k, v, do, feat):
+        # Its own plan: unpacked row statistics; the dK/dV kind kept for the split kernels
+        # that run instead if its first compile fails.
+        return "onepass", "dkdv", False, False
+    if setting == "onepass":  # where it does not apply, what auto picks
+        setting = "auto"
     if feat is not None:
         packed = _stats_by_tma(q, "dkdv", n_q, n_k, block_d, elem, False, features=True)
         return "split", "dkdv", False, packed
     n_sms = sm_count(q)
-    setting = get_options().backward
     scheme = C.resolve_backward_scheme(setting, causal, b * h, n_k, block_d, elem, n_sms)
     kind = {"split": "dkdv", "atomic": "atomic"}.get(scheme)  # the dK/dV kernel's, if Triton's
     small_dkdv = _small_grid(causal, b * h, n_k, n_sms)
     packed = _stats_by_tma(q, kind, n_q, n_k, block_d, elem, small_dkdv)
     return scheme, kind, small_dkdv, packed
+
+
+def _onepass_applies(q, k, v, do, feat: Features | None) -> bool:
+    """Whether the one-pass Gluon backward (``gluon_bwd``) may take this call: CUDA inputs
+    it accepts (``gluon_bwd.would_run``) and no window (grouped-query heads are fine)."""
+    if v is None or do is None or not q.is_cuda or (feat is not None and feat.window):
+        return False
+    return _gluon_bwd().would_run(q, k, v, do)
 
 
 def _backward_launches(
@@ -327,6 +360,15 @@ def _backward_launches(
             lse.shape[-1], stride_rows, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=pre_block,
         )  # fmt: skip
 
+    if scheme == "onepass":
+        if only is None and varlen is None:
+            preprocess()
+            bwd = _gluon_bwd()
+            if bwd.try_onepass(q, k, v, do, lse2, delta, dq, dk, dv, causal, softmax_scale):
+                return
+        # Its first compile failed (warned), or one kernel is timed alone: the split kernels
+        # (which compute D again: the same values).
+        scheme = "split"
     # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
     # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
     # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields, replace
 
-BWD_SCHEMES = ("auto", "split", "fused", "atomic")
+BWD_SCHEMES = ("auto", "split", "fused", "atomic", "onepass")
 FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 
 # option name -> environment variable read on first use
@@ -43,8 +43,10 @@ _FALSE = ("0", "false", "no", "off")
 class Options:
     """Launch choices of the Triton backend (all have measured defaults).
 
-    backward: ``auto`` (fused on small causal 16-bit grids, else split), ``split``, ``fused``
-        or ``atomic`` (see ``launch``).
+    backward: ``auto`` (on Hopper at head dim 128 from 16K keys the one-pass Gluon
+        backward, ``onepass``; fused on small causal 16-bit grids; else split), ``split``,
+        ``fused``, ``atomic`` or ``onepass`` (see ``launch``). ``onepass`` sums dQ by
+        atomics, so its last bits may vary between runs; ``split`` is deterministic.
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
         ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
         ('highest' -> tf32x3, else tf32).
