@@ -32,8 +32,9 @@
 #   d128       flashattn-triton at head dim 128: the Gluon forward's correctness checks and
 #              variant A/B with the package's forward with and without it over the sweep's
 #              batch-1 shapes (benchmarks/gluon_fwd_ab.py --sweep), the eager d = 128 sweep,
-#              the leaderboard shape at d = 128, and the GQA / window feature rows
-#              (estimate ~8 min: its parts ran in 1-4 min each on one H200)
+#              the leaderboard shape at d = 128, the GQA / window feature rows, and the
+#              one-pass backward's float64 check and its timing against the split backward
+#              and SDPA (estimate ~11 min: its parts ran in 1-4 min each on one H200)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
 #              graph, AdamW during the backward, bf16-held weights): SDPA against our
 #              attention, then lm_core's SwiGLU, q/k/v RoPE and RMSNorm kernels off / on
@@ -191,6 +192,9 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
     --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
   run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
     --csv "$WORK/features_d128.csv" --json "$WORK/features_d128.json"
+  # the one-pass backward (the default from 16K keys): checked, then timed against split
+  run d128_onepass_check $PY "$FA/onepass_bwd.py" check ws --out "$WORK/onepass"
+  run d128_onepass_time $PY "$FA/results/current/scripts/onepass_pkg_time.py" "$WORK"
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks
