@@ -225,3 +225,28 @@ def test_few_programs_flag_without_an_entry_keeps_the_table(monkeypatch, set_opt
     for kind in ("dq", "dkdv"):
         plain = configs.default_config(kind, 16384, 16384, 128, 2)
         assert configs.default_config(kind, 16384, 16384, 128, 2, few_programs=True) == plain
+
+
+def test_onepass_scheme_rule(monkeypatch, set_options):
+    """Where the one-pass Gluon backward could run (faked here: it needs a Hopper GPU),
+    ``auto`` takes it except on the small causal grids that get the fused backward,
+    ``onepass`` always, ``split`` never; where it cannot run, ``onepass`` is ``auto``."""
+    from flashattn_triton import launch_backward
+
+    monkeypatch.setattr(launch_backward, "sm_count", lambda t: 132)
+    applies = {"on": True}
+    monkeypatch.setattr(launch_backward, "_onepass_applies", lambda *a: applies["on"])
+
+    def scheme(setting, h, n, causal=True):
+        set_options(backward=setting)
+        q = torch.empty(1, h, n, 128, dtype=torch.bfloat16)
+        return launch_backward._backward_scheme(q, q, causal, None, q, q)[0]
+
+    assert scheme("auto", 16, 16384) == "onepass"
+    assert scheme("auto", 1, 16384) == "fused"  # 128 programs of 128 rows: one wave
+    assert scheme("auto", 1, 16384, causal=False) == "onepass"
+    assert scheme("onepass", 1, 16384) == "onepass"
+    assert scheme("split", 16, 16384) == "split"
+    applies["on"] = False
+    assert scheme("onepass", 16, 16384) == "split"
+    assert scheme("onepass", 1, 16384) == "fused"

@@ -10,9 +10,9 @@ layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids
 ``onepass`` = on Hopper at head dim 128 (16-bit, TMA-readable, from ``gluon_bwd.MIN_KEYS``
 keys, no window or packing) one warp-specialized Gluon kernel for dK, dV and dQ, dQ summed
 into a float32 buffer by TMA reduce-adds (``gluon_bwd``), elsewhere what ``auto`` picks;
-``auto`` (default) = onepass where it applies, fused for causal 16-bit inputs on small grids
-(about one wave of programs, e.g. batch 1 with few heads and long sequences), split
-otherwise. On small causal grids the split kernels also halve their grid-axis tiles
+``auto`` (default) = fused for causal 16-bit inputs on small grids (about one wave of
+programs, e.g. batch 1 with few heads and long sequences), else onepass where it applies,
+else split. On small causal grids the split kernels also halve their grid-axis tiles
 (``configs.for_small_grid``).
 
 Calls with features (grouped-query heads, windows, packed sequences) take the split
@@ -293,15 +293,23 @@ def _backward_scheme(
     do: torch.Tensor | None = None,
 ) -> tuple[str, str | None, bool, bool]:
     """(scheme, the Triton dK/dV kernel kind or None, small dK/dV grid, packed statistics).
-    Where the one-pass Gluon backward applies (``_onepass_applies``), ``auto`` and
-    ``onepass`` take it; other calls with features (``Features``) take the split backward
-    on full-size tiles."""
+    Where the one-pass Gluon backward applies (``_onepass_applies``), ``onepass`` takes it,
+    and so does ``auto`` except on the small causal grids it gives the fused backward (one
+    wave of 128-key programs would leave the longest causal program alone at the end: not
+    measured). Other calls with features (``Features``) take the split backward on
+    full-size tiles."""
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     setting = get_options().backward
-    if setting in ("auto", "onepass") and _onepass_applies(q, k, v, do, feat):
+    onepass = setting in ("auto", "onepass") and _onepass_applies(q, k, v, do, feat)
+    if onepass and setting == "auto" and feat is None:
+        n_sms = sm_count(q)
+        onepass = (
+            C.resolve_backward_scheme("auto", causal, b * h, n_k, block_d, elem, n_sms) == "split"
+        )
+    if onepass:
         # Its own plan: unpacked row statistics; the dK/dV kind kept for the split kernels
         # that run instead if its first compile fails.
         return "onepass", "dkdv", False, False

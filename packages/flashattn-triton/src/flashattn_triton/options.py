@@ -43,8 +43,8 @@ _FALSE = ("0", "false", "no", "off")
 class Options:
     """Launch choices of the Triton backend (all have measured defaults).
 
-    backward: ``auto`` (on Hopper at head dim 128 from 16K keys the one-pass Gluon
-        backward, ``onepass``; fused on small causal 16-bit grids; else split), ``split``,
+    backward: ``auto`` (fused on small causal 16-bit grids; else on Hopper at head dim 128
+        from 16K keys the one-pass Gluon backward, ``onepass``; else split), ``split``,
         ``fused``, ``atomic`` or ``onepass`` (see ``launch``). ``onepass`` sums dQ by
         atomics, so its last bits may vary between runs; ``split`` is deterministic.
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
