@@ -196,6 +196,33 @@ def test_onepass_setting_off_hopper_runs_what_auto_picks(set_options):
     _check(*_inputs((2,), 70, 70, 16), True)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_onepass_plan_falls_back_to_split(deterministic, monkeypatch, set_options):
+    """A backward planned as one-pass (faked: the kernel needs a Hopper GPU) whose kernel
+    does not run (a failed compile) gives the split kernels' results; in torch's
+    deterministic mode the one-pass kernel is not even tried."""
+    from flashattn_triton import launch_backward
+
+    tried = []
+
+    class FakeOnepass:
+        @staticmethod
+        def try_onepass(*args):
+            tried.append(args[0].shape)
+            return False
+
+    monkeypatch.setattr(launch_backward, "_onepass_applies", lambda *a: True)
+    monkeypatch.setattr(launch_backward, "_gluon_bwd", lambda: FakeOnepass)
+    set_options(backward="auto")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        _check(*_inputs((2,), 70, 70, 16), True)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(tried) == (0 if deterministic else 1)
+
+
 @pytest.mark.parametrize("group", ["1", "2", "3"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_grouped_launch_order(group, causal, small_tiles, monkeypatch, set_options):

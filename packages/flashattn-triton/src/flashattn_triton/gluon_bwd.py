@@ -18,8 +18,8 @@ So the math warpgroups never wait for a reduce, and they meet once per tile (the
 exchange). The caller zeroes the buffer and converts it to dq's dtype afterwards. Triton
 3.6's Gluon has no wrapper for the reduce-add; ``_reduce_add`` emits the op its builder
 provides (later Gluon names it ``tma.async_atomic_add``). The sums in dQ arrive in no fixed
-order, so dq may differ in its last bits between runs; ``Options.backward="split"`` keeps
-the deterministic split kernels.
+order, so dq may differ in its last bits between runs; ``Options.backward="split"`` and
+torch's deterministic mode keep the deterministic split kernels.
 
 Grouped-query heads work as in ``gluon_dkdv``: the program walks the q heads of its k/v
 head and sums their dK, dV in registers; each q head's dQ goes to its own rows. Windows and

@@ -369,13 +369,14 @@ def _backward_launches(
         )  # fmt: skip
 
     if scheme == "onepass":
-        if only is None and varlen is None:
+        # dQ's sums arrive in no fixed order: torch's deterministic mode gets the split kernels.
+        if only is None and varlen is None and not torch.are_deterministic_algorithms_enabled():
             preprocess()
             bwd = _gluon_bwd()
             if bwd.try_onepass(q, k, v, do, lse2, delta, dq, dk, dv, causal, softmax_scale):
                 return
-        # Its first compile failed (warned), or one kernel is timed alone: the split kernels
-        # (which compute D again: the same values).
+        # Deterministic mode, its first compile failed (warned), or one kernel is timed
+        # alone: the split kernels (which compute D again if it was: the same values).
         scheme = "split"
     # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
     # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come

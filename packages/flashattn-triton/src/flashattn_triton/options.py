@@ -46,7 +46,8 @@ class Options:
     backward: ``auto`` (fused on small causal 16-bit grids; else on Hopper at head dim 128
         from 16K keys the one-pass Gluon backward, ``onepass``; else split), ``split``,
         ``fused``, ``atomic`` or ``onepass`` (see ``launch``). ``onepass`` sums dQ by
-        atomics, so its last bits may vary between runs; ``split`` is deterministic.
+        atomics, so its last bits may vary between runs; ``split`` is deterministic, and
+        torch's deterministic mode runs it instead of ``onepass``.
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
         ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
         ('highest' -> tf32x3, else tf32).
