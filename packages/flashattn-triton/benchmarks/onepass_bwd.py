@@ -26,6 +26,10 @@ which the package's launcher does in one kernel.
     python benchmarks/onepass_bwd.py check ws 128,sep,late --out $OUT  # Hopper GPU
     python benchmarks/onepass_bwd.py time ws 128,sep,late --out $OUT
     python benchmarks/onepass_bwd.py time 128,sep,late 64 --ablate 1 2 --out $OUT
+    python benchmarks/onepass_bwd.py check ws --d 64 --out $OUT        # not measured yet
+
+``--d 64`` runs the same kernels at head dim 64, which the package does not (compiled
+offline: 129 KB of shared memory, one program per SM, no spills; never run on a GPU).
 """
 
 from __future__ import annotations
@@ -273,8 +277,9 @@ def launch_onepass(
     block_n: int = 64, separate: bool = False, late: bool = False, ws: bool = False,
     math_regs: int = 240, ablate: int = 0, head_group: int = 0,
 ) -> None:  # fmt: skip
-    """dK, dV of (B, H, N, 128) 16-bit q, do and (B, Hkv, N, 128) k, v (TMA-readable, as
-    ``gluon_dkdv.applies`` requires) into dk, dv, and dQ * softmax_scale added into dq_acc,
+    """dK, dV of (B, H, N, d) 16-bit q, do and (B, Hkv, N, d) k, v (d 64 or 128,
+    TMA-readable as ``gluon_dkdv.applies`` requires) into dk, dv, and dQ * softmax_scale
+    added into dq_acc,
     a zeroed contiguous float32 (B, H, n_q, d) buffer. lse2 (log2 units, +inf for rows
     without keys) and delta: contiguous (B, H, rows) float32, rows a multiple of 4 >= n_q.
     ``ws``: the warp-specialized kernel (128 keys, ``math_regs`` registers per math thread);
@@ -347,8 +352,7 @@ def parse_spec(spec: str) -> dict:
     return {"block_n": int(parts[0]), "separate": "sep" in flags, "late": "late" in flags}
 
 
-def _inputs(b, h, h_kv, n_q, n_k, dtype, layout="bhnd"):
-    d = 128
+def _inputs(b, h, h_kv, n_q, n_k, dtype, layout="bhnd", d=128):
     if layout == "bnhd":  # a model's (B, N, H, d) buffers seen as (B, H, N, d)
         q = torch.randn(b, n_q, h, d, device="cuda", dtype=dtype).transpose(1, 2)
         k, v = (
@@ -368,7 +372,7 @@ def _split(do, q, k, v, o, lse, causal, scale):
     return launch.backward(do, q, k, v, o, lse, causal, scale)
 
 
-def check(specs: list[str], out: Path | None) -> int:
+def check(specs: list[str], out: Path | None, d: int = 128) -> int:
     """dq, dk, dv of each variant against float64 on awkward shapes (ragged, n_q != n_k,
     grouped-query heads, a (B, N, H, d) layout), the package's split backward as the
     yardstick; returns 1 if any variant is off."""
@@ -387,8 +391,8 @@ def check(specs: list[str], out: Path | None) -> int:
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         for b, h, h_kv, n_q, n_k, causal, layout in shapes:
-            q, k, v, do = _inputs(b, h, h_kv, n_q, n_k, dtype, layout)
-            scale = 128**-0.5
+            q, k, v, do = _inputs(b, h, h_kv, n_q, n_k, dtype, layout, d)
+            scale = d**-0.5
             o, lse = launch.forward(q, k, v, causal, scale)
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             rep = h // h_kv
@@ -421,7 +425,7 @@ def check(specs: list[str], out: Path | None) -> int:
     return int(bad > 0)
 
 
-def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
+def time_specs(specs: list[str], ablate: list[int], out: Path | None, d: int = 128) -> int:
     """Backward alone (ms, do_bench median): the package's split kernels, then each variant
     (with ``ablate`` parts left out, first spec only), then split again; one process."""
     import triton
@@ -432,14 +436,14 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
               (4, 32, 32, 4096, True), (1, 32, 8, 16384, True)]  # fmt: skip
     rows = []
     for b, h, h_kv, n, causal in shapes:
-        q, k, v, do = _inputs(b, h, h_kv, n, n, torch.bfloat16)
-        scale = 128**-0.5
+        q, k, v, do = _inputs(b, h, h_kv, n, n, torch.bfloat16, d=d)
+        scale = d**-0.5
         o, lse = launch.forward(q, k, v, causal, scale)
 
         def bench(fn):
             return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
-        row = {"shape": [b, h, h_kv, n, 128], "causal": causal}
+        row = {"shape": [b, h, h_kv, n, d], "causal": causal}
         with use_options(backward="split"):
             row["split"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
         for spec in specs:
@@ -459,7 +463,7 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None) -> int:
     return 0
 
 
-def offline(specs: list[str]) -> int:
+def offline(specs: list[str], d: int = 128) -> int:
     """Compile each variant for sm_90 with no GPU; print registers, spills, shared memory."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -478,7 +482,7 @@ def offline(specs: list[str]) -> int:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(_Hopper())
-    b, h, n, d = 1, 16, 16384, 128
+    b, h, n = 1, 16, 16384
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")
     acc = torch.empty(b, h, n, d, dtype=torch.float32, device="meta")
@@ -524,6 +528,9 @@ def main(argv=None) -> int:
     ap.add_argument("specs", nargs="+", help="BLOCK_N[,sep][,late]")
     ap.add_argument("--ablate", type=int, nargs="*", default=[], choices=(1, 2))
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
+    ap.add_argument(
+        "--d", type=int, default=128, choices=(64, 128), help="head dim (the package: 128)"
+    )
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
         ap.error("this Triton has no Gluon (triton.experimental.gluon); Triton >= 3.5 does")
@@ -535,12 +542,12 @@ def main(argv=None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "offline":
-        return offline(a.specs)
+        return offline(a.specs, a.d)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":
-        return check(a.specs, a.out)
-    return time_specs(a.specs, a.ablate, a.out)
+        return check(a.specs, a.out, a.d)
+    return time_specs(a.specs, a.ablate, a.out, a.d)
 
 
 if __name__ == "__main__":
