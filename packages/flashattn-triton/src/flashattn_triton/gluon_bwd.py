@@ -395,6 +395,8 @@ def launch_onepass(
     ds_layout = gl.NVMMASharedLayout.get_default_for(
         [block_n, block_m], getattr(gl, GL_DTYPES[q.dtype])
     )
+    # Through Triton's dispatch, not fastlaunch: these calls are never replayed from a
+    # launch plan (the zeroed buffer and its conversion are torch ops around the launch).
     bwd_ws_kernel[(b * h_kv, -(-n_k // block_n))](
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         _flat_desc(lse2, block_m), _flat_desc(delta, block_m), dq_desc, dk, dv,
