@@ -18,8 +18,7 @@ else split. On small causal grids the split kernels also halve their grid-axis t
 Calls with features (grouped-query heads, windows, packed sequences) take the split
 backward (the fused and atomic kernels lack them) unless the one-pass kernel applies; of
 those, only grouped-query calls may run the Gluon kernels (which lack windows and packing);
-the packed
-launcher (``launch_varlen.backward_varlen``) shares ``_stats_buffers`` and
+the packed launcher (``launch_varlen.backward_varlen``) shares ``_stats_buffers`` and
 ``_backward_launches``. ``backward`` keeps its scheme choice per launch-plan key
 (``_BWD_SCHEMES``, emptied with the plans). ``launch.backward`` is this ``backward``.
 """
