@@ -195,6 +195,10 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
   # the one-pass backward (the default from 16K keys): checked, then timed against split
   run d128_onepass_check $PY "$FA/onepass_bwd.py" check ws --out "$WORK/onepass"
   run d128_onepass_time $PY "$FA/results/current/scripts/onepass_pkg_time.py" "$WORK"
+  # below its threshold (MIN_KEYS): where does it start to win?
+  run d128_onepass_min_keys $PY "$FA/results/current/scripts/onepass_pkg_time.py" \
+    "$WORK/onepass_min_keys" 4,32,32,4096,1 4,32,8,4096,1 2,16,16,8192,1 2,16,16,8192,0 \
+    --min-keys 4096
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks

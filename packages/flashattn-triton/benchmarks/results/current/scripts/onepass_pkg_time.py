@@ -4,11 +4,16 @@ SDPA's cuDNN and flash backends, two interleaved rounds in one process (``do_ben
 medians, bf16). Produced ``h200_onepass_pkg_time.json``.
 
     python onepass_pkg_time.py OUT_DIR
+    python onepass_pkg_time.py OUT_DIR 4,32,32,4096,1 2,16,16,8192,1 --min-keys 4096
+
+Shapes as B,H,HKV,N,CAUSAL (0/1); ``--min-keys`` lowers ``gluon_bwd.MIN_KEYS`` so that the
+one-pass kernel runs below the package's threshold (to place that threshold).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -61,16 +66,34 @@ def measure(b: int, h: int, h_kv: int, n: int, causal: bool) -> dict:
     return row
 
 
-def main(out: str) -> None:
+def main(argv: list[str]) -> None:
+    import argparse
+
+    from flashattn_triton import gluon_bwd, launch_plans
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("shapes", nargs="*", help="B,H,HKV,N,CAUSAL(0/1); default: the table's")
+    ap.add_argument("--min-keys", type=int, default=None, help="override gluon_bwd.MIN_KEYS")
+    a = ap.parse_args(argv)
+    if a.min_keys is not None:
+        gluon_bwd.MIN_KEYS = a.min_keys
+        launch_plans.clear_plans()
+    shapes = SHAPES
+    if a.shapes:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
+        shapes = [(b, h, hkv, n, bool(c)) for b, h, hkv, n, c in shapes]
+    out = a.out
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         rows.append(measure(*shape))
         print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                          for k, v in rows[-1].items()), flush=True)  # fmt: skip
         torch.cuda.empty_cache()
+    os.makedirs(out, exist_ok=True)
     with open(f"{out}/onepass_pkg_time.json", "w") as f:
         json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
