@@ -136,6 +136,25 @@ def sass_hash(cubin: bytes) -> str:
     return f"{hashlib.sha1(text.encode()).hexdigest()[:12]} ({len(ins)} instructions)"
 
 
+def use_hopper_driver() -> None:
+    """Make Triton's active driver a stand-in for an sm_90 GPU: just enough for
+    ``JITFunction.warmup`` to compile Gluon kernels on a machine without one."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class _Hopper:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(_Hopper())
+
+
 def _resource_usage(cubin: bytes) -> str:
     import triton
 

@@ -92,23 +92,10 @@ def offline(
     kv_group > 1: the grouped-query variant (that many q heads per k/v head)."""
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
     sys.path.insert(0, str(Path(__file__).parent))
-    from compile_offline import _resource_usage, wgmma_schedule
+    from compile_offline import _resource_usage, use_hopper_driver, wgmma_schedule
 
-    class _Hopper:  # just enough driver for JITFunction.warmup
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(_Hopper())
+    use_hopper_driver()
     b, h, n, d = shape
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")

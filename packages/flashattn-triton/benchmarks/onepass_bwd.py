@@ -65,8 +65,8 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashattn_triton.gluon_bwd import _load_stage, _reduce_add, bwd_ws_kernel
-    from flashattn_triton.gluon_dkdv import _query_tile, _tma_load
+    from flashattn_triton.gluon_bwd import _reduce_add, bwd_ws_kernel
+    from flashattn_triton.gluon_dkdv import _query_tile, _store_dkdv, _tile_stage, _tma_load
     from flashattn_triton.kernels import _grouped_program
 
 if HAVE_GLUON:
@@ -77,6 +77,24 @@ if HAVE_GLUON:
         in Triton 3.6, ``reinterpret`` later)."""
         view = getattr(smem, "reinterpret", None) or smem._reinterpret
         return view(dtype, shape, layout, _semantic=_semantic)
+
+    @gluon.jit
+    def _refill(
+        i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, q_desc, do_desc, lse_desc,
+        delta_desc, qdo_smem, lse_smem, delta_smem, ready, stride_stats, STAGES: gl.constexpr,
+        BLOCK_M: gl.constexpr, GQA: gl.constexpr, WAIT_REDUCE: gl.constexpr, pred,
+    ):  # fmt: skip
+        """Load the i-th query tile into its ring stage (the interleaved Q / dO ring); with
+        WAIT_REDUCE first wait until the dQ reduce staged in that stage has read it."""
+        if WAIT_REDUCE:
+            tma.store_wait(0)
+        qh, row, stats_bh = _query_tile(
+            i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
+        )
+        _tile_stage(
+            i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem, qdo_smem,
+            lse_smem, delta_smem, ready, b, stride_stats, STAGES, True, pred, INTERLEAVED=True,
+        )  # fmt: skip
 
     @gluon.jit
     def bwd_kernel(
@@ -143,12 +161,10 @@ if HAVE_GLUON:
         _tma_load(k_desc, [b, hk, start_n, 0], kv_ready, k_smem)
         _tma_load(v_desc, [b, hk, start_n, 0], kv_ready, v_smem)
         for i in gl.static_range(STAGES - 1):
-            qh, row, stats_bh = _query_tile(
-                i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
-            )
-            _load_stage(
-                i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem,
-                lse_smem, delta_smem, ready, b, stride_stats, STAGES, i < n_iters,
+            _refill(
+                i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, q_desc, do_desc,
+                lse_desc, delta_desc, qdo_smem, lse_smem, delta_smem, ready, stride_stats,
+                STAGES, BLOCK_M, GQA, False, i < n_iters,
             )  # fmt: skip
 
         k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -203,14 +219,10 @@ if HAVE_GLUON:
             # previous tile's dQ reduce has finished reading it.
             nxt = i + STAGES - 1
             if not LATE:
-                if not SEPARATE:
-                    tma.store_wait(0)
-                qh_n, row_n, stats_n = _query_tile(
-                    nxt, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
-                )
-                _load_stage(
-                    nxt, row_n, qh_n, stats_n, q_desc, do_desc, lse_desc, delta_desc, qdo_smem,
-                    lse_smem, delta_smem, ready, b, stride_stats, STAGES, nxt < n_iters,
+                _refill(
+                    nxt, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, q_desc, do_desc,
+                    lse_desc, delta_desc, qdo_smem, lse_smem, delta_smem, ready, stride_stats,
+                    STAGES, BLOCK_M, GQA, not SEPARATE, nxt < n_iters,
                 )  # fmt: skip
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             needs_mask = (start_m + BLOCK_M > n_q) | keys_ragged
@@ -227,14 +239,10 @@ if HAVE_GLUON:
             ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
             dk = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q_s, dk, is_async=True)
             if LATE:
-                if not SEPARATE:
-                    tma.store_wait(0)
-                qh_n, row_n, stats_n = _query_tile(
-                    nxt, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
-                )
-                _load_stage(
-                    nxt, row_n, qh_n, stats_n, q_desc, do_desc, lse_desc, delta_desc, qdo_smem,
-                    lse_smem, delta_smem, ready, b, stride_stats, STAGES, nxt < n_iters,
+                _refill(
+                    nxt, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, q_desc, do_desc,
+                    lse_desc, delta_desc, qdo_smem, lse_smem, delta_smem, ready, stride_stats,
+                    STAGES, BLOCK_M, GQA, not SEPARATE, nxt < n_iters,
                 )  # fmt: skip
             ds_smem.store(ds_t)
             fence_async_shared()
@@ -256,17 +264,10 @@ if HAVE_GLUON:
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(0)
-        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        rows = out_rows.to(gl.int64)[:, None]
-        store_mask = (out_rows < n_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
-        dv_base = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
-        gl.store(
-            dk_base + rows * stride_dkn + out_cols[None, :], (dk * sm_scale).to(dtype),
-            mask=store_mask,
+        _store_dkdv(
+            DK, DV, dk, dv, b, hk, start_n, n_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+            stride_dvh, stride_dvn, sm_scale, BLOCK_N, HEAD_DIM, acc_layout,
         )  # fmt: skip
-        gl.store(dv_base + rows * stride_dvn + out_cols[None, :], dv.to(dtype), mask=store_mask)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
         mbarrier.invalidate(kv_ready)
@@ -465,23 +466,10 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None, d: int = 1
 
 def offline(specs: list[str], d: int = 128) -> int:
     """Compile each variant for sm_90 with no GPU; print registers, spills, shared memory."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
     sys.path.insert(0, str(Path(__file__).parent))
-    from compile_offline import _resource_usage
+    from compile_offline import _resource_usage, use_hopper_driver
 
-    class _Hopper:  # just enough driver for JITFunction.warmup
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(_Hopper())
+    use_hopper_driver()
     b, h, n = 1, 16, 16384
     q = torch.empty(b, h, n, d, dtype=torch.bfloat16, device="meta")
     lse = torch.empty(b, h, n, dtype=torch.float32, device="meta")

@@ -59,7 +59,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_dkdv import _query_tile, _tma_load
+    from .gluon_dkdv import _query_tile, _store_dkdv, _tile_stage, _tma_load
     from .kernels import _grouped_program
 
 HEAD_DIMS = (128,)
@@ -67,7 +67,9 @@ HEAD_DIMS = (128,)
 # took 3.51 ms against their 3.27-3.31 (H200); from 16384 keys it was faster on every shape
 # measured. The zeroed float32 buffer and its conversion also add two launches.
 MIN_KEYS = 16384
-MATH_REGS = 240  # registers per math thread (setmaxnreg); the two 1-warp workers get 24
+# Registers per thread (setmaxnreg) of the worker math warpgroup; the 1-warp workers get 24 and
+# the default partition's math warpgroup the rest (256 in the sm_90 compile).
+MATH_REGS = 240
 
 
 if HAVE_GLUON:
@@ -88,27 +90,6 @@ if HAVE_GLUON:
         return _semantic.debug_barrier()
 
     @gluon.jit
-    def _load_stage(
-        i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem, lse_smem,
-        delta_smem, ready, b, stride_stats, STAGES: gl.constexpr, pred,
-    ):  # fmt: skip
-        """Start the TMA loads of the i-th query tile (rows row.. of q head qh): Q into
-        buffer 2 * stage of qdo_smem, dO into 2 * stage + 1, and the tile's log2-unit
-        log-sum-exp and delta rows, all on the stage's barrier."""
-        stage = i % STAGES
-        bar = ready.index(stage)
-        nbytes: gl.constexpr = (
-            q_desc.block_type.nbytes + do_desc.block_type.nbytes
-            + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
-        )  # fmt: skip
-        mbarrier.expect(bar, nbytes, pred=pred)
-        _tma_load(q_desc, [b, qh, row, 0], bar, qdo_smem.index(2 * stage), pred=pred)
-        _tma_load(do_desc, [b, qh, row, 0], bar, qdo_smem.index(2 * stage + 1), pred=pred)
-        flat = stats_bh * stride_stats + row
-        _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
-        _tma_load(delta_desc, [flat], bar, delta_smem.index(stage), pred=pred)
-
-    @gluon.jit
     def _ws_load(
         q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, qdo_smem,
         lse_smem, delta_smem, ready, empty, kv_ready, b, hk, pid_bh, n_heads, kv_group,
@@ -126,9 +107,9 @@ if HAVE_GLUON:
             qh, row, stats_bh = _query_tile(
                 i, lo, tiles_per_head, b, hk, pid_bh, n_heads, kv_group, BLOCK_M, GQA
             )
-            _load_stage(
-                i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem,
-                lse_smem, delta_smem, ready, b, stride_stats, STAGES, True,
+            _tile_stage(
+                i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, qdo_smem, qdo_smem,
+                lse_smem, delta_smem, ready, b, stride_stats, STAGES, True, True, INTERLEAVED=True,
             )  # fmt: skip
 
     @gluon.jit
@@ -244,17 +225,10 @@ if HAVE_GLUON:
             mbarrier.arrive(dq_ready.index(2 * WG + dsb), count=1)
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        out_rows = key0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, acc_layout))
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        rows = out_rows.to(gl.int64)[:, None]
-        store_mask = (out_rows < n_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
-        dv_base = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
-        gl.store(
-            dk_base + rows * stride_dkn + out_cols[None, :], (dk * sm_scale).to(dtype),
-            mask=store_mask,
+        _store_dkdv(
+            DK, DV, dk, dv, b, hk, key0, n_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+            stride_dvh, stride_dvn, sm_scale, HALF_N, HEAD_DIM, acc_layout,
         )  # fmt: skip
-        gl.store(dv_base + rows * stride_dvn + out_cols[None, :], dv.to(dtype), mask=store_mask)
 
     @gluon.jit
     def bwd_ws_kernel(

@@ -109,12 +109,13 @@ if HAVE_GLUON:
     def _tile_stage(
         i, row, qh, stats_bh, q_desc, do_desc, lse_desc, delta_desc, q_smem, do_smem,
         lse_smem, delta_smem, ready, b, stride_stats, STAGES: gl.constexpr,
-        ROW_TMA: gl.constexpr, pred,
+        ROW_TMA: gl.constexpr, pred, INTERLEAVED: gl.constexpr = False,
     ):  # fmt: skip
         """Start the TMA loads of the i-th query tile (rows row.. of q head qh) into its ring
-        stage: Q and dO, with ROW_TMA also the tile's log-sum-exp and delta rows (1-D TMA
-        over the flat (B*H*stride_stats,) float32 arrays, at stats_bh * stride_stats + row),
-        all on the stage's barrier."""
+        stage: Q and dO (INTERLEAVED: both in q_smem, buffers 2 * stage and 2 * stage + 1,
+        as ``gluon_bwd`` lays out its ring), with ROW_TMA also the tile's log-sum-exp and
+        delta rows (1-D TMA over the flat (B*H*stride_stats,) float32 arrays, at stats_bh *
+        stride_stats + row), all on the stage's barrier."""
         stage = i % STAGES
         bar = ready.index(stage)
         tiles_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
@@ -123,8 +124,14 @@ if HAVE_GLUON:
             mbarrier.expect(bar, tiles_bytes + rows_bytes, pred=pred)
         else:
             mbarrier.expect(bar, tiles_bytes, pred=pred)
-        _tma_load(q_desc, [b, qh, row, 0], bar, q_smem.index(stage), pred=pred)
-        _tma_load(do_desc, [b, qh, row, 0], bar, do_smem.index(stage), pred=pred)
+        if INTERLEAVED:
+            q_buf = q_smem.index(2 * stage)
+            do_buf = q_smem.index(2 * stage + 1)
+        else:
+            q_buf = q_smem.index(stage)
+            do_buf = do_smem.index(stage)
+        _tma_load(q_desc, [b, qh, row, 0], bar, q_buf, pred=pred)
+        _tma_load(do_desc, [b, qh, row, 0], bar, do_buf, pred=pred)
         if ROW_TMA:
             flat = stats_bh * stride_stats + row
             _tma_load(lse_desc, [flat], bar, lse_smem.index(stage), pred=pred)
@@ -168,6 +175,27 @@ if HAVE_GLUON:
                 i, row, qh, pid_bh, q_desc, do_desc, None, None, q_smem, do_smem, None, None,
                 ready, b, 0, STAGES, False, True,
             )  # fmt: skip
+
+    @gluon.jit
+    def _store_dkdv(
+        DK, DV, dk, dv, b, hk, row0, n_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+        stride_dvh, stride_dvn, sm_scale, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+        ACC_LAYOUT: gl.constexpr,
+    ):  # fmt: skip
+        """Store dK * sm_scale and dV (float32 ROWS x HEAD_DIM accumulators in ACC_LAYOUT, key
+        rows row0.. of (batch b, k/v head hk)) in DK's dtype through their (batch, head, row)
+        strides; rows past n_k are not written. Shared by every Gluon dK/dV loop."""
+        dtype: gl.constexpr = DK.dtype.element_ty
+        out_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC_LAYOUT))
+        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ACC_LAYOUT))
+        rows = out_rows.to(gl.int64)[:, None]
+        store_mask = (out_rows < n_k)[:, None]
+        dk_base = DK + b.to(gl.int64) * stride_dkb + hk.to(gl.int64) * stride_dkh
+        dv_base = DV + b.to(gl.int64) * stride_dvb + hk.to(gl.int64) * stride_dvh
+        dk_ptrs = dk_base + rows * stride_dkn + out_cols[None, :]
+        dv_ptrs = dv_base + rows * stride_dvn + out_cols[None, :]
+        gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=store_mask)
+        gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
 
     @gluon.jit
     def _consume(
@@ -264,16 +292,10 @@ if HAVE_GLUON:
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        out_rows = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        rows = out_rows.to(gl.int64)[:, None]
-        store_mask = (out_rows < n_k)[:, None]
-        dk_base = DK + b.to(gl.int64) * stride_dk[0] + hk.to(gl.int64) * stride_dk[1]
-        dv_base = DV + b.to(gl.int64) * stride_dv[0] + hk.to(gl.int64) * stride_dv[1]
-        dk_ptrs = dk_base + rows * stride_dk[2] + out_cols[None, :]
-        dv_ptrs = dv_base + rows * stride_dv[2] + out_cols[None, :]
-        gl.store(dk_ptrs, (dk * sm_scale).to(dtype), mask=store_mask)
-        gl.store(dv_ptrs, dv.to(dtype), mask=store_mask)
+        _store_dkdv(
+            DK, DV, dk, dv, b, hk, start_n, n_k, stride_dk[0], stride_dk[1], stride_dk[2],
+            stride_dv[0], stride_dv[1], stride_dv[2], sm_scale, BLOCK_N, HEAD_DIM, acc_layout,
+        )  # fmt: skip
 
     @gluon.jit
     def dkdv_kernel(
