@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from flashattn_testutil import reference_features, rel_err, run_fwd_bwd
 
-from flashattn_triton import flash_attention, gluon_bwd, gluon_dkdv, launch, launch_plans
+from flashattn_triton import (
+    flash_attention,
+    gluon_bwd,
+    gluon_dkdv,
+    launch,
+    launch_plans,
+    use_options,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -144,3 +151,47 @@ def test_onepass_outputs_fully_written(monkeypatch, onepass_runs):
     assert onepass_runs
     for name in ("dq", "dk", "dv"):
         assert not torch.isnan(out[name]).any(), name
+
+
+@pytest.mark.parametrize(("h", "h_kv"), [(4, 4), (4, 2)])
+def test_onepass_calls_replay(h, h_kv, monkeypatch, onepass_runs):
+    """Repeated one-pass backwards replay the first call's launches (the zeroed float32 dQ
+    buffer is one of the plan's buffers): no launch through Triton's dispatch from the
+    second call on, dk and dv equal to the first call's, dq up to the order of its sums."""
+    from flashattn_triton import fastlaunch
+
+    monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1)
+    q, k, v, do = _inputs(2, h, h_kv, 1000, 1000, torch.bfloat16)
+    first = _ours(q, k, v, do, True)
+    jit = []
+    real = fastlaunch.launch
+    monkeypatch.setattr(fastlaunch, "launch", lambda *a, **kw: jit.append(1) or real(*a, **kw))
+    for _ in range(3):
+        again = _ours(q, k, v, do, True)
+        assert torch.equal(again["dk"], first["dk"])
+        assert torch.equal(again["dv"], first["dv"])
+        assert rel_err(again["dq"], first["dq"]) < 5e-3
+    torch.cuda.synchronize()
+    assert not jit, f"{len(jit)} launches went through Triton's dispatch"
+    assert onepass_runs == [(2, h, 1000)]
+
+
+def test_deterministic_mode_leaves_a_replayed_onepass_plan(monkeypatch, onepass_runs):
+    """A call whose one-pass launches are remembered runs the split kernels once torch's
+    deterministic mode is on: gradients bit-equal to ``backward="split"``'s."""
+    monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1)
+    q, k, v, do = _inputs(1, 4, 4, 777, 777, torch.bfloat16)
+    with use_options(backward="split"):  # (not causal: no small-grid tiles in either plan)
+        split = _ours(q, k, v, do, False)
+    for _ in range(2):
+        _ours(q, k, v, do, False)
+    assert onepass_runs == [(1, 4, 777)]
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for _ in range(2):
+            det = _ours(q, k, v, do, False)
+            for name in ("dq", "dk", "dv"):
+                assert torch.equal(det[name], split[name]), name
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -280,6 +280,10 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def forget(self, key: tuple) -> None:
+        """Drop the plan of ``key``, if any."""
+        self._plans.pop(key, None)
+
     def replay(self, key: tuple) -> Replay | None:
         """The replay recorded for ``key``, if it has one."""
         plan = self._plans.get(key)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fastlaunch
 from ._device import head_group_args
 from .gluon_dkdv import (
     GL_DTYPES,
@@ -63,10 +64,12 @@ if HAVE_GLUON:
     from .kernels import _grouped_program
 
 HEAD_DIMS = (128,)
-# Fewer keys keep the split kernels: at 4 x 32 heads x 4096 tokens (causal) this kernel
-# took 3.51 ms against their 3.27-3.31 (H200); from 16384 keys it was faster on every shape
-# measured. The zeroed float32 buffer and its conversion also add two launches.
-MIN_KEYS = 16384
+# Fewer keys keep the split kernels. Forward + backward through the package on an H200,
+# replayed launches, ms against the split kernels: 1 x 64 heads x 1024 causal 0.34-0.44
+# against 0.22-0.26 (lost), 1 x 32 x 2048 causal 0.32 against 0.33, 1 x 16 x 4096 causal
+# 0.52 against 0.55, 1 x 32 x 2048 non-causal 0.51 against 0.57, and faster on every longer
+# shape measured (DESIGN, "One-pass backward").
+MIN_KEYS = 2048
 # Registers per thread (setmaxnreg) of the worker math warpgroup; the 1-warp workers get 24 and
 # the default partition's math warpgroup the rest (256 in the sm_90 compile).
 MATH_REGS = 240
@@ -369,9 +372,8 @@ def launch_onepass(
     ds_layout = gl.NVMMASharedLayout.get_default_for(
         [block_n, block_m], getattr(gl, GL_DTYPES[q.dtype])
     )
-    # Through Triton's dispatch, not fastlaunch: these calls are never replayed from a
-    # launch plan (the zeroed buffer and its conversion are torch ops around the launch).
-    bwd_ws_kernel[(b * h_kv, -(-n_k // block_n))](
+    fastlaunch.launch(
+        bwd_ws_kernel, (b * h_kv, -(-n_k // block_n)),
         _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
         _flat_desc(lse2, block_m), _flat_desc(delta, block_m), dq_desc, dk, dv,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
@@ -389,11 +391,15 @@ def would_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     return k.shape[2] >= MIN_KEYS and applies(q, k, v, do, defaults=table)
 
 
-def try_onepass(q, k, v, do, lse2, delta, dq, dk, dv, causal: bool, softmax_scale: float) -> bool:
-    """Write dq, dk, dv by the one-pass kernel where it applies (``would_run``, outputs with
-    a unit last stride, row statistics ``rows_by_tma`` accepts); False if the caller should
-    run the split kernels instead (a failing first compile warns once per key, see
-    ``gluon_dkdv.run_guarded``). delta must hold D already; dq may have any strides."""
+def try_onepass(
+    q, k, v, do, lse2, delta, dq_acc, dk, dv, causal: bool, softmax_scale: float
+) -> bool:
+    """Write dk, dv and add dQ * softmax_scale into dq_acc (a zeroed contiguous float32
+    (B, H, n_q, d) buffer; the caller converts it into dq) by the one-pass kernel where it
+    applies (``would_run``, outputs with a unit last stride, row statistics ``rows_by_tma``
+    accepts); False if the caller should run the split kernels instead (a failing first
+    compile warns once per key, see ``gluon_dkdv.run_guarded``). delta must hold D already.
+    The launch goes through ``fastlaunch``, so a launch plan replays it."""
     table = {d: {} for d in HEAD_DIMS}
     if not (would_run(q, k, v, do) and applies(q, k, v, do, dk, dv, defaults=table)):
         return False
@@ -402,14 +408,10 @@ def try_onepass(q, k, v, do, lse2, delta, dq, dk, dv, causal: bool, softmax_scal
     b, h, n_q, d = q.shape
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
-    dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
-    ran = run_guarded(
+    return run_guarded(
         "one-pass backward",
         (d, q.dtype, causal, h_kv != h),
         lambda: launch_onepass(
             q, k, v, do, lse2, delta, dq_acc, dk, dv, causal, softmax_scale, head_group=group
         ),
     )
-    if ran:
-        dq.copy_(dq_acc)
-    return ran

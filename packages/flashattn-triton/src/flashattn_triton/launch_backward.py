@@ -48,6 +48,7 @@ from .launch_plans import (
     _launch_planned,
     _layout_key,
     call_key,
+    forget_plan,
     keyed_cache,
     remember_call,
     replay_call,
@@ -186,8 +187,11 @@ def backward(
         call = call_key((q, k, v, do, o, lse), causal, softmax_scale, window_left, window_right)
     if call is not None:
         remembered = _CALLS.get(call)
-        if remembered is not None:
-            replay, (packed, stats_shape, delta_offset) = remembered
+        # (a one-pass replay under torch's deterministic mode: the full path, split kernels)
+        if remembered is not None and not (
+            remembered[1][3] and torch.are_deterministic_algorithms_enabled()
+        ):
+            replay, (packed, stats_shape, delta_offset, onepass) = remembered
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
             addresses = [t.data_ptr() for t in (q, k, v, do, o, lse, dq, dk, dv)]
             if stats_shape is not None:  # one buffer: L in log2 units, then D
@@ -196,7 +200,12 @@ def backward(
             else:  # padded rows: the same buffers as the first call (``_stats_buffers``)
                 stats = _stats_outputs(lse, q.shape[2], packed)[1]
                 addresses += (t.data_ptr() for t in stats)
+            if onepass:
+                dq_acc = _onepass_accumulator(q)
+                addresses.append(dq_acc.data_ptr())
             if replay_call(_CALLS, call, replay, addresses, 6):
+                if onepass:
+                    dq.copy_(dq_acc)
                 return dq, dk, dv
         if not all(t.stride(-1) == 1 for t in (q, k, v, do, o)) or not lse.is_contiguous():
             call = None  # the launches read copies: nothing to replay on the caller's tensors
@@ -231,23 +240,50 @@ def backward(
             _BWD_SCHEMES[key] = plan
     scheme, _, _, packed = plan
     (lse_c, lse2, delta, stride_rows), stats = _stats_outputs(lse, n_q, packed)
+    # The one-pass kernel adds dQ into a zeroed float32 buffer, one of the plan's buffers, so
+    # its launches replay like the split ones; the zeroing and the conversion into dq are
+    # torch ops around them. dQ's sums arrive in no fixed order: torch's deterministic mode
+    # gets the split kernels (not replayed: the plan under this key is the one-pass one).
+    onepass = (
+        scheme == "onepass" and only is None and not torch.are_deterministic_algorithms_enabled()
+    )
+    dq_acc, extra_outputs = dq, ()
     if scheme == "atomic":
         dq_acc = torch.zeros((b, h, n_q, C.block_d_for(d)), dtype=torch.float32, device=q.device)
+    elif onepass:
+        dq_acc = _onepass_accumulator(q)
+        extra_outputs = (dq_acc,)
+    ran = []
 
     def launch_jit() -> None:
-        _backward_launches(
-            do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv,
-            dq_acc if scheme == "atomic" else dq, causal, softmax_scale, plan, only, feat,
+        ran.append(
+            _backward_launches(
+                do, q, k, v, o, lse_c, lse2, delta, stride_rows, dq, dk, dv, dq_acc, causal,
+                softmax_scale, plan, only, feat,
+            )
         )  # fmt: skip
 
-    if scheme in ("atomic", "onepass"):  # accumulate into float32 buffers: never replayed
-        key = None
-    _launch_planned(key, inputs, (dq, dk, dv, *stats), launch_jit)
+    if scheme == "atomic" or (scheme == "onepass" and not onepass):
+        key = None  # atomic: float32 accumulator of padded width, converted per call
+    _launch_planned(key, inputs, (dq, dk, dv, *stats, *extra_outputs), launch_jit)
+    if onepass and ran and ran[0] != "onepass":
+        # Its first compile failed (warned) and the split kernels wrote dq: plan this key again.
+        forget_plan(key)
+        _BWD_SCHEMES.pop(key, None)
+        return dq, dk, dv
     if scheme == "atomic":
         dq.copy_(dq_acc[..., :d])
-    else:
-        remember_call(_CALLS, call, key, _stats_recipe(lse, lse_c, lse2, delta, packed))
+        return dq, dk, dv
+    if onepass:
+        dq.copy_(dq_acc)
+    recipe = (*_stats_recipe(lse, lse_c, lse2, delta, packed), onepass)
+    remember_call(_CALLS, call, key, recipe)
     return dq, dk, dv
+
+
+def _onepass_accumulator(q: torch.Tensor) -> torch.Tensor:
+    """The zeroed float32 (B, H, n_q, d) buffer the one-pass kernel adds dQ into."""
+    return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
 
 def _stats_outputs(
@@ -337,10 +373,12 @@ def _backward_launches(
     do, q, k, v, o, lse, lse2, delta, stride_rows, dq, dk, dv, dq_target,
     causal: bool, softmax_scale: float, plan: tuple, only: str | None,
     feat: Features | None = None, varlen: Varlen | None = None,
-) -> None:  # fmt: skip
+) -> str:  # fmt: skip
     """The backward's kernels through Triton's dispatch (``backward`` allocated every
-    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic scheme). ``feat``,
-    ``varlen``: the Triton dQ and dK/dV kernels with those features (split scheme only)."""
+    buffer; ``dq_target``: dq, or the float32 accumulator of the atomic and one-pass
+    schemes); returns the scheme that ran (``split`` where the one-pass kernel did not).
+    ``feat``, ``varlen``: the Triton dQ and dK/dV kernels with those features (split
+    scheme only)."""
     scheme, kind, small_dkdv, packed = plan
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
@@ -372,11 +410,11 @@ def _backward_launches(
         if only is None and varlen is None and not torch.are_deterministic_algorithms_enabled():
             preprocess()
             bwd = _gluon_bwd()
-            if bwd.try_onepass(q, k, v, do, lse2, delta, dq, dk, dv, causal, softmax_scale):
-                return
+            if bwd.try_onepass(q, k, v, do, lse2, delta, dq_target, dk, dv, causal, softmax_scale):
+                return "onepass"
         # Deterministic mode, its first compile failed (warned), or one kernel is timed
         # alone: the split kernels (which compute D again if it was: the same values).
-        scheme = "split"
+        scheme, dq_target = "split", dq
     # The split backward runs its dQ kernel first; up to C.FUSED_DELTA_MAX_D the Triton
     # one computes D (and L in log2 units) itself: one launch fewer. Elsewhere both come
     # from preprocess(). The Triton dK/dV kernel reads L in log2 units (lse2).
@@ -413,7 +451,7 @@ def _backward_launches(
             {**common, **dkdv_out, "stride_rows": stride_rows},
             n_q, n_k, block_d, elem,
         )  # fmt: skip
-        return
+        return scheme
 
     if dq_first:
         # Hopper, d = 128: the Gluon kernel (gluon_dq) does dQ when it applies.
@@ -468,3 +506,4 @@ def _backward_launches(
             kind, kern.attn_bwd_dkdv_kernel, grid_keys, dkdv_args, len_q, len_k, block_d,
             elem, small_grid=small_dkdv, ragged=ragged, features=not plain,
         )  # fmt: skip
+    return scheme

@@ -57,6 +57,12 @@ def clear_plans() -> None:
 on_change(clear_plans)
 
 
+def forget_plan(key: tuple | None) -> None:
+    """Forget the launch plan of one key (its next call launches through the JIT again)."""
+    if key is not None:
+        _PLANS.forget(key)
+
+
 def _device_guard(t: torch.Tensor):
     """Make t's GPU current for the launch (a no-op where it already is, or off-GPU)."""
     index = t.get_device()

@@ -44,7 +44,7 @@ class Options:
     """Launch choices of the Triton backend (all have measured defaults).
 
     backward: ``auto`` (fused on small causal 16-bit grids; else on Hopper at head dim 128
-        from 16K keys the one-pass Gluon backward, ``onepass``; else split), ``split``,
+        from 2048 keys the one-pass Gluon backward, ``onepass``; else split), ``split``,
         ``fused``, ``atomic`` or ``onepass`` (see ``launch``). ``onepass`` sums dQ by
         atomics, so its last bits may vary between runs; ``split`` is deterministic, and
         torch's deterministic mode runs it instead of ``onepass``.
