@@ -192,13 +192,13 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
     --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
   run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
     --csv "$WORK/features_d128.csv" --json "$WORK/features_d128.json"
-  # the one-pass backward (the default from 16K keys): checked, then timed against split
+  # the one-pass backward (the default from 2048 keys): checked, then timed against split
   run d128_onepass_check $PY "$FA/onepass_bwd.py" check ws --out "$WORK/onepass"
   run d128_onepass_time $PY "$FA/results/current/scripts/onepass_pkg_time.py" "$WORK"
-  # below its threshold (MIN_KEYS): where does it start to win?
+  # around its threshold (gluon_bwd.MIN_KEYS): batch 1 from 1024 keys, and grouped-query heads
   run d128_onepass_min_keys $PY "$FA/results/current/scripts/onepass_pkg_time.py" \
-    "$WORK/onepass_min_keys" 4,32,32,4096,1 4,32,8,4096,1 2,16,16,8192,1 2,16,16,8192,0 \
-    --min-keys 4096
+    "$WORK/onepass_min_keys" 1,64,64,1024,1 1,32,32,2048,1 1,16,16,4096,1 1,8,8,8192,1 \
+    1,32,32,2048,0 1,16,16,4096,0 1,8,8,8192,0 4,32,8,4096,1 --min-keys 512
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks

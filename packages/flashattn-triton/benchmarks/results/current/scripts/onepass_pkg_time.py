@@ -1,7 +1,8 @@
 """Forward + backward through ``flash_attention`` at head dim 128 with the package default
-(the one-pass backward from 16K keys on Hopper) against ``Options.backward="split"`` and
+(the one-pass backward from 2048 keys on Hopper) against ``Options.backward="split"`` and
 SDPA's cuDNN and flash backends, two interleaved rounds in one process (``do_bench``
-medians, bf16). Produced ``h200_onepass_pkg_time.json``.
+medians, bf16). Produced ``h200_onepass_pkg_time.json`` (the default shapes),
+``h200_onepass_4k_8k.json`` and ``h200_onepass_min_keys.json`` (with ``--min-keys``).
 
     python onepass_pkg_time.py OUT_DIR
     python onepass_pkg_time.py OUT_DIR 4,32,32,4096,1 2,16,16,8192,1 --min-keys 4096
