@@ -13,7 +13,8 @@ compiled, warm-up steps, then
   - dynamo's counters (graphs compiled, graph breaks): a break splits the compiled step.
 The pstats files and a JSON summary go to --out.
 
-  python benchmarks/model_host_profile.py --size small --context 1024 --batch 4 --compile
+  python packages/perf-tools/scripts/model_host_profile.py --size small --context 1024 \
+      --batch 4 --compile
 """
 
 from __future__ import annotations
