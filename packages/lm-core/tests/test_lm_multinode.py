@@ -36,6 +36,7 @@ from lm_core.train import main
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
 AGENT_TIMEOUT_S = 180  # one whole job, both agents; 6-10 s on two idle cores
+PEER_FAILED_GRACE_S = 30  # after one agent failed: the other's time to fail or finish too
 CKPT = Path("run") / "checkpoint.pt"  # relative: on the host of global rank 0 only
 
 # mode -> (workers per node agent, trainer flags); world size = 2 x workers. ZeRO (--zero):
@@ -182,11 +183,12 @@ def _two_node_job(
     agent += ["-m", "lm_core.train", *train_argv]
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"  # a worker killed by a signal prints its Python stacks
     # files, not pipes: an agent never stalls on a full pipe while the other is awaited
     logs = [tempfile.TemporaryFile() for _ in cwds]  # noqa: SIM115 - closed below
     deadline = time.monotonic() + AGENT_TIMEOUT_S
     procs: list[subprocess.Popen] = []
-    timed_out = False
+    timed_out, abandoned = False, []
     try:
         for cwd, log in zip(cwds, logs):
             # each agent in a session of its own: on timeout it is killed with its workers
@@ -204,11 +206,7 @@ def _two_node_job(
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                timed_out = True
+        timed_out, abandoned = _wait_for_agents(procs, deadline)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -222,9 +220,38 @@ def _two_node_job(
     codes = [proc.returncode for proc in procs]
     if timed_out:
         pytest.fail(_tails(outputs, f"two-node torchrun job timed out after {AGENT_TIMEOUT_S} s"))
+    if abandoned:
+        headline = (
+            f"two-node torchrun job: agent(s) {abandoned} still running {PEER_FAILED_GRACE_S} s "
+            f"after the other failed (torchrun's exit barrier waits for every agent), killed; "
+            f"exit codes {codes}"
+        )
+        pytest.fail(_tails(outputs, headline))
     if any(codes) != expect_failure or (expect_failure and not all(codes)):
         pytest.fail(_tails(outputs, f"two-node torchrun job: exit codes {codes}"))
     return outputs
+
+
+def _wait_for_agents(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
+    """Wait for every agent until `deadline`. An agent whose worker failed exits at once,
+    while a successful one then waits in torchrun's exit barrier for all agents (300 s), so
+    once one agent has exited non-zero the others get PEER_FAILED_GRACE_S to finish, then
+    are left to the caller to kill. Returns (deadline passed, agents left running after a
+    failed one)."""
+    failed_at = None
+    while True:
+        codes = [proc.poll() for proc in procs]
+        running = [i for i, code in enumerate(codes) if code is None]
+        if not running:
+            return False, []
+        now = time.monotonic()
+        if failed_at is None and any(code for code in codes if code is not None):
+            failed_at = now
+        if failed_at is not None and now - failed_at > PEER_FAILED_GRACE_S:
+            return False, running
+        if now > deadline:
+            return True, []
+        time.sleep(0.1)
 
 
 # set by a launcher around pytest itself (a test run under torchrun): the agents set their own
@@ -245,3 +272,19 @@ def _tails(outputs: list[str], headline: str, chars: int = 3000) -> str:
     for i, text in enumerate(outputs):
         parts.append(f"--- node agent {i} (last {chars} characters) ---\n{text[-chars:]}")
     return "\n".join(parts)
+
+
+def test_an_agent_left_waiting_after_the_other_failed_is_not_awaited(monkeypatch):
+    """The job harness stops waiting PEER_FAILED_GRACE_S after one agent failed (the other
+    would wait in torchrun's exit barrier for 300 s), and reports which agent it left."""
+    monkeypatch.setattr(sys.modules[__name__], "PEER_FAILED_GRACE_S", 0.5)
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        t0 = time.monotonic()
+        assert _wait_for_agents([failing, waiting], t0 + 60) == (False, [1])
+        assert time.monotonic() - t0 < 30
+        assert failing.returncode == 3
+    finally:
+        waiting.kill()
+        waiting.wait()
