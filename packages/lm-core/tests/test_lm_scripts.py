@@ -46,3 +46,36 @@ def test_lm_train_script_exits_zero(monkeypatch):
 
     monkeypatch.setattr(train, "main", lambda argv=None: object())
     assert train.cli() is None
+
+
+def test_lm_train_script_frees_the_run_before_the_interpreter_exits(monkeypatch):
+    """A wrapped model sits in reference cycles (torch's fully_shard: module and state hold
+    each other through hooks) that keep its process group alive; `cli()` collects them, so
+    the group is not destroyed during interpreter exit (where gloo's threads abort the
+    process). Automatic collection is off here, as it may not run before a process exits."""
+    import gc
+    import weakref
+
+    from lm_core import train
+
+    refs = []
+
+    class Run:
+        pass
+
+    def fake_main(argv=None):
+        run = Run()
+        run.me = run  # a cycle, like the model's hooks
+        refs.append(weakref.ref(run))
+        return run
+
+    monkeypatch.setattr(train, "main", fake_main)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        train.cli()
+        assert refs
+        assert refs[0]() is None
+    finally:
+        if was:
+            gc.enable()

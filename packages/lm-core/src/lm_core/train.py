@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import types
 import typing
@@ -220,6 +221,13 @@ def _write_text(target: str, text: str) -> None:
 def cli() -> None:
     """The `lm-train` console script: `main()`, exit status 0 (its TrainResult is not a code)."""
     main()
+    # Free the run's objects while the interpreter is whole. A wrapped model keeps its process
+    # group alive after `destroy_process_group` (torch's fully_shard holds it in its mesh
+    # info), and the module's hooks form reference cycles, so without this the group is
+    # destroyed during interpreter exit, where gloo's worker threads cannot take the GIL to
+    # drop their tensors and the process aborts ("terminate called without an active
+    # exception", SIGABRT): a finished job that exits non-zero.
+    gc.collect()
 
 
 if __name__ == "__main__":
