@@ -180,7 +180,8 @@ def run(config: TrainConfig) -> TrainResult:
     a ValueError, names the option by its key, e.g. `optim.max_lr`); `config` itself is not
     modified. Under torchrun call it on every rank. Returns the `lm_core.trainer.TrainResult`:
     `step` (steps completed), `final_loss`, `history` (the logged records), `evals`, the
-    trained `model` and `optimizer`.
+    trained `model` and `optimizer`. Under torchrun, drop the result and call `gc.collect()`
+    before the process exits, as `cli()` does: a sharded model holds its process group.
 
     Example:
         from lm_core.train import run
