@@ -220,6 +220,49 @@ def test_decode_path_splits_keys(shape, causal, window, small_tiles, monkeypatch
         assert splits[0] == 1 or window[0] < 0
 
 
+@pytest.mark.parametrize(
+    ("bh_kv", "key_tiles", "slots"),
+    [(8, 1024, 264), (16, 256, 264), (32, 2048, 264), (64, 1024, 264), (140, 1024, 264),
+     (3, 1024, 132), (1, 32, 264), (8, 5, 264)],
+)  # fmt: skip
+def test_decode_splits_fill_whole_waves(bh_kv, key_tiles, slots):
+    """The split count is the smallest whose waves of programs are nearly full: the program
+    count never falls just past a wave (the last wave would run almost empty), and no split
+    gets less than one key tile."""
+    s = configs.decode_splits(bh_kv, key_tiles, slots)
+    assert 1 <= s <= min(key_tiles, configs.DECODE_MAX_SPLITS)
+    waves = bh_kv * s / slots
+    fullness = waves / -(-waves // 1)
+    best = max(
+        (bh_kv * t / slots) / -(-(bh_kv * t / slots) // 1)
+        for t in range(1, min(key_tiles, configs.DECODE_MAX_SPLITS) + 1)
+    )
+    assert fullness >= configs.DECODE_WAVE_EFFICIENCY * best
+    if s > 1:  # one split fewer would leave the waves emptier
+        fewer = bh_kv * (s - 1) / slots
+        assert fewer / -(-fewer // 1) < configs.DECODE_WAVE_EFFICIENCY * best
+
+
+def test_decode_splits_edge_cases():
+    assert configs.decode_splits(8, 1024, 264) == 32  # 256 programs: one wave of 264
+    assert configs.decode_splits(256, 1024, 264) == 1  # the batch x heads fill a wave
+    assert configs.decode_splits(8, 1024, 0) == 3  # SM count unknown (the interpreter)
+    assert configs.decode_splits(8, 2, 0) == 2  # never more splits than key tiles
+
+
+def test_decode_programs_per_sm_follow_shared_memory():
+    """Three stages of 64-key K and V tiles at d = 128 in bf16 hold 96 KB: two programs on a
+    Hopper SM (228 KB), one on 164 KB; small tiles stop at DECODE_MAX_PROGRAMS_PER_SM."""
+    tile = configs.decode_config(1, 128, 2)
+    assert (tile.block_n, tile.num_stages) == (64, 3)
+    assert configs.decode_programs_per_sm(tile, 128, 2, 228 * 1024) == 2
+    assert configs.decode_programs_per_sm(tile, 128, 2, 164 * 1024) == 1
+    small = configs.decode_config(1, 32, 2)
+    cap = configs.DECODE_MAX_PROGRAMS_PER_SM
+    assert configs.decode_programs_per_sm(small, 32, 2, 228 * 1024) == cap
+    assert configs.decode_programs_per_sm(tile, 128, 2, 1024) == 1  # at least one
+
+
 @needs_interpreter
 def test_decode_tiles_follow_the_tile_configs_option(monkeypatch, set_options):
     """``tile_configs="decode.fp32=..."`` sets the decode kernel's key tile (and so the number

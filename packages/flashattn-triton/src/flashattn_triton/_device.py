@@ -54,6 +54,19 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _cuda_smem_per_sm(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_multiprocessor", 0)) or 228 * 1024
+
+
+def smem_per_sm(t: torch.Tensor) -> int:
+    """Shared memory of one SM of t's GPU in bytes (228 KB on Hopper where torch does not
+    say); 0 off-GPU."""
+    index = t.get_device()
+    return _cuda_smem_per_sm(index) if index >= 0 else 0
+
+
 def sm_count(t: torch.Tensor) -> int:
     """Streaming multiprocessors of t's GPU; 0 off-GPU (the interpreter: no small grids)."""
     index = t.get_device()

@@ -443,12 +443,15 @@ def head_group(
 # Decode: a forward with at most DECODE_MAX_Q queries (times the q heads per k/v head: at
 # most DECODE_MAX_ROWS rows, one tile) against DECODE_MIN_KEYS keys or more runs the split-KV
 # kernels (``kernels.attn_fwd_decode_kernel``): one program per (batch, k/v head, key split),
-# enough splits for DECODE_PROGRAMS_PER_SM programs per SM, then a combine kernel. Not yet
-# measured: the thresholds are first guesses (flash-attn splits up to 128 ways likewise).
+# then a combine kernel. The splits fill whole waves of programs (``decode_splits``): on an
+# H200 that took long rows from 1-13% behind SDPA to within 0.6% of it (flashattn-triton
+# DESIGN "Decode"). The query and key thresholds are first guesses (flash-attn's are alike).
 DECODE_MAX_Q = 16
 DECODE_MIN_KEYS = 1024
 DECODE_MAX_ROWS = 128
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_MAX_PROGRAMS_PER_SM = 4
+# A split count is taken once its waves are this full (flash-attn's rule, stricter).
+DECODE_WAVE_EFFICIENCY = 0.95
 DECODE_MAX_SPLITS = 128
 # Key tile, warps, stages by padded head dim (block_m: the rows, set per call); float32 keys
 # tiles of 32.
@@ -474,10 +477,32 @@ def decode_config(rows: int, block_d: int, elem_bytes: int, tile_configs: str = 
     return replace(cfg, block_m=max(16, next_pow2(rows)))
 
 
-def decode_splits(bh_kv: int, key_tiles: int, n_sms: int) -> int:
-    """Key splits of the decode kernel for bh_kv (batch x k/v heads) programs per split and
-    key_tiles tiles to share: enough for DECODE_PROGRAMS_PER_SM programs per SM (3 per
-    (batch, head) where the SM count is unknown, e.g. Triton's interpreter), at most one
-    tile per split and DECODE_MAX_SPLITS."""
-    target = DECODE_PROGRAMS_PER_SM * n_sms if n_sms > 0 else 3 * bh_kv
-    return max(1, min(-(-target // max(bh_kv, 1)), key_tiles, DECODE_MAX_SPLITS))
+def decode_programs_per_sm(cfg: TileConfig, block_d: int, elem_bytes: int, smem: int) -> int:
+    """Decode programs of tile ``cfg`` that one SM with ``smem`` bytes of shared memory holds
+    at once: each keeps ``num_stages`` K and V tiles in flight (at least 1, at most
+    DECODE_MAX_PROGRAMS_PER_SM)."""
+    ring = cfg.num_stages * 2 * cfg.block_n * block_d * elem_bytes
+    return max(1, min(DECODE_MAX_PROGRAMS_PER_SM, smem // max(ring, 1)))
+
+
+def decode_splits(bh_kv: int, key_tiles: int, slots: int) -> int:
+    """Key splits of the decode kernel for bh_kv (batch x k/v heads) programs per split,
+    key_tiles tiles to share and ``slots`` programs the GPU runs at once (SMs x
+    ``decode_programs_per_sm``; 0 where unknown, e.g. Triton's interpreter: 3 splits).
+
+    A memory-bound kernel finishes when its last wave does, so the count is the smallest
+    whose waves are at least DECODE_WAVE_EFFICIENCY full (e.g. 32 splits of 8 (batch, head)
+    programs on 264 slots: 256 programs, one wave); one split where bh_kv alone nearly fills a
+    wave. At most one tile per split and DECODE_MAX_SPLITS."""
+    top = max(1, min(key_tiles, DECODE_MAX_SPLITS))
+    if slots <= 0:
+        return min(3, top)
+    if bh_kv >= 0.8 * slots:
+        return 1
+
+    def fullness(s: int) -> float:
+        waves = bh_kv * s / slots
+        return waves / -(-waves // 1)
+
+    best = max(fullness(s) for s in range(1, top + 1))
+    return next(s for s in range(1, top + 1) if fullness(s) >= DECODE_WAVE_EFFICIENCY * best)

@@ -31,7 +31,14 @@ import torch
 
 from . import configs as C
 from . import fastlaunch
-from ._device import head_group_args, interpreting, require_runnable, sm_count, tma_usable
+from ._device import (
+    head_group_args,
+    interpreting,
+    require_runnable,
+    sm_count,
+    smem_per_sm,
+    tma_usable,
+)
 from ._device import kernels as _kernels
 from .features import PLAIN, Features, feature_args, features
 from .launch_backward import _backward_scheme, _stats_buffers, backward
@@ -183,14 +190,14 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
     (bottom-right aligned, the last query sees the last key whatever the right bound)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    cfg = C.decode_config(
-        h // h_kv * n_q, C.block_d_for(d), q.element_size(), get_options().tile_configs
-    )
+    block_d = C.block_d_for(d)
+    cfg = C.decode_config(h // h_kv * n_q, block_d, q.element_size(), get_options().tile_configs)
     key_lo = 0
     if feat is not None and feat.window:
         key_lo = max(0, n_k - n_q - feat.left) // cfg.block_n * cfg.block_n
     tiles = triton_cdiv(n_k - key_lo, cfg.block_n)
-    splits = C.decode_splits(b * h_kv, tiles, sm_count(q))
+    per_sm = C.decode_programs_per_sm(cfg, block_d, q.element_size(), smem_per_sm(q))
+    splits = C.decode_splits(b * h_kv, tiles, sm_count(q) * per_sm)
     keys_per_split = triton_cdiv(tiles, splits) * cfg.block_n
     return cfg, triton_cdiv(n_k - key_lo, keys_per_split), keys_per_split, key_lo
 
