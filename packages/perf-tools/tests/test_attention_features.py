@@ -3,6 +3,7 @@ count the visible pairs, speedups divide the SDPA row."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -51,6 +52,39 @@ def test_split_kv_switch_restores_the_threshold():
     with af._split_kv(False):
         assert configs.DECODE_MIN_KEYS > 2**40
     assert before == configs.DECODE_MIN_KEYS
+
+
+def test_split_kv_switch_clears_remembered_calls(monkeypatch):
+    """A remembered call replays the path its first call took, so switching the decode path
+    off must clear the launch plans (else "ours-no-split" times the split kernels)."""
+    from flashattn_triton import launch
+
+    cleared = []
+    monkeypatch.setattr(launch, "clear_plans", lambda: cleared.append(1))
+    with af._split_kv(False):
+        assert len(cleared) == 1
+    assert len(cleared) == 2
+
+
+def test_cell_setting_encloses_the_whole_measurement():
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def setting():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    def fwd():
+        seen.append(bool(inside))
+        return torch.zeros(1)
+
+    cell = af.Cell("x", fwd, fwd, 1.0, setting=setting)
+    out = af._measure(cell, torch.device("cpu"), 1.0, 2.0)
+    assert out["status"] == "ok"
+    assert seen
+    assert all(seen)  # forward and forward + backward timings, warm-up included
+    assert not inside
 
 
 def test_bad_case_names_the_choices(capsys):

@@ -72,6 +72,8 @@ class Cell:
     fwd_bwd: Callable[[], Any] | None  # None: forward only (decode)
     fwd_flops: float
     baseline: bool = False  # the SDPA row the speedups of this case divide
+    # entered around the cell's whole measurement (warm-up included), e.g. a package setting
+    setting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def causal_pairs(n: int, window: int | None = None) -> int:
@@ -96,16 +98,21 @@ def _grad_fn(run: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor], do
 
 @contextlib.contextmanager
 def _split_kv(on: bool) -> Iterator[None]:
-    """The decode path of flashattn-triton on (default) or off."""
+    """The decode path of flashattn-triton on (default) or off. Launch plans and remembered
+    calls are cleared on the way in and out: a remembered call would replay the path its
+    first call took, whatever the threshold says now."""
     from flashattn_triton import configs
+    from flashattn_triton.launch import clear_plans
 
     saved = configs.DECODE_MIN_KEYS
     if not on:
         configs.DECODE_MIN_KEYS = 1 << 62
+    clear_plans()
     try:
         yield
     finally:
         configs.DECODE_MIN_KEYS = saved
+        clear_plans()
 
 
 def gqa_cells(size: dict, batch: int, n: int, dtype, device, gen) -> list[Cell]:
@@ -229,16 +236,12 @@ def decode_cells(shape: tuple[int, int, int, int], d: int, dtype, device, gen) -
     def ours() -> torch.Tensor:
         return flash_attention(q, k, v, causal=True)
 
-    def ours_no_split() -> torch.Tensor:
-        with _split_kv(False):
-            return flash_attention(q, k, v, causal=True)
-
     def sdpa() -> torch.Tensor:  # one query sees every key: no mask (SDPA aligns top-left)
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=h_kv != h)
 
     return [
         Cell("ours-split-kv", ours, None, flops),
-        Cell("ours-no-split", ours_no_split, None, flops),
+        Cell("ours-no-split", ours, None, flops, setting=lambda: _split_kv(False)),
         Cell("sdpa", sdpa, None, flops, baseline=True),
     ]
 
@@ -247,14 +250,16 @@ def _measure(cell: Cell, device, warm: float, rep: float) -> dict[str, Any]:
     out: dict[str, Any] = {"provider": cell.provider, "status": "ok"}
     stage = "fwd"
     try:
-        with torch.no_grad() if cell.fwd_bwd is None else contextlib.nullcontext():
-            out["fwd_ms"] = timing.bench_ms(cell.fwd, device=device, warmup_ms=warm, rep_ms=rep)
-        out["fwd_tflops"] = cell.fwd_flops / (out["fwd_ms"] * 1e-3) / 1e12
-        if cell.fwd_bwd is not None:
-            stage = "fwd_bwd"
-            ms = timing.bench_ms(cell.fwd_bwd, device=device, warmup_ms=warm, rep_ms=rep)
-            out["fwd_bwd_ms"] = ms
-            out["fwd_bwd_tflops"] = 3.5 * cell.fwd_flops / (ms * 1e-3) / 1e12
+        with cell.setting():
+            grad = torch.no_grad() if cell.fwd_bwd is None else contextlib.nullcontext()
+            with grad:
+                out["fwd_ms"] = timing.bench_ms(cell.fwd, device=device, warmup_ms=warm, rep_ms=rep)
+            out["fwd_tflops"] = cell.fwd_flops / (out["fwd_ms"] * 1e-3) / 1e12
+            if cell.fwd_bwd is not None:
+                stage = "fwd_bwd"
+                ms = timing.bench_ms(cell.fwd_bwd, device=device, warmup_ms=warm, rep_ms=rep)
+                out["fwd_bwd_ms"] = ms
+                out["fwd_bwd_tflops"] = 3.5 * cell.fwd_flops / (ms * 1e-3) / 1e12
     except Exception as exc:  # a failed cell is a row, the sweep goes on
         if timing.is_oom(exc):
             out["status"] = "OOM" if stage == "fwd" else "OOM in fwd_bwd"
