@@ -1,13 +1,15 @@
-"""The bench step with one of lm_core's CUDA kernel pairs off and on, interleaved in one
-process.
+"""The bench step with one of lm_core's CUDA kernel pairs off and on (or inductor's GEMM
+autotuning), interleaved in one process.
 
     python packages/perf-tools/scripts/kernel_ab.py OUT_DIR ROUNDS KERNELS -- BENCH_ARGS...
 
-KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`) or `rmsnorm`
-(`lm_core.rmsnorm`). Each round runs
-`perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the module's "auto" held to the
-plain ops, then with the kernels, resetting dynamo before each so every variant compiles
-its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv, KERNELS_on_R.csv).
+KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`), `rmsnorm`
+(`lm_core.rmsnorm`), or `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
+matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape). Each round
+runs `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the switch off (the module's
+"auto" held to the plain ops; autotuning off), then on, resetting dynamo before each so every
+variant compiles its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv,
+KERNELS_on_R.csv).
 """
 
 from __future__ import annotations
@@ -20,7 +22,17 @@ import torch
 
 from perf_tools import bench
 
-KERNELS = ("swiglu", "qkv_rope", "rmsnorm")
+KERNELS = ("swiglu", "qkv_rope", "rmsnorm", "gemm_autotune")
+
+
+def _switch(kernels: str, on: bool) -> None:
+    if kernels == "gemm_autotune":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune_gemm = on
+        return
+    module = importlib.import_module(f"lm_core.{kernels}")
+    module._RUNNABLE["cuda"] = on  # what "auto" decides on CUDA
 
 
 def main(argv: list[str]) -> int:
@@ -28,15 +40,14 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     out, rounds, kernels = Path(argv[0]), int(argv[1]), argv[2]
-    module = importlib.import_module(f"lm_core.{kernels}")
     rest = [a for a in argv[3:] if a != "--"]
     out.mkdir(parents=True, exist_ok=True)
     for r in range(rounds):
         for on in (False, True):
             torch._dynamo.reset()
-            module._RUNNABLE["cuda"] = on  # what "auto" decides on CUDA
+            _switch(kernels, on)
             name = f"{kernels}_{'on' if on else 'off'}_{r}"
-            print(f"=== round {r}: {kernels} kernels {'on' if on else 'off'}", flush=True)
+            print(f"=== round {r}: {kernels} {'on' if on else 'off'}", flush=True)
             bench.main([*rest, "--quiet", "--csv", str(out / f"{name}.csv")])
     return 0
 
