@@ -11,6 +11,10 @@ back-to-back calls (wall time per call, one synchronize per batch of calls):
 - with `--compiled`, each of the three under `torch.compile(fullgraph=True)` as well;
 - with `--profile`, cProfile's top entries of ours (backward on the calling thread, so that
   the profiler sees it);
+- with `--handoff`, ours and SDPA flash with the backward on the device thread under
+  settings that would shrink a contended interpreter hand-off if that is what the device
+  thread costs: Python's garbage collector off, and a 10 us interpreter switch interval
+  (`sys.setswitchinterval`; 5 ms by default);
 - with `--breakdown`, where one `torch.autograd.grad` of ours spends its wall time on either
   thread: before our Python backward starts (the engine and the hand-off to its thread),
   inside it, and after it returns until `grad` does (medians of single calls).
@@ -22,13 +26,16 @@ back-to-back calls (wall time per call, one synchronize per batch of calls):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +97,39 @@ def backward_phases(q, k, v, do, calls: int) -> dict[str, float]:
     return {n: statistics.median(c[20:]) * 1e6 for n, c in zip(names, cols, strict=True)}
 
 
+@contextlib.contextmanager
+def _gc_off() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _switch_interval(seconds: float) -> Iterator[None]:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def handoff_settings() -> dict[str, Callable[[], contextlib.AbstractContextManager]]:
+    """Settings under which `--handoff` times the device thread (each a context manager)."""
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with _gc_off(), _switch_interval(1e-5):
+            yield
+
+    return {"gc off": _gc_off, "switch interval 10 us": lambda: _switch_interval(1e-5),
+            "both": both}  # fmt: skip
+
+
 def through_public_ops(run: Callable[[], None]) -> Callable[[], None]:
     """`run` with the compiled graph calling the public custom ops (`ops.attention_fwd`, ...)
     instead of the plain launch ops: the A/B of the two registrations, in one process."""
@@ -121,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--compiled", action="store_true", help="also each case compiled")
     ap.add_argument("--breakdown", action="store_true", help="time the phases of one grad call")
+    ap.add_argument(
+        "--handoff", action="store_true", help="the device thread with gc off / a short switch"
+    )
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (host_overhead.py times our Python without one)")
@@ -184,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows[f"{name} fwd+bwd, backward on the {where}"] = per_call_us(
                     fn, a.calls, a.repeats
                 )
+    if a.handoff:
+        for setting, enter in handoff_settings().items():
+            with enter():
+                for name in ("ours", "sdpa flash"):
+                    rows[f"{name} fwd+bwd, device thread, {setting}"] = per_call_us(
+                        cases[name], a.calls, a.repeats
+                    )
     rows["ours fwd, no grad"] = per_call_us(ours_no_grad, a.calls, a.repeats)
     rows["launch.forward"] = per_call_us(
         lambda: launch.forward(qd, kd, vd, True, scale), a.calls, a.repeats
