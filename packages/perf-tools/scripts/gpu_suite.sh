@@ -35,6 +35,11 @@
 #              the leaderboard shape at d = 128, the GQA / window feature rows, and the
 #              one-pass backward's float64 check and its timing against the split backward
 #              and SDPA (estimate ~11 min: its parts ran in 1-4 min each on one H200)
+#   features   flashattn-triton's features against SDPA (perf_tools.attention_features: GQA,
+#              varlen, window, decode), the decode key-split rule against the former one
+#              (decode_split_rules.py), and d = 64's forward and backward apart with the Gluon
+#              forward at d = 64 (d64_fwd_bwd_parts.py)
+#                                                  (one H200: under 6 min in all)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
 #              graph, AdamW during the backward, bf16-held weights): SDPA against our
 #              attention, then lm_core's SwiGLU, q/k/v RoPE and RMSNorm kernels off / on
@@ -42,7 +47,8 @@
 #              (measured: its parts ran in 40 s to 2.5 min each on one H200)
 #   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
 #              compiled forward + backward on either autograd thread, launch ops against the
-#              public custom ops, the phases of one call), then the compiled causal sweep
+#              public custom ops, the phases of one call, the device thread with gc off and
+#              a short interpreter switch interval), then the compiled causal sweep
 #              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
@@ -53,7 +59,9 @@
 #              (e.g. `git archive <commit> packages/flashattn-triton/src | tar -x -C old
 #              --strip-components=3`, carried to the machine)                      ~6-8 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
-#              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min
+#              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min;
+#              then scripts/tf32x3_variants.py: the 3xTF32 GEMM's K loop in five variants
+#                                                                  (one H200: 3 min)
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
 #              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
 #              beside the bench step, and xl without the graph (perf_tools.train_loop).
@@ -200,6 +208,14 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
     "$WORK/onepass_min_keys" 1,64,64,1024,1 1,32,32,2048,1 1,16,16,4096,1 1,8,8,8192,1 \
     1,32,32,2048,0 1,16,16,4096,0 1,8,8,8192,0 4,32,8,4096,1 --min-keys 512
 fi
+if want features; then  # flashattn-triton's features and decode, d = 64's parts
+  FA="$ROOT/packages/flashattn-triton/benchmarks"
+  run features $PY -m perf_tools.attention_features --quiet \
+    --csv "$WORK/features.csv" --json "$WORK/features.json"
+  run decode_split_rules $PY "$FA/results/current/scripts/decode_split_rules.py" \
+    "$WORK/decode_split_rules.json"
+  run d64_parts $PY "$FA/results/current/scripts/d64_fwd_bwd_parts.py" "$WORK/d64_parts.json"
+fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks
     --cuda-graph on --optimizer-overlap on --matmul-weights bf16 --warmup 3 --steps 10"
@@ -217,7 +233,7 @@ if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kerne
 fi
 if want hostcost; then  # a lone attention call's host time, ours against SDPA, eager and compiled
   run host_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/host_cost.py" --shape 128x512x64 \
-    --compiled --breakdown
+    --compiled --breakdown --handoff
   run sweep_compiled $PY -m perf_tools.attention_sweep --quiet --modes compiled --causal yes \
     --csv "$WORK/sweep_compiled.csv" --json "$WORK/sweep_compiled.json" --plot "$WORK/sweep_compiled.png"
 fi
@@ -238,6 +254,8 @@ if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their
 fi
 if want fp32gemm; then
   run fp32_gemm $PY "$ROOT/packages/perf-tools/scripts/fp32_gemm.py" --json "$WORK/fp32_gemm.json"
+  run tf32x3_variants $PY "$ROOT/packages/perf-tools/scripts/tf32x3_variants.py" \
+    "$WORK/tf32x3_variants.json"
 fi
 if want profile_bf16; then
   run profile_bf16 $PY -m perf_tools.profile --quiet --size xl --attention sdpa --precision bf16 \
