@@ -264,6 +264,30 @@ def test_decode_programs_per_sm_follow_shared_memory():
 
 
 @needs_interpreter
+@pytest.mark.parametrize(
+    ("shape", "causal", "window"),
+    [
+        ((1, 4, 2, 1, 200), True, (-1, -1)),  # GQA 2: 2 programs per split
+        ((2, 2, 2, 3, 170), True, (-1, -1)),  # 4 (batch, head) programs, a ragged last tile
+        ((1, 2, 1, 2, 190), True, (60, -1)),  # a window: only the keys it sees are split
+    ],
+)
+def test_decode_with_a_gpu_sized_split_count(shape, causal, window, monkeypatch, set_options):
+    """The wave rule's split counts (here as if on 4 SMs of 228 KB: 16 slots) cut the keys
+    into many short slices of whole tiles; the combine still gives the reference results."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    monkeypatch.setattr(launch, "sm_count", lambda t: 4)
+    monkeypatch.setattr(launch, "smem_per_sm", lambda t: 228 * 1024)
+    set_options(tile_configs="decode.fp32=16,16,4,2")
+    splits = []
+    real = configs.decode_splits
+    monkeypatch.setattr(configs, "decode_splits", lambda *a: splits.append(real(*a)) or splits[-1])
+    _check_dense("triton", shape, causal, window)
+    assert splits, "the decode path did not run"
+    assert splits[0] > 3  # the wave rule, not the interpreter's fallback of 3
+
+
+@needs_interpreter
 def test_decode_tiles_follow_the_tile_configs_option(monkeypatch, set_options):
     """``tile_configs="decode.fp32=..."`` sets the decode kernel's key tile (and so the number
     of splits): 16-key tiles over 70 keys make 5 tiles."""
