@@ -95,17 +95,14 @@ def mmv(
     )
 
 
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=warps, num_stages=stages)
-
-
+# the shipped configs and a few wider ones (tf32x3_triton's own config helper)
 CONFIGS = [
     *tt.CONFIGS,
-    _config(128, 256, 16, 8, 3),
-    _config(128, 64, 16, 4, 6),
-    _config(256, 64, 16, 8, 4),
-    _config(64, 128, 16, 4, 6),
-    _config(128, 128, 32, 8, 2),
+    tt._config(128, 256, 16, 8, 3),
+    tt._config(128, 64, 16, 4, 6),
+    tt._config(256, 64, 16, 8, 4),
+    tt._config(64, 128, 16, 4, 6),
+    tt._config(128, 128, 32, 8, 2),
 ]
 tuned = triton.autotune(configs=CONFIGS, key=["M", "N", "K", "VARIANT"])(mmv)
 

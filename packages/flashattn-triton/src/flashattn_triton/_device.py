@@ -61,8 +61,8 @@ def _cuda_smem_per_sm(index: int) -> int:
 
 
 def smem_per_sm(t: torch.Tensor) -> int:
-    """Shared memory of one SM of t's GPU in bytes (228 KB on Hopper where torch does not
-    say); 0 off-GPU."""
+    """Shared memory of one SM of t's GPU in bytes (Hopper's 228 KB where torch does not
+    report it); 0 off-GPU."""
     index = t.get_device()
     return _cuda_smem_per_sm(index) if index >= 0 else 0
 

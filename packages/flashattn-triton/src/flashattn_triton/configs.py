@@ -482,7 +482,7 @@ def decode_programs_per_sm(cfg: TileConfig, block_d: int, elem_bytes: int, smem:
     at once: each keeps ``num_stages`` K and V tiles in flight (at least 1, at most
     DECODE_MAX_PROGRAMS_PER_SM)."""
     ring = cfg.num_stages * 2 * cfg.block_n * block_d * elem_bytes
-    return max(1, min(DECODE_MAX_PROGRAMS_PER_SM, smem // max(ring, 1)))
+    return max(1, min(DECODE_MAX_PROGRAMS_PER_SM, smem // ring))
 
 
 def decode_splits(bh_kv: int, key_tiles: int, slots: int) -> int:

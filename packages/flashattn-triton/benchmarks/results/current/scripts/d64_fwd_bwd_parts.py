@@ -20,20 +20,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashattn_triton as fa
 from flashattn_triton import gluon_fwd
+from flashattn_triton.reference import attention_reference
 
 D = 64
 out = sys.argv[1]
 torch.manual_seed(0)
-
-
-def ref(q, k, v, causal, scale):
-    s = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
-    nq, nk = q.shape[2], k.shape[2]
-    if causal:
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + nk - nq, float("-inf"))
-    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), v.float()), torch.logsumexp(s, -1)
 
 
 VARIANTS = {
@@ -66,7 +57,7 @@ for name, kw in VARIANTS.items():
             k = torch.randn(b, h, nk, D, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(b, h, nk, D, device="cuda", dtype=torch.bfloat16)
             o, lse = gl(q, k, v, causal, **kw)
-            ro, rl = ref(q, k, v, causal, 1 / math.sqrt(D))
+            ro, rl = attention_reference(q, k, v, causal, 1 / math.sqrt(D))
             errs.append(((o.float() - ro).abs().max().item(), (lse - rl).abs().max().item()))
         ok[name] = max(e[0] for e in errs) < 2e-2 and max(e[1] for e in errs) < 1e-3
         print(name, "errors", errs, "ok" if ok[name] else "BAD", flush=True)
