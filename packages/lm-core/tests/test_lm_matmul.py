@@ -198,3 +198,15 @@ def test_checkpoint_loads_across_matmul_backends(tmp_path):
     for p, q in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(p, q)
     assert dataclasses.replace(other.config, matmul="tf32x3") == model.config
+
+
+def test_gluon_gemm_only_where_it_can_run(monkeypatch):
+    """The Gluon GEMM is offered only for CUDA tensors, and never when turned off (the check
+    must not touch CUDA before that: this machine may have none)."""
+    pytest.importorskip("triton")
+    from lm_core import tf32x3_gluon
+
+    assert not tf32x3_gluon.usable(torch.device("cpu"))
+    monkeypatch.setattr(tf32x3_gluon, "ENABLED", False)
+    assert not tf32x3_gluon.usable(torch.device("cuda", 0))
+    assert tf32x3_gluon.tiles(300, 1000) == 3 * 8

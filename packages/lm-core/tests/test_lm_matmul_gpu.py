@@ -151,3 +151,108 @@ def test_cuda_graph_replay():
     x64, w64 = x.detach().double(), layer.weight.detach().double()
     assert _rel_err(y, x64 @ w64.t()) < 1e-6
     assert _rel_err(layer.weight.grad, 2 * (x64 @ w64.t()).t() @ x64) < 1e-6
+
+
+def _hopper_gluon() -> bool:
+    from lm_core import tf32x3_gluon
+
+    return tf32x3_gluon.usable(torch.device("cuda"))
+
+
+needs_hopper_gluon = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _hopper_gluon(),
+    reason="the Gluon GEMM runs on Hopper GPUs with Triton's Gluon",
+)
+
+
+@pytest.fixture
+def force_gluon(monkeypatch):
+    """Every product of a shape in the returned set launches the Gluon kernel, whatever the
+    first call's timing would pick."""
+    from lm_core import tf32x3_triton
+
+    forced: set = set()
+    real_get = tf32x3_triton._best.get
+
+    class _Best(dict):
+        def get(self, key, default=None):
+            return tf32x3_triton.GLUON if key[:2] in forced else real_get(key, default)
+
+    monkeypatch.setattr(tf32x3_triton, "_best", _Best(tf32x3_triton._best))
+    return forced
+
+
+@needs_hopper_gluon
+@pytest.mark.parametrize(("m", "n", "k", "layout"), SHAPES)
+def test_gluon_gemm_as_accurate_as_sgemm(force_gluon, m, n, k, layout):
+    """The Gluon kernel on every shape (ragged M, N and K included) against float64, SGEMM,
+    and the Triton kernel's 128 x 128 x 32 tiles (the same sums: equal to rounding)."""
+    from lm_core import tf32x3_triton as tt
+
+    a, b = _operands(m, n, k, layout, seed=5)
+    ref = a.double() @ b.double()
+    force_gluon.add((m, n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither launch may fall back
+        calls = [tf32x3_mm(a, b) for _ in range(3)]  # jit launch, then the compiled binary
+    assert torch.equal(calls[1], calls[0])
+    assert torch.equal(calls[2], calls[0])
+    ours, sgemm = _rel_err(calls[0], ref), _rel_err(a @ b, ref)
+    assert ours < 1e-6, (ours, sgemm)
+    assert ours <= 1.5 * sgemm + 1e-7, (ours, sgemm)
+    a_split, b_split = tt.split_pair(a, b.t())
+    c = torch.empty(m, n, device="cuda")
+    k_pad = a_split.shape[2]
+    args = (a_split, b_split, c, m, n, k_pad, a_split[0].numel(), b_split[0].numel(), n)
+    grid = (tt._cdiv(m, 128) * tt._cdiv(n, 128),)
+    tt.mm_kernel[grid](*args, BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
+    assert _rel_err(calls[0], c.double()) < 1e-7
+
+
+@needs_hopper_gluon
+def test_gluon_gemm_in_a_cuda_graph(force_gluon):
+    """Forward and backward of a layer whose three products all take the Gluon kernel,
+    captured after the warm-up and replayed on new inputs."""
+    torch.manual_seed(0)
+    layer = Linear(768, 1000, bias=False, matmul="tf32x3").cuda()
+    x = torch.randn(300, 768, device="cuda", requires_grad=True)
+    force_gluon.update({(300, 1000), (300, 768), (1000, 768)})
+
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        y = layer(x)
+        y.square().sum().backward()
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    x64, w64 = x.detach().double(), layer.weight.detach().double()
+    assert _rel_err(y, x64 @ w64.t()) < 1e-6
+    assert _rel_err(layer.weight.grad, 2 * (x64 @ w64.t()).t() @ x64) < 1e-6
+    assert _rel_err(x.grad, 2 * (x64 @ w64.t()) @ w64) < 1e-6
+
+
+@needs_hopper_gluon
+def test_first_call_keeps_the_faster_kernel():
+    """On a step-sized product the first call times both kernels and remembers one; later
+    calls take it and agree with the first to the bit (both kernels make the same sums)."""
+    from lm_core import tf32x3_triton as tt
+
+    a, b = _operands(2048, 2304, 768, "nt", seed=6)
+    first = tf32x3_mm(a, b)
+    chosen = tt._best[(2048, 2304, 768, a.device)]
+    assert chosen is tt.GLUON or hasattr(chosen, "kwargs")
+    for _ in range(2):
+        assert _rel_err(tf32x3_mm(a, b), first.double()) < 1e-7

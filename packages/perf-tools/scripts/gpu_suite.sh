@@ -60,7 +60,8 @@
 #              --strip-components=3`, carried to the machine)                      ~6-8 min
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min;
-#              then scripts/tf32x3_variants.py: the 3xTF32 GEMM's K loop in five variants
+#              then scripts/tf32x3_variants.py: the 3xTF32 GEMM's K loop in five variants,
+#              and scripts/tf32x3_gluon_ab.py: with and without the Gluon GEMM
 #                                                                  (one H200: 3 min)
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
 #              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
@@ -256,6 +257,8 @@ if want fp32gemm; then
   run fp32_gemm $PY "$ROOT/packages/perf-tools/scripts/fp32_gemm.py" --json "$WORK/fp32_gemm.json"
   run tf32x3_variants $PY "$ROOT/packages/perf-tools/scripts/tf32x3_variants.py" \
     "$WORK/tf32x3_variants.json"
+  run tf32x3_gluon_ab $PY "$ROOT/packages/perf-tools/scripts/tf32x3_gluon_ab.py" \
+    "$WORK/tf32x3_gluon_ab.json"
 fi
 if want profile_bf16; then
   run profile_bf16 $PY -m perf_tools.profile --quiet --size xl --attention sdpa --precision bf16 \

@@ -4,8 +4,9 @@ autotuning), interleaved in one process.
     python packages/perf-tools/scripts/kernel_ab.py OUT_DIR ROUNDS KERNELS -- BENCH_ARGS...
 
 KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`), `rmsnorm`
-(`lm_core.rmsnorm`), or `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
-matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape). Each round
+(`lm_core.rmsnorm`), `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
+matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape), or
+`tf32x3_gluon` (`lm_core.tf32x3_gluon`, the Hopper GEMM of `--matmul tf32x3`). Each round
 runs `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the switch off (the module's
 "auto" held to the plain ops; autotuning off), then on, resetting dynamo before each so every
 variant compiles its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv,
@@ -22,7 +23,7 @@ import torch
 
 from perf_tools import bench
 
-KERNELS = ("swiglu", "qkv_rope", "rmsnorm", "gemm_autotune")
+KERNELS = ("swiglu", "qkv_rope", "rmsnorm", "gemm_autotune", "tf32x3_gluon")
 
 
 def _switch(kernels: str, on: bool) -> None:
@@ -30,6 +31,12 @@ def _switch(kernels: str, on: bool) -> None:
         import torch._inductor.config as inductor_config
 
         inductor_config.max_autotune_gemm = on
+        return
+    if kernels == "tf32x3_gluon":
+        from lm_core import tf32x3_gluon, tf32x3_triton
+
+        tf32x3_gluon.ENABLED = on
+        tf32x3_triton._best.clear()  # each shape's first call chooses again
         return
     module = importlib.import_module(f"lm_core.{kernels}")
     module._RUNNABLE["cuda"] = on  # what "auto" decides on CUDA

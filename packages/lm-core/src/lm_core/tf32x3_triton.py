@@ -15,6 +15,8 @@ a_lo @ b_lo term is ~2^-22 of the result. Two kernels:
   per K tile, each tile's sum added to the running total in registers, grouped tile order
   for L2 reuse, unmasked pointer loads. (TMA loads, measured on an H100: up to 5% faster on
   the largest products, slower on the rest and over a whole step; lm-core's DESIGN.md.)
+  On Hopper `lm_core.tf32x3_gluon` computes the same sums with asynchronous products and a
+  loader warp; the first call per shape times both and keeps the faster.
 
 Internal: `split_pair` and `mm` do not check their inputs; call `lm_core.matmul.tf32x3_mm`,
 which does. This module imports triton at the top; `lm_core.matmul` imports it lazily at
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lm_core import tf32x3_gluon
 from lm_core._triton_util import is_interpreted
 
 SPLIT_BLOCK = 64  # (rows, columns) tile of the split kernel
@@ -235,10 +238,66 @@ def split(x: torch.Tensor) -> torch.Tensor:
     return split_pair(x, x[:0])[0]
 
 
-# (M, N, K', device) -> the autotuned config, looked up here so that later calls launch the
-# kernel directly, without the autotuner's per-call work. The split buffers and C are fresh
-# allocations (16-byte aligned), so this key also fixes the GEMM's specialization.
-_best: dict[tuple[int, int, int, torch.device], triton.Config] = {}
+# (M, N, K', device) -> the autotuned config, or GLUON where the Gluon kernel was faster;
+# looked up here so that later calls launch the kernel directly, without the autotuner's
+# per-call work. The split buffers and C are fresh allocations (16-byte aligned), so this key
+# also fixes the GEMM's specialization.
+GLUON = "gluon"
+_best: dict[tuple[int, int, int, torch.device], triton.Config | str] = {}
+
+
+class _GluonLauncher:
+    """`tf32x3_gluon.mm_kernel`, after the first call per key through its compiled binary
+    (every argument, constexprs included, in signature order), like `_Launcher`."""
+
+    def __init__(self) -> None:
+        self.compiled: dict = {}
+
+    def __call__(self, key, a_split, b_split, c) -> None:
+        g = tf32x3_gluon
+        args = g.launch_args(a_split, b_split, c)
+        grid = (g.tiles(c.shape[0], c.shape[1]), 1, 1)
+        compiled = self.compiled.get(key) if _Launcher.enabled else None
+        if compiled is not None:
+            compiled[grid](*args, *g.CONSTANTS.values(), g.NUM_WARPS)
+            return
+        compiled = g.mm_kernel[grid](*args, **g.CONSTANTS, num_warps=g.NUM_WARPS)
+        if hasattr(compiled, "function"):
+            self.compiled[key] = compiled
+
+
+_launch_gluon = _GluonLauncher()
+
+
+def _faster_than_gluon(key, config: triton.Config, args: tuple, c: torch.Tensor) -> bool:
+    """Times the autotuned Triton kernel against the Gluon one on this product's split
+    buffers; True if Triton's is faster. A Gluon kernel that fails to compile or launch (e.g.
+    a Triton whose Gluon API differs) is turned off for good, with a warning."""
+    m, n = c.shape
+    cfg = config.kwargs
+    grid = (_cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]),)
+    meta = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+
+    def run_triton() -> None:
+        _launch_mm(key, grid, *args, cfg["BM"], cfg["BN"], cfg["BK"], 8, **meta)
+
+    def run_gluon() -> None:
+        _launch_gluon(key, args[0], args[1], c)
+
+    try:
+        run_gluon()
+        ms_gluon = triton.testing.do_bench(run_gluon, warmup=5, rep=25)
+    except Exception as e:  # pragma: no cover - depends on the GPU and Triton version
+        tf32x3_gluon.ENABLED = False
+        warnings.warn(
+            f"lm_core.tf32x3_gluon: the Gluon GEMM failed ({e!r}); using the Triton kernel",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return True
+    ms_triton = triton.testing.do_bench(run_triton, warmup=5, rep=25)
+    run_triton()  # C as the kernel kept for this shape computes it
+    return ms_triton <= ms_gluon
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -258,9 +317,15 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         cfg, meta = INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}
     else:
         best = _best.get(key)
-        if best is None:  # first call with this shape: autotune
+        if best is GLUON:
+            _launch_gluon(key, a_split, b_split, c)
+            return c
+        if best is None:  # first call with this shape: autotune, then against Gluon
             _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
-            _best[key] = _tuned_mm.best_config
+            best = _tuned_mm.best_config
+            if tf32x3_gluon.usable(a.device) and not _faster_than_gluon(key, best, args, c):
+                best = GLUON
+            _best[key] = best
             return c
         cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
