@@ -247,7 +247,7 @@ def test_gluon_gemm_in_a_cuda_graph(force_gluon):
 @needs_hopper_gluon
 def test_first_call_keeps_the_faster_kernel():
     """On a step-sized product the first call times both kernels and remembers one; later
-    calls take it and agree with the first to the bit (both kernels make the same sums)."""
+    calls take it and give the first call's bits (its result is the kept kernel's)."""
     from lm_core import tf32x3_triton as tt
 
     a, b = _operands(2048, 2304, 768, "nt", seed=6)
@@ -255,4 +255,4 @@ def test_first_call_keeps_the_faster_kernel():
     chosen = tt._best[(2048, 2304, 768, a.device)]
     assert chosen is tt.GLUON or hasattr(chosen, "kwargs")
     for _ in range(2):
-        assert _rel_err(tf32x3_mm(a, b), first.double()) < 1e-7
+        assert torch.equal(tf32x3_mm(a, b), first)

@@ -1,6 +1,6 @@
 """The 3xTF32 GEMM of `lm_core.tf32x3_triton` for Hopper GPUs, written in Gluon.
 
-Same split buffers, same math, same result bit for bit: per K tile three TF32 products
+Same split buffers, same sums: per K tile three TF32 products
 (lo x hi, hi x lo, hi x hi) into a fresh accumulator, whose sum is added to the float32 total
 in registers. What differs is the schedule, which Triton's `tl.dot` does not give:
 
@@ -9,12 +9,12 @@ in registers. What differs is the schedule, which Triton's `tl.dot` does not giv
 - one extra warp streams the hi and lo tiles of both operands through a ring of three
   shared-memory stages by TMA (warp specialization), so the math warps never issue a load.
 
-On an H200 that is 4-9% faster than the Triton kernel on every product of a small-model step
-with at least a wave of 128 x 128 tiles (lm-core DESIGN.md); `tf32x3_triton.mm` times both on
-the first call per shape and keeps the faster. Gluon (`triton.experimental.gluon`, Triton >=
-3.5) is checked with Triton 3.6 and 3.9; elsewhere, or on a GPU other than Hopper, `usable()`
-is False and the Triton kernel runs. `LM_CORE_TF32X3_GLUON=0` (read once, at import) turns it
-off for experiments.
+On an H200 that is 2-8% faster than the Triton kernel on 14 of a small-model step's 15
+products, all but one whose 128 x 128 tiles fill under a third of the GPU (lm-core DESIGN.md);
+`tf32x3_triton.mm` times both on the first call per shape and keeps the faster. Gluon
+(`triton.experimental.gluon`, Triton >= 3.5) is measured with Triton 3.6 and compiles with
+3.9; without it, or on a GPU other than Hopper, `usable()` is False and the Triton kernel
+runs. `LM_CORE_TF32X3_GLUON=0` (read once, at import) turns it off for experiments.
 """
 
 from __future__ import annotations
