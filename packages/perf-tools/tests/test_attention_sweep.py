@@ -72,3 +72,66 @@ def test_autograd_threads_axis_times_each_setting(tmp_path, monkeypatch):
     assert [r["autograd_threads"] for r in rows] == ["on", "off"]
     assert seen == [True, False]
     assert torch._C._is_multithreading_enabled()
+
+
+def _fake_providers(monkeypatch, times: dict, fail: dict | None = None) -> list[str]:
+    """Every provider runs here and is timed from `times` (an iterator each); `fail` maps a
+    provider to the round from which its timing raises. Returns the timing order."""
+    order: list[str] = []
+
+    def fake_cell(attn, q, k, v, do, cfg):
+        if fail and attn in fail and sum(p == attn for p in order) >= fail[attn]:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        order.append(attn)
+        return {"ms": next(times[attn])}
+
+    monkeypatch.setattr(sweep, "_attention", lambda p, causal, compiled: p)
+    monkeypatch.setattr(sweep, "_runs_here", lambda p, device: None)
+    monkeypatch.setattr(sweep, "_cell", fake_cell)
+    return order
+
+
+def _one_row_config(rounds: int) -> sweep.SweepConfig:
+    return sweep.SweepConfig(
+        shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("eager",),
+        device=torch.device("cpu"), dtype=torch.float32, rounds=rounds, quiet=True,
+    )  # fmt: skip
+
+
+def test_rounds_interleave_providers_and_report_medians(monkeypatch):
+    times = {
+        "ours": iter([1.0, 3.0, 2.0]),
+        "sdpa-flash": iter([2.0, 2.0, 2.0]),
+        "sdpa-cudnn": iter([4.0, 1.0, 4.0]),
+    }
+    order = _fake_providers(monkeypatch, times)
+    [row] = sweep.run_sweep(_one_row_config(rounds=3))
+    assert order == [
+        "ours", "sdpa-flash", "sdpa-cudnn",
+        "sdpa-flash", "sdpa-cudnn", "ours",
+        "sdpa-cudnn", "ours", "sdpa-flash",
+    ]  # fmt: skip
+    assert (row["ours_ms"], row["sdpa-flash_ms"], row["sdpa-cudnn_ms"]) == (2.0, 2.0, 4.0)
+    assert row["ours_vs_best"] == pytest.approx(1.0)
+    # per round: 1 / min(2, 4), 3 / min(2, 1), 2 / min(2, 4)
+    assert row["ours_vs_best_min"] == pytest.approx(0.5)
+    assert row["ours_vs_best_max"] == pytest.approx(3.0)
+
+
+def test_a_provider_failing_in_a_later_round_is_reported_not_half_counted(monkeypatch):
+    times = {p: iter([1.0, 1.0, 1.0]) for p in sweep.PROVIDERS}
+    order = _fake_providers(monkeypatch, times, fail={"sdpa-cudnn": 1})
+    [row] = sweep.run_sweep(_one_row_config(rounds=3))
+    assert order.count("sdpa-cudnn") == 1  # not retried once it failed
+    assert row["sdpa-cudnn_ms"] is None
+    assert "No available kernel" in row["sdpa-cudnn_note"]
+    assert row["best_sdpa_ms"] == 1.0  # flash alone
+    assert row["ours_vs_best_min"] == row["ours_vs_best_max"] == pytest.approx(1.0)
+
+
+def test_one_round_adds_no_range_and_rounds_must_be_positive(monkeypatch):
+    _fake_providers(monkeypatch, {p: iter([1.0]) for p in sweep.PROVIDERS})
+    [row] = sweep.run_sweep(_one_row_config(rounds=1))
+    assert "ours_vs_best_min" not in row
+    with pytest.raises(ValueError, match="rounds"):
+        _one_row_config(rounds=0)

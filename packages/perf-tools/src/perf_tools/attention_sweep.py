@@ -11,12 +11,18 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
     python -m perf_tools.attention_sweep --d 64 --modes eager --shapes 128x512 32x2048
     python -m perf_tools.attention_sweep --graphed   # + GPU-only time (one CUDA graph per call)
     python -m perf_tools.attention_sweep --modes eager --autograd-threads on off
+    python -m perf_tools.attention_sweep --rounds 3  # interleaved rounds: medians, ratio range
 
 `--autograd-threads off` runs the backward on the calling thread
 (`torch.autograd.set_multithreading_enabled(False)`) instead of autograd's device thread. A
 Python autograd Function (ours) pays for that thread on every backward (the Function's
 Python backward needs the interpreter from the device thread); SDPA's C++ backward does not,
 so the eager rows of the two settings measure that cost side by side.
+
+Host-bound rows (short sequences) move by tens of percent between timings. `--rounds N`
+times every provider of a row N times, interleaved (round r starts at the r-th provider), and
+reports each provider's median over the rounds, with `ours_vs_best_min` / `_max`: the
+lowest and highest of the per-round ratios (ours against the best SDPA of the same round).
 
 Providers: `ours` (`flashattn_triton.flash_attention`), `sdpa-flash` and `sdpa-cudnn`
 (`F.scaled_dot_product_attention` pinned to one backend for the whole timing, so the pin
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -73,6 +80,7 @@ class SweepConfig:
     quiet: bool = False
     # autograd's device thread on (torch's default) / off (the backward on the calling thread)
     autograd_threads: tuple[bool, ...] = (True,)
+    rounds: int = 1  # interleaved timings of each row's providers (medians reported)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -82,6 +90,8 @@ class SweepConfig:
             raise ValueError(f"providers: expected some of {PROVIDERS}, got {sorted(bad)}")
         if set(self.modes) - set(MODES):
             raise ValueError(f"modes: expected some of {MODES}, got {self.modes}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds: expected at least 1, got {self.rounds}")
 
 
 def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., torch.Tensor]:
@@ -206,7 +216,7 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
     total = sum(len(_shapes_for(d, cfg)) for _, _, d, _ in groups) * len(cfg.providers)
     from tqdm import tqdm
 
-    bar = tqdm(total=total, desc="attention sweep", disable=cfg.quiet, leave=False)
+    bar = tqdm(total=total * cfg.rounds, desc="attention sweep", disable=cfg.quiet, leave=False)
     for mode, causal, d, threads in groups:
         fns = {p: _attention(p, causal, mode == "compiled") for p in cfg.providers}
         for heads, n in _shapes_for(d, cfg):
@@ -214,35 +224,90 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
             if cfg.autograd_threads != (True,):
                 row["autograd_threads"] = "on" if threads else "off"
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
-            for p in cfg.providers:
-                bar.set_postfix_str(f"{mode} causal={causal} d={d} {heads}x{n} {p}")
-                why = _runs_here(p, cfg.device)
-                if why is None:
-                    try:
-                        with (
-                            _pinned(p) if mode == "eager" else contextlib.nullcontext(),
-                            torch.autograd.set_multithreading_enabled(threads),
-                        ):
-                            cell = _cell(fns[p], q, k, v, do, cfg)
-                    except torch.OutOfMemoryError:
-                        why = "OOM"
-                    except RuntimeError as e:  # e.g. no kernel of that SDPA backend here
-                        why = str(e).splitlines()[0][:80]
-                if why is None:
-                    row[f"{p}_ms"] = cell["ms"]
-                    if "graphed_ms" in cell:
-                        row[f"{p}_graphed_ms"] = cell["graphed_ms"]
-                else:
-                    row[f"{p}_ms"] = None
-                    row[f"{p}_note"] = why
-                if cfg.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                bar.update()
+            label = f"{mode} causal={causal} d={d} {heads}x{n}"
+            cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
+            _fill(row, cfg.providers, cells, notes)
             _ratios(row, cfg.providers)
+            if cfg.rounds > 1:
+                _ratio_range(row, cfg.providers, cells, notes)
             rows.append(row)
             del q, k, v, do
     bar.close()
     return rows
+
+
+def _time_providers(
+    fns: dict[str, Callable[..., torch.Tensor]],
+    inputs: tuple[torch.Tensor, ...],
+    mode: str,
+    threads: bool,
+    cfg: SweepConfig,
+    bar: Any,
+    label: str,
+) -> tuple[dict[str, list[dict[str, float]]], dict[str, str]]:
+    """Each provider's cells over cfg.rounds interleaved rounds (round r starts at the r-th
+    provider), and why a provider did not run (not here, OOM, an SDPA backend refusing)."""
+    cells: dict[str, list[dict[str, float]]] = {p: [] for p in cfg.providers}
+    notes: dict[str, str] = {}
+    providers = list(cfg.providers)
+    for r in range(cfg.rounds):
+        first = r % len(providers)
+        for p in providers[first:] + providers[:first]:
+            bar.set_postfix_str(f"{label} {p}")
+            why = notes.get(p) or _runs_here(p, cfg.device)
+            if why is None:
+                try:
+                    with (
+                        _pinned(p) if mode == "eager" else contextlib.nullcontext(),
+                        torch.autograd.set_multithreading_enabled(threads),
+                    ):
+                        cells[p].append(_cell(fns[p], *inputs, cfg))
+                except torch.OutOfMemoryError:
+                    why = "OOM"
+                except RuntimeError as e:  # e.g. no kernel of that SDPA backend here
+                    why = str(e).splitlines()[0][:80]
+            if why is not None:
+                notes[p] = why
+            if cfg.device.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.update()
+    return cells, notes
+
+
+def _fill(
+    row: dict[str, Any],
+    providers: Sequence[str],
+    cells: dict[str, list[dict[str, float]]],
+    notes: dict[str, str],
+) -> None:
+    """Each provider's median ms over its rounds (and GPU-only ms when timed), or None and
+    why it did not run."""
+    for p in providers:
+        if p in notes:
+            row[f"{p}_ms"] = None
+            row[f"{p}_note"] = notes[p]
+            continue
+        row[f"{p}_ms"] = statistics.median(c["ms"] for c in cells[p])
+        if "graphed_ms" in cells[p][0]:
+            row[f"{p}_graphed_ms"] = statistics.median(c["graphed_ms"] for c in cells[p])
+
+
+def _ratio_range(
+    row: dict[str, Any],
+    providers: Sequence[str],
+    cells: dict[str, list[dict[str, float]]],
+    notes: dict[str, str],
+) -> None:
+    """The lowest and highest per-round ratio of ours to the best SDPA of the same round."""
+    sdpa = [p for p in providers if p != "ours" and p not in notes]
+    if "ours" not in providers or "ours" in notes or not sdpa:
+        return
+    ratios = [
+        cells["ours"][r]["ms"] / min(cells[p][r]["ms"] for p in sdpa)
+        for r in range(len(cells["ours"]))
+    ]
+    row["ours_vs_best_min"] = min(ratios)
+    row["ours_vs_best_max"] = max(ratios)
 
 
 def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
@@ -347,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on: the backward on autograd's device thread (torch's default); off: on the "
         "calling thread (torch.autograd.set_multithreading_enabled(False)); both: a row each",
     )
+    p.add_argument(
+        "--rounds",
+        type=_cli.positive_int,
+        default=1,
+        help="time each row's providers N times, interleaved; report medians and the range "
+        "of the per-round ratios (ours_vs_best_min / _max)",
+    )
     _cli.add_output_args(p)
     return p
 
@@ -371,13 +443,14 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         graphed=a.graphed,
         quiet=a.quiet,
         autograd_threads=tuple(dict.fromkeys(t == "on" for t in a.autograd_threads)),
+        rounds=a.rounds,
     )
 
 
 COLUMNS = (
     "mode", "autograd_threads", "causal", "d", "heads", "N", "ours_ms", "sdpa-flash_ms",
-    "sdpa-cudnn_ms", "ours_vs_best", "ours_graphed_ms", "sdpa-flash_graphed_ms",
-    "sdpa-cudnn_graphed_ms",
+    "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min", "ours_vs_best_max", "ours_graphed_ms",
+    "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
 )  # fmt: skip
 
 
