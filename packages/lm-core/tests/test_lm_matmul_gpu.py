@@ -122,11 +122,10 @@ def test_model_step_matches_torch_fp32():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_cuda_graph_replay():
-    """Forward and backward captured once (after the autotuning warm-up) replay correctly."""
-    torch.manual_seed(0)
-    layer = Linear(256, 384, bias=False, matmul="tf32x3").cuda()
-    x = torch.randn(100, 256, device="cuda", requires_grad=True)
+def _graphed_step_on_new_input(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of `layer` (loss: sum of squares) warmed up on a side stream,
+    captured in a CUDA graph, then replayed after x is overwritten in place: the output of
+    the replay (gradients in layer.weight.grad and x.grad)."""
 
     def step():
         layer.weight.grad = None
@@ -148,6 +147,15 @@ def test_cuda_graph_replay():
         x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
+    return y
+
+
+def test_cuda_graph_replay():
+    """Forward and backward captured once (after the autotuning warm-up) replay correctly."""
+    torch.manual_seed(0)
+    layer = Linear(256, 384, bias=False, matmul="tf32x3").cuda()
+    x = torch.randn(100, 256, device="cuda", requires_grad=True)
+    y = _graphed_step_on_new_input(layer, x)
     x64, w64 = x.detach().double(), layer.weight.detach().double()
     assert _rel_err(y, x64 @ w64.t()) < 1e-6
     assert _rel_err(layer.weight.grad, 2 * (x64 @ w64.t()).t() @ x64) < 1e-6
@@ -217,27 +225,7 @@ def test_gluon_gemm_in_a_cuda_graph(force_gluon):
     layer = Linear(768, 1000, bias=False, matmul="tf32x3").cuda()
     x = torch.randn(300, 768, device="cuda", requires_grad=True)
     force_gluon.update({(300, 1000), (300, 768), (1000, 768)})
-
-    def step():
-        layer.weight.grad = None
-        x.grad = None
-        y = layer(x)
-        y.square().sum().backward()
-        return y
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
-    with torch.no_grad():
-        x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
+    y = _graphed_step_on_new_input(layer, x)
     x64, w64 = x.detach().double(), layer.weight.detach().double()
     assert _rel_err(y, x64 @ w64.t()) < 1e-6
     assert _rel_err(layer.weight.grad, 2 * (x64 @ w64.t()).t() @ x64) < 1e-6

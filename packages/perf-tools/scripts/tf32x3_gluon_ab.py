@@ -22,6 +22,7 @@ import triton
 
 from lm_core import tf32x3_gluon
 from lm_core import tf32x3_triton as tt
+from perf_tools._cli import positive_int
 
 T, D, F, V, LAYERS = 2048, 768, 3072, 10000, 12
 
@@ -62,9 +63,10 @@ def _time(a: torch.Tensor, b: torch.Tensor, gluon: bool) -> tuple[float, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="JSON file for the rows and per-step totals")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=positive_int, default=2)
     args = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
+    enabled = tf32x3_gluon.ENABLED  # restored at the end (LM_CORE_TF32X3_GLUON's choice)
     rows, totals = [], {"triton": 0.0, "auto": 0.0}
     print(f"{'product':10} {'M x N x K':>18} {'triton ms':>10} {'auto ms':>9} {'kept':>7} "
           f"{'err auto':>9} {'err SGEMM':>9}")  # fmt: skip
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         errs = f"{row['rel_err_auto']:9.2e} {row['rel_err_sgemm']:9.2e}"
         times = f"{row['triton_ms']:10.4f} {row['auto_ms']:9.4f}"
         print(f"{name:10} {f'{m}x{n}x{k}':>18} {times} {kept:>7} {errs}", flush=True)
-    tf32x3_gluon.ENABLED = True
+    tf32x3_gluon.ENABLED = enabled
     print(f"per step: triton {totals['triton']:.2f} ms, auto {totals['auto']:.2f} ms "
           f"({totals['auto'] / totals['triton']:.3f}x)")  # fmt: skip
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -42,14 +42,7 @@ def mmv(
     VARIANT: tl.constexpr,
 ):
     """`tf32x3_triton.mm_kernel` with its K loop replaced by variant VARIANT (module doc)."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    m0, n0 = pid_m * BM, pid_n * BN
+    m0, n0 = tt.tile_origin(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_k = tl.arange(0, BK)
     a_ptrs = A + m0.to(tl.int64) * K + (tl.arange(0, BM)[:, None] * K + offs_k[None, :])
     b_ptrs = B + n0.to(tl.int64) * K + (tl.arange(0, BN)[:, None] * K + offs_k[None, :])

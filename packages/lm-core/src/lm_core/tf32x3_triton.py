@@ -90,6 +90,19 @@ def split_kernel(
 
 
 @triton.jit
+def tile_origin(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """First row and column of program pid's (BM, BN) output tile, tiles taken in groups of
+    GROUP_M tile rows (consecutive programs share B tiles in L2)."""
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP_M * n_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m * BM, pid_n * BN
+
+
+@triton.jit
 def mm_kernel(
     A, B, C, M, N, K, half_a, half_b, stride_c,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -97,14 +110,7 @@ def mm_kernel(
     """C (M, N) float32 = A @ B^T from split buffers A (2, M', K) and B (2, N', K): rows of K
     contiguous floats, hi then lo (half_a = M' K, half_b = N' K floats further), padded with
     zeros to whole tiles."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP_M * n_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-    m0, n0 = pid_m * BM, pid_n * BN
+    m0, n0 = tile_origin(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_k = tl.arange(0, BK)
     a_ptrs = A + m0.to(tl.int64) * K + (tl.arange(0, BM)[:, None] * K + offs_k[None, :])
     b_ptrs = B + n0.to(tl.int64) * K + (tl.arange(0, BN)[:, None] * K + offs_k[None, :])
