@@ -13,6 +13,7 @@ checks it against a simulated CUDA machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -208,18 +209,16 @@ def _two_node_job(
                 time.sleep(0.05)
         timed_out, abandoned = _wait_for_agents(procs, deadline)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop_agents(procs, dump_stacks=timed_out)
     outputs = []
     for log in logs:
         log.seek(0)
         outputs.append(log.read().decode(errors="replace"))
         log.close()
     codes = [proc.returncode for proc in procs]
-    if timed_out:
-        pytest.fail(_tails(outputs, f"two-node torchrun job timed out after {AGENT_TIMEOUT_S} s"))
+    if timed_out:  # the tails end with every process's Python stacks (SIGABRT, faulthandler)
+        headline = f"two-node torchrun job timed out after {AGENT_TIMEOUT_S} s"
+        pytest.fail(_tails(outputs, headline, chars=12000))
     if abandoned:
         headline = (
             f"two-node torchrun job: agent(s) {abandoned} still running {PEER_FAILED_GRACE_S} s "
@@ -230,6 +229,24 @@ def _two_node_job(
     if any(codes) != expect_failure or (expect_failure and not all(codes)):
         pytest.fail(_tails(outputs, f"two-node torchrun job: exit codes {codes}"))
     return outputs
+
+
+def _stop_agents(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
+    """Kill the agents still running, each with its workers (its own session). With
+    `dump_stacks` (a hung job) they first get SIGABRT, on which faulthandler
+    (PYTHONFAULTHANDLER=1) writes every process's Python stacks into the agent's log."""
+    running = [proc for proc in procs if proc.poll() is None]
+    if dump_stacks and running:
+        for proc in running:
+            os.killpg(proc.pid, signal.SIGABRT)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and any(proc.poll() is None for proc in running):
+            time.sleep(0.1)
+    for proc in running:
+        # the whole session: workers may outlive an agent that SIGABRT ended
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _wait_for_agents(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
@@ -288,3 +305,33 @@ def test_an_agent_left_waiting_after_the_other_failed_is_not_awaited(monkeypatch
     finally:
         waiting.kill()
         waiting.wait()
+
+
+def test_a_hung_agent_is_stopped_with_its_python_stacks(tmp_path):
+    """On a timeout the harness leaves each agent's Python stacks in its log before killing
+    it and its children (so a hang in CI says where it hung)."""
+    log = tmp_path / "agent.log"
+    sleeper = tmp_path / "child.pid"
+    tmp = f"{sleeper}.tmp"  # written, then renamed: the pid file is never seen half-written
+    child = f"import os, time; open({tmp!r}, 'w').write(str(os.getpid())); "
+    child += f"os.replace({tmp!r}, {str(sleeper)!r}); time.sleep(600)"
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+    code += "time.sleep(600)"
+    with log.open("w") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONFAULTHANDLER": "1"}, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not sleeper.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the agent's interpreter is in its sleep
+        _stop_agents([agent], dump_stacks=True)
+    text = log.read_text()
+    assert "Fatal Python error: Aborted" in text, text
+    assert "<string>" in text, text  # the stack of the agent's code
+    stat = Path(f"/proc/{sleeper.read_text()}/stat")
+    deadline = time.monotonic() + 5
+    while stat.exists() and stat.read_text().split(") ")[1][0] != "Z":
+        assert time.monotonic() < deadline, "the agent's child outlived it"
+        time.sleep(0.05)
