@@ -210,3 +210,30 @@ def test_gluon_gemm_only_where_it_can_run(monkeypatch):
     monkeypatch.setattr(tf32x3_gluon, "ENABLED", False)
     assert not tf32x3_gluon.usable(torch.device("cuda", 0))
     assert tf32x3_gluon.tiles(300, 1000) == 3 * 8
+
+
+def test_gluon_plans_offered(monkeypatch):
+    """A in registers only where TMA can read A as it is; split K only where the output tiles
+    leave SMs idle and each slice keeps >= 8 K tiles; either withheld when switched off."""
+    pytest.importorskip("triton")
+    from lm_core import tf32x3_gluon as g
+
+    rows = torch.empty(64, 12)
+    assert g.a_major(rows) == "k"
+    assert g.a_major(torch.empty(12, 64).t()) == "m"
+    assert g.a_major(torch.empty(64, 7)) is None  # row stride not 16-byte aligned
+    assert g.a_major(torch.empty(1000)[1:769].view(64, 12)) is None  # base address misaligned
+    assert g.k_slices(2048, 4) == (16, 4)
+    assert g.k_slices(32 * 9, 4) == (3, 3)  # 9 K tiles: three slices of 3
+    plans = g.plans(768, 768, 2048, "m", sms=132)  # 36 tiles, 64 K tiles
+    expected = {(raw, s) for raw in (False, True) for s in (1, 2, 4)}
+    assert {(p.a_raw, p.split_k) for p in plans} == expected
+    assert all(not p.a_kmajor for p in plans if p.a_raw)
+    # 474 tiles fill 3.6 waves of 132 well enough; A not readable by TMA
+    assert g.plans(10000, 768, 2048, None, sms=132) == [g.Plan()]
+    # 144 tiles: 2 waves, the second one 12/132 busy; 2 slices make 288 (2.2 of 3 waves)
+    assert [p.split_k for p in g.plans(768, 3072, 2048, None, sms=132)] == [1, 2, 4]
+    assert [p.split_k for p in g.plans(768, 768, 512, "k", sms=132)] == [1, 2, 1, 2]  # 16 K tiles
+    monkeypatch.setattr(g, "RAW_A", False)
+    monkeypatch.setattr(g, "SPLIT_K", False)
+    assert g.plans(768, 768, 2048, "m", sms=132) == [g.Plan()]

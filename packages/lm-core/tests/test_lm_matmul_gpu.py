@@ -175,31 +175,51 @@ needs_hopper_gluon = pytest.mark.skipif(
 
 @pytest.fixture
 def force_gluon(monkeypatch):
-    """Every product of a shape in the returned set launches the Gluon kernel, whatever the
-    first call's timing would pick."""
+    """Every product of a shape (M, N) in the returned dict launches the Gluon kernel under
+    the plan it maps to, whatever the first call's timing would pick."""
     from lm_core import tf32x3_triton
 
-    forced: set = set()
+    forced: dict = {}
     real_get = tf32x3_triton._best.get
 
     class _Best(dict):
         def get(self, key, default=None):
-            return tf32x3_triton.GLUON if key[:2] in forced else real_get(key, default)
+            return forced.get(key[:2]) or real_get(key, default)
 
     monkeypatch.setattr(tf32x3_triton, "_best", _Best(tf32x3_triton._best))
     return forced
 
 
+def _plans():
+    from lm_core.tf32x3_gluon import Plan
+
+    return {
+        "split_a": Plan(),
+        "raw_a": Plan(a_raw=True),  # a_kmajor set per operand below
+        "split_a_split_k4": Plan(split_k=4),
+        "raw_a_split_k2": Plan(a_raw=True, split_k=2),
+    }
+
+
 @needs_hopper_gluon
+@pytest.mark.parametrize("plan", ["split_a", "raw_a", "split_a_split_k4", "raw_a_split_k2"])
 @pytest.mark.parametrize(("m", "n", "k", "layout"), SHAPES)
-def test_gluon_gemm_as_accurate_as_sgemm(force_gluon, m, n, k, layout):
-    """The Gluon kernel on every shape (ragged M, N and K included) against float64, SGEMM,
-    and the Triton kernel's 128 x 128 x 32 tiles (the same sums: equal to rounding)."""
+def test_gluon_gemm_as_accurate_as_sgemm(force_gluon, m, n, k, layout, plan):
+    """The Gluon kernel under each kind of plan on every shape (ragged M, N and K included)
+    against float64, SGEMM, and the Triton kernel's 128 x 128 x 32 tiles (the same sums: equal
+    to rounding; split K adds the slices' sums, close to rounding)."""
+    from lm_core import tf32x3_gluon
     from lm_core import tf32x3_triton as tt
 
     a, b = _operands(m, n, k, layout, seed=5)
     ref = a.double() @ b.double()
-    force_gluon.add((m, n))
+    chosen = _plans()[plan]
+    if chosen.a_raw:
+        major = tf32x3_gluon.a_major(a)
+        if major is None:
+            pytest.skip("A is not readable by TMA as it is (the plan is never offered)")
+        chosen = dataclasses.replace(chosen, a_kmajor=major == "k")
+    force_gluon[(m, n)] = chosen
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither launch may fall back
         calls = [tf32x3_mm(a, b) for _ in range(3)]  # jit launch, then the compiled binary
@@ -214,17 +234,23 @@ def test_gluon_gemm_as_accurate_as_sgemm(force_gluon, m, n, k, layout):
     args = (a_split, b_split, c, m, n, k_pad, a_split[0].numel(), b_split[0].numel(), n)
     grid = (tt._cdiv(m, 128) * tt._cdiv(n, 128),)
     tt.mm_kernel[grid](*args, BM=128, BN=128, BK=32, GROUP_M=8, num_warps=8, num_stages=3)
-    assert _rel_err(calls[0], c.double()) < 1e-7
+    if chosen.split_k == 1:  # split K sums in another order: float64 and SGEMM judge it above
+        assert _rel_err(calls[0], c.double()) < 1e-7
 
 
 @needs_hopper_gluon
 def test_gluon_gemm_in_a_cuda_graph(force_gluon):
     """Forward and backward of a layer whose three products all take the Gluon kernel,
     captured after the warm-up and replayed on new inputs."""
+    from lm_core.tf32x3_gluon import Plan
+
     torch.manual_seed(0)
     layer = Linear(768, 1000, bias=False, matmul="tf32x3").cuda()
     x = torch.randn(300, 768, device="cuda", requires_grad=True)
-    force_gluon.update({(300, 1000), (300, 768), (1000, 768)})
+    # the forward's A in registers, the input gradient's K in 2 slices, the weight gradient's
+    # M-major A in registers
+    force_gluon.update({(300, 1000): Plan(a_raw=True), (300, 768): Plan(split_k=2),
+                        (1000, 768): Plan(a_raw=True, a_kmajor=False)})  # fmt: skip
     y = _graphed_step_on_new_input(layer, x)
     x64, w64 = x.detach().double(), layer.weight.detach().double()
     assert _rel_err(y, x64 @ w64.t()) < 1e-6
@@ -234,13 +260,17 @@ def test_gluon_gemm_in_a_cuda_graph(force_gluon):
 
 @needs_hopper_gluon
 def test_first_call_keeps_the_faster_kernel():
-    """On a step-sized product the first call times both kernels and remembers one; later
-    calls take it and give the first call's bits (its result is the kept kernel's)."""
+    """On a step-sized product the first call times the Triton kernel and the Gluon plans and
+    remembers one; later calls take it and give the first call's bits (its result is the
+    kept kernel's)."""
+    from lm_core import tf32x3_gluon
     from lm_core import tf32x3_triton as tt
 
-    a, b = _operands(2048, 2304, 768, "nt", seed=6)
+    a, b = _operands(768, 768, 2048, "tn", seed=6)  # a weight gradient: M-major A, 36 tiles
+    offered = tf32x3_gluon.plans(768, 768, 2048, "m", tf32x3_gluon.sm_count(a.device))
+    assert tf32x3_gluon.Plan(a_raw=True, a_kmajor=False, split_k=4) in offered
     first = tf32x3_mm(a, b)
-    chosen = tt._best[(2048, 2304, 768, a.device)]
-    assert chosen is tt.GLUON or hasattr(chosen, "kwargs")
+    chosen = tt._best[(768, 768, 2048, a.device, "m")]
+    assert chosen in offered if isinstance(chosen, tf32x3_gluon.Plan) else hasattr(chosen, "kwargs")
     for _ in range(2):
         assert torch.equal(tf32x3_mm(a, b), first)

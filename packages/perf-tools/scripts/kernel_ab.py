@@ -5,8 +5,9 @@ autotuning), interleaved in one process.
 
 KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`), `rmsnorm`
 (`lm_core.rmsnorm`), `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
-matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape), or
-`tf32x3_gluon` (`lm_core.tf32x3_gluon`, the Hopper GEMM of `--matmul tf32x3`). Each round
+matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape),
+`tf32x3_gluon` (`lm_core.tf32x3_gluon`, the Hopper GEMM of `--matmul tf32x3`), or
+`tf32x3_plans` (that GEMM's plans with A split in registers and split K). Each round
 runs `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the switch off (the module's
 "auto" held to the plain ops; autotuning off), then on, resetting dynamo before each so every
 variant compiles its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv,
@@ -23,7 +24,7 @@ import torch
 
 from perf_tools import bench
 
-KERNELS = ("swiglu", "qkv_rope", "rmsnorm", "gemm_autotune", "tf32x3_gluon")
+KERNELS = ("swiglu", "qkv_rope", "rmsnorm", "gemm_autotune", "tf32x3_gluon", "tf32x3_plans")
 
 
 def _switch(kernels: str, on: bool) -> None:
@@ -37,6 +38,12 @@ def _switch(kernels: str, on: bool) -> None:
 
         tf32x3_gluon.ENABLED = on
         tf32x3_triton._best.clear()  # each shape's first call chooses again
+        return
+    if kernels == "tf32x3_plans":
+        from lm_core import tf32x3_gluon, tf32x3_triton
+
+        tf32x3_gluon.RAW_A = tf32x3_gluon.SPLIT_K = on
+        tf32x3_triton._best.clear()
         return
     module = importlib.import_module(f"lm_core.{kernels}")
     module._RUNNABLE["cuda"] = on  # what "auto" decides on CUDA

@@ -26,6 +26,7 @@ before that import to run the kernels on a CPU (tests only: slow, small shapes).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -244,66 +245,93 @@ def split(x: torch.Tensor) -> torch.Tensor:
     return split_pair(x, x[:0])[0]
 
 
-# (M, N, K', device) -> the autotuned config, or GLUON where the Gluon kernel was faster;
-# looked up here so that later calls launch the kernel directly, without the autotuner's
+# (M, N, K', device, A's layout for TMA) -> the autotuned Triton config, or the Gluon plan
+# that was faster; looked up here so that later calls launch directly, without the autotuner's
 # per-call work. The split buffers and C are fresh allocations (16-byte aligned), so this key
-# also fixes the GEMM's specialization.
-GLUON = "gluon"
-_best: dict[tuple[int, int, int, torch.device], triton.Config | str] = {}
+# also fixes the GEMMs' specialization.
+_best: dict[tuple, triton.Config | tf32x3_gluon.Plan] = {}
 
 
 class _GluonLauncher:
-    """`tf32x3_gluon.mm_kernel`, after the first call per key through its compiled binary
-    (every argument, constexprs included, in signature order), like `_Launcher`."""
+    """`tf32x3_gluon.mm_kernel`, after the first call per (key, plan) through its compiled
+    binary (every argument, constexprs included, in signature order), like `_Launcher`."""
 
     def __init__(self) -> None:
         self.compiled: dict = {}
 
-    def __call__(self, key, a_split, b_split, c) -> None:
+    def __call__(self, key, plan, a, a_split, b_split, c: torch.Tensor) -> None:
         g = tf32x3_gluon
-        args = g.launch_args(a_split, b_split, c)
-        grid = (g.tiles(c.shape[0], c.shape[1]), 1, 1)
-        compiled = self.compiled.get(key) if _Launcher.enabled else None
+        m, n = c.shape
+        per_slice, slices = g.k_slices(b_split.shape[2], plan.split_k)
+        out = c if slices == 1 else torch.empty((slices, m, n), dtype=c.dtype, device=c.device)
+        args = g.launch_args(plan, a, a_split, b_split, out, per_slice)
+        grid = (g.tiles(m, n), slices, 1)
+        consts = g.constants(plan)
+        compiled = self.compiled.get((key, plan)) if _Launcher.enabled else None
         if compiled is not None:
-            compiled[grid](*args, *g.CONSTANTS.values(), g.NUM_WARPS)
-            return
-        compiled = g.mm_kernel[grid](*args, **g.CONSTANTS, num_warps=g.NUM_WARPS)
-        if hasattr(compiled, "function"):
-            self.compiled[key] = compiled
+            compiled[grid](*args, *consts.values())
+        else:
+            compiled = g.mm_kernel[grid](*args, **consts)
+            if hasattr(compiled, "function"):
+                self.compiled[(key, plan)] = compiled
+        if slices > 1:
+            torch.sum(out, dim=0, out=c)
 
 
 _launch_gluon = _GluonLauncher()
 
 
-def _faster_than_gluon(key, config: triton.Config, args: tuple, c: torch.Tensor) -> bool:
-    """Times the autotuned Triton kernel against the Gluon one on this product's split
-    buffers; True if Triton's is faster. A Gluon kernel that fails to compile or launch (e.g.
-    a Triton whose Gluon API differs) is turned off for good, with a warning."""
-    m, n = c.shape
+def _run_gluon(key, plan: tf32x3_gluon.Plan, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b by the Gluon kernel under `plan`: only B is split when A is read raw."""
+    if plan.a_raw:
+        a_split, b_split = None, split(b.t())
+    else:
+        a_split, b_split = split_pair(a, b.t())
+    c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    _launch_gluon(key, plan, a, a_split, b_split, c)
+    return c
+
+
+def _choose(key, config: triton.Config, a: torch.Tensor, b: torch.Tensor, major) -> tuple:
+    """Times whole calls (splits included, GPU time) of the autotuned Triton kernel and of
+    each Gluon plan for this shape; returns the fastest (its config or plan) and the C it
+    computes. A Gluon kernel that fails to compile or launch (e.g. a Triton whose Gluon API
+    differs) is turned off for good, with a warning."""
+    m, n = a.shape[0], b.shape[1]
     cfg = config.kwargs
     grid = (_cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]),)
     meta = {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
-    def run_triton() -> None:
+    def run_triton() -> torch.Tensor:
+        a_split, b_split = split_pair(a, b.t())
+        c = torch.empty((m, n), dtype=torch.float32, device=a.device)
+        half_a, half_b = a_split[0].numel(), b_split[0].numel()
+        args = (a_split, b_split, c, m, n, a_split.shape[2], half_a, half_b, c.stride(0))
         _launch_mm(key, grid, *args, cfg["BM"], cfg["BN"], cfg["BK"], 8, **meta)
+        return c
 
-    def run_gluon() -> None:
-        _launch_gluon(key, args[0], args[1], c)
-
-    try:
-        run_gluon()
-        ms_gluon = triton.testing.do_bench(run_gluon, warmup=5, rep=25)
-    except Exception as e:  # pragma: no cover - depends on the GPU and Triton version
-        tf32x3_gluon.ENABLED = False
-        warnings.warn(
-            f"lm_core.tf32x3_gluon: the Gluon GEMM failed ({e!r}); using the Triton kernel",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return True
-    triton_faster = triton.testing.do_bench(run_triton, warmup=5, rep=25) <= ms_gluon
-    (run_triton if triton_faster else run_gluon)()  # C as the kernel kept computes it
-    return triton_faster
+    runs = [(config, run_triton)]  # a list: triton.Config's == fails against other types
+    for plan in tf32x3_gluon.plans(m, n, key[2], major, tf32x3_gluon.sm_count(a.device)):
+        runs.append((plan, functools.partial(_run_gluon, key, plan, a, b)))
+    times = []
+    for choice, run in runs:
+        try:
+            run()
+            # GPU time alone, replayed from a CUDA graph: back-to-back eager calls of the
+            # small products wait on the host, which would rank the plans by host cost
+            times.append((triton.testing.do_bench_cudagraph(run, rep=20), choice, run))
+        except Exception as e:  # pragma: no cover - depends on the GPU and Triton version
+            if choice is config:
+                raise
+            tf32x3_gluon.ENABLED = False
+            warnings.warn(
+                f"lm_core.tf32x3_gluon: the Gluon GEMM failed ({e!r}); using the Triton kernel",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            break
+    _, best, run = min(times, key=lambda t: t[0])
+    return best, run()  # C as the kept kernel computes it
 
 
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -312,27 +340,27 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    major = tf32x3_gluon.a_major(a)
+    key = (m, n, _round_up(k, K_ALIGN), a.device, major)
+    best = None if interpreting() else _best.get(key)
+    if isinstance(best, tf32x3_gluon.Plan):
+        return _run_gluon(key, best, a, b)
     # b is read transposed so that both buffers have K-contiguous rows: (2, M', K'), (2, N', K')
     a_split, b_split = split_pair(a, b.t())
     k_pad = a_split.shape[2]
     c = torch.empty((m, n), dtype=torch.float32, device=a.device)
     half_a, half_b = a_split[0].numel(), b_split[0].numel()
     args = (a_split, b_split, c, m, n, k_pad, half_a, half_b, c.stride(0))
-    key = (m, n, k_pad, a.device)
     if interpreting():
         cfg, meta = INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}
+    elif best is None:  # first call with this shape: autotune, then against the Gluon plans
+        _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
+        best = _tuned_mm.best_config
+        if tf32x3_gluon.usable(a.device):
+            best, c = _choose(key, best, a, b, major)
+        _best[key] = best
+        return c
     else:
-        best = _best.get(key)
-        if best is GLUON:
-            _launch_gluon(key, a_split, b_split, c)
-            return c
-        if best is None:  # first call with this shape: autotune, then against Gluon
-            _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
-            best = _tuned_mm.best_config
-            if tf32x3_gluon.usable(a.device) and not _faster_than_gluon(key, best, args, c):
-                best = GLUON
-            _best[key] = best
-            return c
         cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
     bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
     grid = (_cdiv(m, bm) * _cdiv(n, bn),)
