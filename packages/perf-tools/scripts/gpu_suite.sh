@@ -61,8 +61,8 @@
 #   fp32gemm   scripts/fp32_gemm.py: every float32 product of a small-model train step,
 #              cuBLAS / cuBLASLt / TF32 / Triton ieee, tf32x3, tf32x3 + Kahan    ~2-3 min;
 #              then scripts/tf32x3_variants.py: the 3xTF32 GEMM's K loop in five variants,
-#              and scripts/tf32x3_gluon_ab.py: with and without the Gluon GEMM
-#                                                                  (one H200: 3 min)
+#              and scripts/tf32x3_gluon_ab.py: Triton alone, Gluon on split operands, all
+#              the Gluon GEMM's plans                 (this script alone ~2.7 min, one H200)
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
 #              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
 #              beside the bench step, and xl without the graph (perf_tools.train_loop).
