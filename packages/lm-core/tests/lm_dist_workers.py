@@ -97,3 +97,33 @@ def dtensor_bf16_adamw(rank: int, world: int, fused: bool) -> list[dict[str, tor
                 whole[f"{name}{i}"] = t.full_tensor() if distributed else t
         out.append(whole)
     return out
+
+
+def train_with_a_fault(
+    rank: int, world: int, runs: list[list[str]], fault_rank: int, where: str
+) -> list[tuple[str, str] | None]:
+    """`python -m lm_core.train` argv lists in this rank's process group, with the full
+    checkpoint's write ("save") or read ("resume") failing on rank `fault_rank` only, as a
+    full disk or a damaged copy on one host would. Per run: None, or the error it raised
+    (type name, message)."""
+    from lm_core import trainer
+    from lm_core.train import main
+
+    torch.set_num_threads(1)
+    out: list[tuple[str, str] | None] = []
+    for i, argv in enumerate(runs):
+        if rank == fault_rank and i == len(runs) - 1:  # the last run meets the fault
+
+            def fail(*args: Any, **kwargs: Any) -> None:
+                if where == "save":
+                    raise OSError(28, "No space left on device")
+                raise ValueError("checkpoint: damaged copy on this host")
+
+            setattr(trainer, "save_checkpoint" if where == "save" else "read_checkpoint", fail)
+        try:
+            main(argv)
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc)))
+        else:
+            out.append(None)
+    return out

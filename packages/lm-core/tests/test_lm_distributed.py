@@ -132,3 +132,34 @@ def test_the_out_dir_check_of_sharded_checkpoints(tmp_path):
     assert r1[3] is None, r1[3]
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     assert left == ["existing", "host0", "host1"]  # no marker left, no out-dir created
+
+
+@pytest.mark.parametrize(
+    ("where", "fault_rank"), [("save", 0), ("resume", 1)], ids=["save_on_rank0", "resume_on_rank1"]
+)
+def test_a_checkpoint_failing_on_one_rank_fails_every_rank(tmp_path, where, fault_rank):
+    """Rank 0's write of the full checkpoint fails (a full disk), or one rank's read of it
+    (a damaged copy on its host): every rank raises, the others naming the failed rank,
+    instead of waiting in a collective for a rank that left (spawn's timeout would fail it)."""
+    import lm_dist_workers
+
+    out = str(tmp_path / "run")
+    first = [*BASE, "--steps", "2", "--ddp", "torch", *FULL, out]
+    resume = [*BASE, "--ddp", "torch", "--resume", str(tmp_path / "run" / "checkpoint.pt")]
+    runs = [first] if where == "save" else [first, resume]
+    r0, r1 = spawn(
+        lm_dist_workers.train_with_a_fault, 2, args=(runs, fault_rank, where), timeout_s=180
+    )
+    failed, other = (r0[-1], r1[-1]) if fault_rank == 0 else (r1[-1], r0[-1])
+    expected = ("OSError", "No space left on device") if where == "save" else (
+        "ValueError", "damaged copy on this host"
+    )  # fmt: skip
+    assert failed is not None
+    assert failed[0] == expected[0]
+    assert expected[1] in failed[1], failed
+    assert other is not None
+    assert expected[1] in other[1], other
+    assert f"(raised on rank {fault_rank})" in other[1], other
+    if where == "resume":  # the first run saved normally
+        assert r0[0] is None
+        assert r1[0] is None

@@ -116,7 +116,7 @@ def _all_gather(value: Any, group: Any, use_dist: bool, world: int) -> list[Any]
 _ERRORS = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}
 
 
-def _collectively(fn: Callable[[], Any], group: Any) -> Any:
+def collectively(fn: Callable[[], Any], group: Any) -> Any:
     """Collective: `fn()` on every rank; if it raised on any rank, raise the first rank's
     error on every rank (its own exception there, the same type and message elsewhere), so no
     rank goes on into a collective that a failed rank never joins."""
@@ -208,7 +208,7 @@ def write_dcp_dir(
         recover(target, META_NAME)
         return str(new_temp_dir(target))
 
-    tmp = Path(_broadcast(_collectively(prepare, group), group, use_dist))
+    tmp = Path(_broadcast(collectively(prepare, group), group, use_dist))
     try:
         threads = io_threads()
         writer = dcp.FileSystemWriter(tmp, thread_count=threads)  # a file per thread
@@ -221,7 +221,7 @@ def write_dcp_dir(
             share = _share(names, rank, world)
             return dict(zip(share, sha256_files([tmp / n for n in share], threads)))
 
-        mine = _collectively(hash_share, group)
+        mine = collectively(hash_share, group)
         digests: dict[str, str] = {}
         for part in _all_gather(mine, group, use_dist, world):
             digests.update(part)
@@ -233,7 +233,7 @@ def write_dcp_dir(
                 atomic_write(tmp / META_NAME, lambda f: torch.save(full, f))
                 commit(tmp, target)
 
-        _collectively(finish, group)
+        collectively(finish, group)
     except BaseException:
         if rank == 0:
             remove_quietly(tmp)
@@ -404,7 +404,7 @@ def load_dcp_checkpoint(
     path = Path(path)
     group = process_group
     engine = _engine(model)
-    directory, meta = _collectively(lambda: read_dcp_meta(path), group)
+    directory, meta = collectively(lambda: read_dcp_meta(path), group)
     verify_dcp_files(path, directory, meta, group)
 
     def check() -> dict[str, set[str]]:
@@ -425,7 +425,7 @@ def load_dcp_checkpoint(
         return _check_optimizer(path, meta, storage, optimizer, names, full)
 
     shapes = engine.full_shapes()
-    saved_by_param = _collectively(check, group)
+    saved_by_param = collectively(check, group)
     template = {MODEL_PREFIX + k: v for k, v in engine.sharded_state_dict().items()}
     optim = None
     if optimizer is not None:
@@ -442,7 +442,7 @@ def load_dcp_checkpoint(
                     )
 
         try:
-            _collectively(check_entries, group)
+            collectively(check_entries, group)
         except ValueError:
             if fresh:  # as it was: no state
                 optimizer.state.clear()

@@ -41,6 +41,7 @@ from lm_core.data import (
     to_device,
 )
 from lm_core.dcp_checkpoint import (
+    collectively,
     is_dcp_checkpoint,
     load_dcp_checkpoint,
     read_dcp_meta,
@@ -349,12 +350,15 @@ def _save(
     if config.training.bf16_weights:  # the fp32 model; the masters are not saved twice
         model_state = lowp_weights.with_masters(model_state, pm.model, optimizer)
         optimizer_state = lowp_weights.without_masters(optimizer_state)
-    if env.is_main:
-        save_checkpoint(
-            path, model_state, optimizer_state, step, config=config.model_config, extra=extra
-        )
-    if env.world_size > 1:
-        torch.distributed.barrier()
+
+    def write() -> None:
+        if env.is_main:
+            save_checkpoint(
+                path, model_state, optimizer_state, step, config=config.model_config, extra=extra
+            )
+
+    # a failed write (a full disk, no permission) raises on every rank: none waits for rank 0
+    collectively(write, None)
 
 
 def _group_shapes(
@@ -385,23 +389,33 @@ def _resume(
     Model and optimizer state are checked against the model (full shapes `param_shapes`, in
     parameter order) before either is loaded."""
     sharded = is_dcp_checkpoint(path)
-    payload = read_dcp_meta(path)[1] if sharded else read_checkpoint(path)
+
+    def read() -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+        payload = read_dcp_meta(path)[1] if sharded else read_checkpoint(path)
+        start = payload["step"]
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
+        steps = config.training.steps
+        if start > steps:
+            raise ValueError(
+                f"checkpoint.resume (--resume): checkpoint is at step {start}, beyond "
+                f"training.steps (--steps) {steps}"
+            )
+        if sharded:
+            return payload, None
+        state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
+        if payload["optimizer"] is None:
+            raise ValueError(f"checkpoint {path} holds no optimizer state")
+        check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
+        return payload, state
+
+    # each rank reads its host's copy; one that fails (a damaged copy) fails every rank here,
+    # before the load's collectives, where the others would wait for it
+    payload, state = collectively(read, None)
     start = payload["step"]
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
-    steps = config.training.steps
-    if start > steps:
-        raise ValueError(
-            f"checkpoint.resume (--resume): checkpoint is at step {start}, beyond "
-            f"training.steps (--steps) {steps}"
-        )
     if sharded:
         load_dcp_checkpoint(path, pm, optimizer, config=config.model_config)
         return _restore_generator(data, payload, start)
-    state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
-    if payload["optimizer"] is None:
-        raise ValueError(f"checkpoint {path} holds no optimizer state")
-    check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
     pm.load_full_state_dict(state)
     try:
         pm.load_full_optimizer_state_dict(optimizer, payload["optimizer"])
