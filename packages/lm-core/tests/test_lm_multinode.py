@@ -14,6 +14,7 @@ checks it against a simulated CUDA machine.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -232,21 +233,53 @@ def _two_node_job(
 
 
 def _stop_agents(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
-    """Kill the agents still running, each with its workers (its own session). With
-    `dump_stacks` (a hung job) they first get SIGABRT, on which faulthandler
-    (PYTHONFAULTHANDLER=1) writes every process's Python stacks into the agent's log."""
+    """Kill the agents still running and every process below them: torchrun starts each
+    worker in a session of its own, so killing an agent's session would leave its workers
+    running. With `dump_stacks` (a hung job) each first gets SIGABRT, on which faulthandler
+    (PYTHONFAULTHANDLER=1) writes its Python stacks into the agent's log."""
     running = [proc for proc in procs if proc.poll() is None]
-    if dump_stacks and running:
-        for proc in running:
-            os.killpg(proc.pid, signal.SIGABRT)
-        end = time.monotonic() + 5
-        while time.monotonic() < end and any(proc.poll() is None for proc in running):
-            time.sleep(0.1)
+    trees = {proc.pid: [proc.pid, *_descendants(proc.pid)] for proc in running}
+    if dump_stacks:  # one process at a time, workers first: their stacks do not interleave
+        for pid in itertools.chain(*(reversed(tree) for tree in trees.values())):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+            end = time.monotonic() + 2
+            while time.monotonic() < end and not _ended(pid):
+                time.sleep(0.05)
     for proc in running:
-        # the whole session: workers may outlive an agent that SIGABRT ended
+        for pid in trees[proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # the rest of the agent's own session
         proc.wait()
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited (gone, or a zombie not yet reaped)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2] == "Z"
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), from /proc; [] without /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])  # after "pid (comm) state"
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
 
 
 def _wait_for_agents(procs: list[subprocess.Popen], deadline: float) -> tuple[bool, list[int]]:
@@ -308,14 +341,16 @@ def test_an_agent_left_waiting_after_the_other_failed_is_not_awaited(monkeypatch
 
 
 def test_a_hung_agent_is_stopped_with_its_python_stacks(tmp_path):
-    """On a timeout the harness leaves each agent's Python stacks in its log before killing
-    it and its children (so a hang in CI says where it hung)."""
+    """On a timeout the harness leaves the Python stacks of each agent and of its children,
+    which torchrun starts in sessions of their own, in the agent's log before killing them
+    all (so a hang in CI says where it hung)."""
     log = tmp_path / "agent.log"
     sleeper = tmp_path / "child.pid"
     tmp = f"{sleeper}.tmp"  # written, then renamed: the pid file is never seen half-written
     child = f"import os, time; open({tmp!r}, 'w').write(str(os.getpid())); "
     child += f"os.replace({tmp!r}, {str(sleeper)!r}); time.sleep(600)"
-    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); "
+    code = "import subprocess, sys, time; "
+    code += f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); "
     code += "time.sleep(600)"
     with log.open("w") as out:
         agent = subprocess.Popen(
@@ -328,8 +363,8 @@ def test_a_hung_agent_is_stopped_with_its_python_stacks(tmp_path):
         time.sleep(0.5)  # the agent's interpreter is in its sleep
         _stop_agents([agent], dump_stacks=True)
     text = log.read_text()
-    assert "Fatal Python error: Aborted" in text, text
-    assert "<string>" in text, text  # the stack of the agent's code
+    assert text.count("Fatal Python error: Aborted") == 2, text  # the agent's and the child's
+    assert "<string>" in text, text  # the stack of their code
     stat = Path(f"/proc/{sleeper.read_text()}/stat")
     deadline = time.monotonic() + 5
     while stat.exists() and stat.read_text().split(") ")[1][0] != "Z":
