@@ -313,6 +313,7 @@ def launch_args(
             stride_split)  # fmt: skip
 
 
+@functools.cache  # per call on the launch path: built once per plan
 def constants(plan: Plan) -> dict:
     """mm_kernel's constexprs for `plan`, in signature order."""
     return {"BM": BM, "BN": BN, "BK": BK, "STAGES": STAGES, "GROUP_M": GROUP_M,

@@ -308,18 +308,7 @@ def _choose(key, config: triton.Config, a: torch.Tensor, b: torch.Tensor, major)
     computes. A Gluon kernel that fails to compile or launch (e.g. a Triton whose Gluon API
     differs) is turned off for good, with a warning."""
     m, n = a.shape[0], b.shape[1]
-    cfg = config.kwargs
-    grid = (_cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]),)
-    meta = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-
-    def run_triton() -> torch.Tensor:
-        a_split, b_split = split_pair(a, b.t())
-        c = torch.empty((m, n), dtype=torch.float32, device=a.device)
-        half_a, half_b = a_split[0].numel(), b_split[0].numel()
-        args = (a_split, b_split, c, m, n, a_split.shape[2], half_a, half_b, c.stride(0))
-        _launch_mm(key, grid, *args, cfg["BM"], cfg["BN"], cfg["BK"], 8, **meta)
-        return c
-
+    run_triton = functools.partial(_run_triton, key, config.kwargs, _meta(config), a, b)
     runs = [(config, run_triton)]  # a list: triton.Config's == fails against other types
     for plan in tf32x3_gluon.plans(m, n, key[2], major, tf32x3_gluon.sm_count(a.device)):
         runs.append((plan, functools.partial(_run_gluon, key, plan, a, b)))
@@ -342,6 +331,29 @@ def _choose(key, config: triton.Config, a: torch.Tensor, b: torch.Tensor, major)
     return best, run()  # C as the kept kernel computes it
 
 
+def _triton_args(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """mm_kernel's arguments before its constexprs for a @ b: both operands split (b read
+    transposed, so both buffers have K-contiguous rows: (2, M', K'), (2, N', K')), C new."""
+    a_split, b_split = split_pair(a, b.t())
+    m, n = a.shape[0], b.shape[1]
+    c = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    half_a, half_b = a_split[0].numel(), b_split[0].numel()
+    return (a_split, b_split, c, m, n, a_split.shape[2], half_a, half_b, c.stride(0))
+
+
+def _run_triton(key, cfg: dict, meta: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b by the Triton kernel with tiles `cfg` and launch options `meta`."""
+    args = _triton_args(a, b)
+    m, n = args[3], args[4]
+    grid = (_cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]),)
+    _launch_mm(key, grid, *args, cfg["BM"], cfg["BN"], cfg["BK"], 8, **meta)
+    return args[2]
+
+
+def _meta(config: triton.Config) -> dict:
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
 def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) @ b (K, N) float32, any strides, through the split operands: (M, N) float32."""
     m, k = a.shape
@@ -350,27 +362,18 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.zeros((m, n), dtype=torch.float32, device=a.device)
     major = tf32x3_gluon.a_major(a)
     key = (m, n, _round_up(k, K_ALIGN), a.device, major)
-    best = None if interpreting() else _best.get(key)
+    if interpreting():
+        return _run_triton(key, INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}, a, b)
+    best = _best.get(key)
     if isinstance(best, tf32x3_gluon.Plan):
         return _run_gluon(key, best, a, b)
-    # b is read transposed so that both buffers have K-contiguous rows: (2, M', K'), (2, N', K')
-    a_split, b_split = split_pair(a, b.t())
-    k_pad = a_split.shape[2]
-    c = torch.empty((m, n), dtype=torch.float32, device=a.device)
-    half_a, half_b = a_split[0].numel(), b_split[0].numel()
-    args = (a_split, b_split, c, m, n, k_pad, half_a, half_b, c.stride(0))
-    if interpreting():
-        cfg, meta = INTERPRETER_CONFIG, {"num_warps": 4, "num_stages": 1}
-    elif best is None:  # first call with this shape: autotune, then against the Gluon plans
-        _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
-        best = _tuned_mm.best_config
-        if tf32x3_gluon.usable(a.device):
-            best, c = _choose(key, best, a, b, major)
-        _best[key] = best
-        return c
-    else:
-        cfg, meta = best.kwargs, {"num_warps": best.num_warps, "num_stages": best.num_stages}
-    bm, bn, bk = cfg["BM"], cfg["BN"], cfg["BK"]
-    grid = (_cdiv(m, bm) * _cdiv(n, bn),)
-    _launch_mm(key, grid, *args, bm, bn, bk, 8, **meta)
+    if best is not None:
+        return _run_triton(key, best.kwargs, _meta(best), a, b)
+    # first call with this shape: autotune, then against the Gluon plans
+    args = _triton_args(a, b)
+    _tuned_mm[lambda meta: (_cdiv(m, meta["BM"]) * _cdiv(n, meta["BN"]),)](*args, GROUP_M=8)
+    best, c = _tuned_mm.best_config, args[2]
+    if tf32x3_gluon.usable(a.device):
+        best, c = _choose(key, best, a, b, major)
+    _best[key] = best
     return c
