@@ -270,3 +270,72 @@ def test_block_traces_under_autocast_without_a_graph_break():
     compiled = torch.compile(block, backend="eager", fullgraph=True)
     with torch.autocast("cpu", dtype=BF16):
         torch.testing.assert_close(compiled(x), block(x))
+
+
+def _loss_and_grads(model, tokens, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_deferred_residual_add_is_the_same_math(monkeypatch, checkpointed):
+    """Each block's last residual add taken by the next block's first norm
+    (`model.chain_block`) changes no number: loss and every gradient bit for bit against
+    the add at the end of each block, in bf16 autocast (a bf16 branch on an fp32 stream),
+    through the plain chain and through checkpointed groups of two."""
+    from lm_core import TransformerLM, apply_activation_checkpointing, get_config
+    from lm_core import model as model_module
+
+    torch.manual_seed(0)
+    config = get_config("tiny", context_length=16, num_layers=3)
+    model = TransformerLM(config)
+    if checkpointed:
+        apply_activation_checkpointing(model, 2)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    results = []
+    for defer in (True, False):
+        monkeypatch.setattr(model_module, "DEFER_RESIDUAL_ADD", defer)
+        results.append(_loss_and_grads(model, tokens, autocast=True))
+    (loss_d, grads_d), (loss_p, grads_p) = results
+    assert torch.equal(loss_d, loss_p)
+    for gd, gp in zip(grads_d, grads_p):
+        assert torch.equal(gd, gp)
+
+
+@INTERPRETER
+def test_deferred_residual_add_runs_in_the_norm_kernels(monkeypatch):
+    """With the kernels (interpreter): every block's first norm but the first one's gets the
+    previous block's feed-forward output as its residual, and loss and gradients match the
+    add at the end of each block."""
+    from lm_core import TransformerLM, get_config, rmsnorm_triton
+    from lm_core import model as model_module
+    from lm_core import rmsnorm as rmsnorm_module
+
+    monkeypatch.setitem(rmsnorm_module._RUNNABLE, "cpu", True)
+    residuals = []
+    forward = rmsnorm_triton.forward
+
+    def recorded(x, r, *args):
+        residuals.append(r is not None)
+        return forward(x, r, *args)
+
+    monkeypatch.setattr(rmsnorm_triton, "forward", recorded)
+    torch.manual_seed(0)
+    config = get_config("tiny", context_length=16, num_layers=3)
+    model = TransformerLM(config)
+    tokens = torch.randint(0, config.vocab_size, (2, 17))
+    results = []
+    for defer in (True, False):
+        monkeypatch.setattr(model_module, "DEFER_RESIDUAL_ADD", defer)
+        residuals.clear()
+        results.append(_loss_and_grads(model, tokens, autocast=False))
+        # per block (ln1, ln2), then the final norm on the stream the run added up
+        expect = [False, True] + [defer, True] * (config.num_layers - 1) + [False]
+        assert residuals == expect
+    (loss_d, grads_d), (loss_p, grads_p) = results
+    torch.testing.assert_close(loss_d, loss_p, rtol=1e-6, atol=1e-7)
+    for gd, gp in zip(grads_d, grads_p):
+        torch.testing.assert_close(gd, gp, rtol=1e-5, atol=1e-7)

@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lm_core.config import ModelConfig
-from lm_core.model import TransformerLM
+from lm_core.model import TransformerLM, chain_block
 
 __all__ = [
     "activation_memory",
@@ -129,11 +129,14 @@ def resolve_group_size(every: str | int | None, num_layers: int, ratio: float = 
 def _run_group(
     layers: nn.ModuleList, start: int, end: int, x: torch.Tensor, *packing: object
 ) -> torch.Tensor:
+    # packing = (cu_seqlens, max_seqlen) or nothing. Each block's last residual add goes to
+    # the next block's first norm (`chain_block`), the group's last one stays in the group:
+    # a group keeps one stream tensor as its input, not the stream and a branch.
+    kw = {} if not packing else {"cu_seqlens": packing[0], "max_seqlen": packing[1]}
+    branch = None
     for i in range(start, end):
-        # packing = (cu_seqlens, max_seqlen) or nothing; by keyword (the block's second
-        # parameter is the decode cache)
-        x = layers[i](x, *((None, *packing) if packing else ()))
-    return x
+        x, branch = chain_block(layers[i], x, branch, **kw)
+    return x if branch is None else x + branch
 
 
 def _run_blocks_checkpointed(

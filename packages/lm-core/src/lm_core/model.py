@@ -255,7 +255,14 @@ class SwiGLU(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). (B, T, D) -> (B, T, D)."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)). (B, T, D) -> (B, T, D).
+
+    Called with `branch` (the previous block's feed-forward output, not yet added) the
+    block's input is x + branch, summed inside its first norm's kernel; `defer_add=True`
+    returns (x, ffn output) instead of their sum, so the next block's first norm takes that
+    add too. `TransformerLM.run_blocks` chains blocks this way: per block one kernel each
+    way fewer than a separate add (and, backward, the cast of its gradient to the branch's
+    dtype)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -277,14 +284,17 @@ class TransformerBlock(nn.Module):
         kv_cache: LayerCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
-    ) -> torch.Tensor:
+        *,
+        branch: torch.Tensor | None = None,
+        defer_add: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         with annotate("attention"):
             # the norms round to the dtype the linear layers after them multiply in; decoding
             # (a few rows a call) keeps the plain norms and activation, as it keeps the plain
             # RoPE: lm_core's kernels were measured on training steps only
             dtype = _matmul_dtype(x)
             kernels = "torch" if kv_cache is not None else "auto"
-            x, h = self.ln1.add_forward(x, None, out_dtype=dtype, backend=kernels)
+            x, h = self.ln1.add_forward(x, branch, out_dtype=dtype, backend=kernels)
             # extra arguments only when given: module hooks (tensor parallelism's input
             # layouts) see one input in plain training
             if kv_cache is not None:
@@ -296,8 +306,27 @@ class TransformerBlock(nn.Module):
         with annotate("ffn"):
             x, h = self.ln2.add_forward(x, a, out_dtype=dtype, backend=kernels)
             # module hooks see one input in plain training, as above
-            x = x + (self.ffn(h) if kv_cache is None else self.ffn(h, backend="torch"))
-        return x
+            f = self.ffn(h) if kv_cache is None else self.ffn(h, backend="torch")
+        return (x, f) if defer_add else x + f
+
+
+# Whether `chain_block` defers each block's last residual add to the next block's first norm
+# (an A/B switch for benchmarks; the math is the same either way).
+DEFER_RESIDUAL_ADD = True
+
+
+def chain_block(
+    block: nn.Module, x: torch.Tensor, branch: torch.Tensor | None, **packing: object
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block of a chain: (x, branch) -> (x', branch'), the stream being x + branch
+    (branch None: x alone). Through the module call, so that wrappers' hooks run."""
+    if not DEFER_RESIDUAL_ADD:
+        if branch is not None:
+            x = x + branch
+        return block(x, **packing), None
+    if branch is None:  # as a plain call: the block's hooks see one input
+        return block(x, defer_add=True, **packing)
+    return block(x, branch=branch, defer_add=True, **packing)
 
 
 class TokenEmbedding(nn.Embedding):
@@ -457,12 +486,11 @@ class TransformerLM(nn.Module):
         """The residual stream through every block in order: (B, T, D) -> (B, T, D).
 
         `lm_core.apply_activation_checkpointing` replaces this on an instance."""
+        packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
+        branch = None
         for block in self.layers:
-            if cu_seqlens is None:
-                x = block(x)
-            else:
-                x = block(x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        return x
+            x, branch = chain_block(block, x, branch, **packing)
+        return x if branch is None else x + branch
 
     def _check_input(self, token_ids: torch.Tensor) -> None:
         # Shape and dtype checks read metadata only. The value-range check reads the data, which
