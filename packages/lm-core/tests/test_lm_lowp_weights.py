@@ -110,55 +110,6 @@ def test_triton_kernel_is_the_pytorch_update(state_dtype):
                 torch.testing.assert_close(sa[n], sb[n], rtol=2e-6, atol=1e-7)
 
 
-class _CountedLaunches:
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
-
-
-@needs_interpreter
-@pytest.mark.parametrize("state_dtype", [torch.float32, BF16])
-def test_one_launch_for_several_held_weights_is_the_per_weight_update(monkeypatch, state_dtype):
-    """`adamw_master_steps` (up to four weights a launch) gives every weight, master and
-    moment bit for bit what one launch per weight gives: seven weights of awkward sizes, two
-    of them with a clipping scale, in three launches (four weights, one, two)."""
-    from lm_core import adamw_triton as at
-
-    launches = []
-    multi = _CountedLaunches(at.adamw_master_multi_kernel, launches)
-    monkeypatch.setattr(at, "adamw_master_multi_kernel", multi)
-    g = torch.Generator().manual_seed(0)
-    shapes = [(33, 7), (50,), (1000,), (5,), (1,), (2049,), (3, 700)]
-    scaled = {2, 5}
-
-    def state():
-        items = []
-        for i, shape in enumerate(shapes):
-            master = torch.randn(shape, generator=g)
-            items.append((
-                master.to(BF16), master, torch.randn(shape, generator=g).to(BF16),
-                (0.1 * torch.randn(shape, generator=g)).to(state_dtype),
-                torch.rand(shape, generator=g).to(state_dtype), torch.tensor(3.0),
-                torch.tensor(0.5) if i in scaled else None,
-            ))  # fmt: skip
-        return items
-
-    items = state()
-    copies = [tuple(t.clone() if t is not None else None for t in it) for it in items]
-    hp = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
-    at.adamw_master_steps(items, stochastic=True, **hp)
-    assert [grid[0] for grid in launches] == [1 + 1 + 1 + 1, 3, 1 + 3]  # programs
-    for it in copies:
-        at.adamw_master_step(*it[:6], grad_scale=it[6], stochastic=True, **hp)
-    for a, b in zip(items, copies):
-        for x, y in zip(a[:5], b[:5]):
-            assert torch.equal(x, y)
-    assert not torch.equal(items[0][1], state()[0][1])  # something moved
-
-
 def test_state_dict_round_trip_continues_bitwise(tiny):
     """Save after two steps, load into a fresh held model and optimizer, two more steps: the
     run an uninterrupted one makes. Masters and moments stay fp32 through the load."""

@@ -7,11 +7,9 @@ KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`), `rmsnorm`
 (`lm_core.rmsnorm`), `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
 matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape),
 `tf32x3_gluon` (`lm_core.tf32x3_gluon`, the Hopper GEMM of `--matmul tf32x3`),
-`tf32x3_plans` (that GEMM's plans with A split in registers and split K), `defer_add`
+`tf32x3_plans` (that GEMM's plans with A split in registers and split K), or `defer_add`
 (`lm_core.model.DEFER_RESIDUAL_ADD`: each block's last residual add in the next block's
-first norm kernel instead of a separate add), or `master_multi`
-(`lm_core.optim_lowp.MULTI_TENSOR_MASTER`: the held bf16 weights' AdamW updates up to four
-per launch instead of one launch each). Each round
+first norm kernel instead of a separate add). Each round
 runs `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the switch off (the module's
 "auto" held to the plain ops; autotuning off), then on, resetting dynamo before each so every
 variant compiles its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv,
@@ -36,7 +34,6 @@ KERNELS = (
     "tf32x3_gluon",
     "tf32x3_plans",
     "defer_add",
-    "master_multi",
 )
 
 
@@ -56,11 +53,6 @@ def _switch(kernels: str, on: bool) -> None:
         from lm_core import model
 
         model.DEFER_RESIDUAL_ADD = on
-        return
-    if kernels == "master_multi":
-        from lm_core import optim_lowp
-
-        optim_lowp.MULTI_TENSOR_MASTER = on
         return
     if kernels == "tf32x3_plans":
         from lm_core import tf32x3_gluon, tf32x3_triton

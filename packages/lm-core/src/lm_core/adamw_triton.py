@@ -117,13 +117,35 @@ def adamw_bf16_state_kernel(
 
 
 @triton.jit
-def _master_update(
-    W, P, G, M, V, STEP, LR, GS, pid, lr, beta1, beta2, log2_beta1, log2_beta2, eps,
-    weight_decay, n,
-    LR_ON_DEVICE: tl.constexpr, HAS_GS: tl.constexpr, MOMENTS_BF16: tl.constexpr,
-    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # program pid's BLOCK elements of one held weight (adamw_master_kernel's docstring)
+def adamw_master_kernel(
+    W,  # (n,) int16 view of the bf16 parameter: written as the new master rounded to nearest
+    P,  # (n,) float32 master weight, updated in place
+    G,  # (n,) int16 view of the bf16 gradient
+    M,  # (n,) exp_avg, updated in place: float32, or the int16 view of bf16 (MOMENTS_BF16)
+    V,  # (n,) exp_avg_sq, likewise
+    STEP,
+    LR,
+    GS,  # () float32 gradient scale (clipping) when HAS_GS
+    lr,
+    beta1,
+    beta2,
+    log2_beta1,
+    log2_beta2,
+    eps,
+    weight_decay,
+    n,
+    LR_ON_DEVICE: tl.constexpr,
+    HAS_GS: tl.constexpr,
+    MOMENTS_BF16: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The update of `adamw_bf16_state_kernel` on an fp32 master of a bf16 parameter: reads
+    the bf16 gradient (2 bytes), the master and the moments; writes them and the bf16
+    parameter (2 bytes). With fp32 moments: 14 bytes read and 14 written per parameter.
+    HAS_GS: the gradient is multiplied by the scale at GS in fp32 first (clipping, as fp32
+    gradients are scaled), so the bf16 gradient is never rounded again."""
+    pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     step = tl.load(STEP)
@@ -159,86 +181,6 @@ def _master_update(
     else:
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)
-
-
-@triton.jit
-def adamw_master_kernel(
-    W,  # (n,) int16 view of the bf16 parameter: written as the new master rounded to nearest
-    P,  # (n,) float32 master weight, updated in place
-    G,  # (n,) int16 view of the bf16 gradient
-    M,  # (n,) exp_avg, updated in place: float32, or the int16 view of bf16 (MOMENTS_BF16)
-    V,  # (n,) exp_avg_sq, likewise
-    STEP,
-    LR,
-    GS,  # () float32 gradient scale (clipping) when HAS_GS
-    lr,
-    beta1,
-    beta2,
-    log2_beta1,
-    log2_beta2,
-    eps,
-    weight_decay,
-    n,
-    LR_ON_DEVICE: tl.constexpr,
-    HAS_GS: tl.constexpr,
-    MOMENTS_BF16: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The update of `adamw_bf16_state_kernel` on an fp32 master of a bf16 parameter: reads
-    the bf16 gradient (2 bytes), the master and the moments; writes them and the bf16
-    parameter (2 bytes). With fp32 moments: 14 bytes read and 14 written per parameter.
-    HAS_GS: the gradient is multiplied by the scale at GS in fp32 first (clipping, as fp32
-    gradients are scaled), so the bf16 gradient is never rounded again."""
-    _master_update(
-        W, P, G, M, V, STEP, LR, GS, tl.program_id(0), lr, beta1, beta2, log2_beta1,
-        log2_beta2, eps, weight_decay, n, LR_ON_DEVICE, HAS_GS, MOMENTS_BF16, STOCHASTIC, BLOCK,
-    )  # fmt: skip
-
-
-# Held weights one launch updates together (`adamw_master_steps`): a Transformer block's four.
-MAX_SLOTS = 4
-
-
-@triton.jit
-def adamw_master_multi_kernel(
-    W0, P0, G0, M0, V0, S0, GS0, n0, end0,
-    W1, P1, G1, M1, V1, S1, GS1, n1, end1,
-    W2, P2, G2, M2, V2, S2, GS2, n2, end2,
-    W3, P3, G3, M3, V3, S3, GS3, n3,
-    LR, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-    SLOTS: tl.constexpr, LR_ON_DEVICE: tl.constexpr, HAS_GS: tl.constexpr,
-    MOMENTS_BF16: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    """`adamw_master_kernel` over up to four held weights (slots, each its own tensors, step
-    and scale) in one launch: programs [end_{i-1}, end_i) update slot i. One launch where
-    four would each pay a launch and a part-empty last wave."""
-    pid = tl.program_id(0)
-    if pid < end0:
-        _master_update(
-            W0, P0, G0, M0, V0, S0, LR, GS0, pid, lr, beta1, beta2, log2_beta1, log2_beta2,
-            eps, weight_decay, n0, LR_ON_DEVICE, HAS_GS, MOMENTS_BF16, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    elif SLOTS > 1:
-        if pid < end1:
-            _master_update(
-                W1, P1, G1, M1, V1, S1, LR, GS1, pid - end0, lr, beta1, beta2, log2_beta1,
-                log2_beta2, eps, weight_decay, n1, LR_ON_DEVICE, HAS_GS, MOMENTS_BF16,
-                STOCHASTIC, BLOCK,
-            )  # fmt: skip
-        elif SLOTS > 2:
-            if pid < end2:
-                _master_update(
-                    W2, P2, G2, M2, V2, S2, LR, GS2, pid - end1, lr, beta1, beta2, log2_beta1,
-                    log2_beta2, eps, weight_decay, n2, LR_ON_DEVICE, HAS_GS, MOMENTS_BF16,
-                    STOCHASTIC, BLOCK,
-                )  # fmt: skip
-            elif SLOTS > 3:
-                _master_update(
-                    W3, P3, G3, M3, V3, S3, LR, GS3, pid - end2, lr, beta1, beta2, log2_beta1,
-                    log2_beta2, eps, weight_decay, n3, LR_ON_DEVICE, HAS_GS, MOMENTS_BF16,
-                    STOCHASTIC, BLOCK,
-                )  # fmt: skip
 
 
 def interpreting() -> bool:
@@ -303,46 +245,6 @@ def adamw_bf16_state_step(
         )  # fmt: skip
 
 
-def _master_operands(
-    param: torch.Tensor,
-    master: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad_scale: torch.Tensor | None,
-) -> tuple:
-    """One held weight's kernel operands, checked: (W, P, G, M, V) with the bf16 tensors and
-    bf16 moments as int16 views, then the scale (or None)."""
-    for name, t in (
-        ("param", param),
-        ("grad", grad),
-        ("exp_avg", exp_avg),
-        ("exp_avg_sq", exp_avg_sq),
-    ):
-        if t.shape != master.shape or t.device != master.device:
-            raise ValueError(f"{name}: expected the master weight's shape and device")
-    if param.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16:
-        raise TypeError("the master-weight kernel takes a bf16 parameter and gradient")
-    if master.dtype != torch.float32 or exp_avg.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError("the master-weight kernel takes an fp32 master and fp32 or bf16 moments")
-    tensors = (param, master, grad, exp_avg, exp_avg_sq)
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("the master-weight kernel takes contiguous tensors")
-    if grad_scale is not None and (
-        grad_scale.device != master.device or grad_scale.dtype != torch.float32
-    ):
-        raise ValueError("grad_scale: expected a float32 tensor on the master weight's device")
-    moments_bf16 = exp_avg.dtype == torch.bfloat16
-    m, v = (t.view(torch.int16) if moments_bf16 else t for t in (exp_avg, exp_avg_sq))
-    return param.view(torch.int16), master, grad.view(torch.int16), m, v, grad_scale
-
-
-def _hparam_args(lr, step, beta1, beta2, eps, weight_decay) -> tuple[tuple, bool]:
-    lr_ptr, lr_value, lr_on_device = _lr_args(lr, step)
-    args = (lr_ptr, lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay)
-    return args, lr_on_device
-
-
 def adamw_master_step(
     param: torch.Tensor,
     master: torch.Tensor,
@@ -364,59 +266,34 @@ def adamw_master_step(
     or bf16 (rounded as `stochastic` says); all contiguous, one shape, one device; `step` and
     `lr` as for `adamw_bf16_state_step`; `grad_scale` a 0-dim fp32 tensor there (clipping)
     that multiplies the gradient in fp32."""
-    w, p, g, m, v, gs = _master_operands(param, master, grad, exp_avg, exp_avg_sq, grad_scale)
     n = master.numel()
+    for name, t in (
+        ("param", param),
+        ("grad", grad),
+        ("exp_avg", exp_avg),
+        ("exp_avg_sq", exp_avg_sq),
+    ):
+        if t.shape != master.shape or t.device != master.device:
+            raise ValueError(f"{name}: expected the master weight's shape and device")
+    if param.dtype != torch.bfloat16 or grad.dtype != torch.bfloat16:
+        raise TypeError("the master-weight kernel takes a bf16 parameter and gradient")
+    if master.dtype != torch.float32 or exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError("the master-weight kernel takes an fp32 master and fp32 or bf16 moments")
+    tensors = (param, master, grad, exp_avg, exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the master-weight kernel takes contiguous tensors")
     if n == 0:
         return
-    (lr_ptr, *hp), lr_on_device = _hparam_args(lr, step, beta1, beta2, eps, weight_decay)
+    lr_ptr, lr_value, lr_on_device = _lr_args(lr, step)
+    moments_bf16 = exp_avg.dtype == torch.bfloat16
+    m, v = (t.view(torch.int16) if moments_bf16 else t for t in (exp_avg, exp_avg_sq))
+    has_gs = grad_scale is not None
+    if has_gs and (grad_scale.device != master.device or grad_scale.dtype != torch.float32):
+        raise ValueError("grad_scale: expected a float32 tensor on the master weight's device")
     with _device_guard(master):
         adamw_master_kernel[(triton.cdiv(n, BLOCK),)](
-            w, p, g, m, v, step, lr_ptr, step if gs is None else gs, *hp, n,
-            LR_ON_DEVICE=lr_on_device, HAS_GS=gs is not None,
-            MOMENTS_BF16=exp_avg.dtype == torch.bfloat16, STOCHASTIC=stochastic, BLOCK=BLOCK,
-            num_warps=4,
+            param.view(torch.int16), master, grad.view(torch.int16), m, v, step, lr_ptr,
+            grad_scale if has_gs else step, lr_value, beta1, beta2, _log2(beta1), _log2(beta2), eps,
+            weight_decay, n, LR_ON_DEVICE=lr_on_device, HAS_GS=has_gs, MOMENTS_BF16=moments_bf16,
+            STOCHASTIC=stochastic, BLOCK=BLOCK, num_warps=4,
         )  # fmt: skip
-
-
-def adamw_master_steps(
-    items: list[tuple[torch.Tensor, ...]],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    stochastic: bool,
-) -> None:
-    """`adamw_master_step` of every held weight in `items`, tuples (param, master, grad,
-    exp_avg, exp_avg_sq, step, grad_scale or None) on one device with one moment dtype, up
-    to MAX_SLOTS weights per launch (`adamw_master_multi_kernel`); weights with and without
-    a scale are launched apart. The same update, bit for bit, as one launch per weight."""
-    operands = [(*_master_operands(*it[:5], it[6]), it[5]) for it in items]
-    operands = [op for op in operands if op[1].numel() > 0]
-    if not operands:
-        return
-    if len({(op[3].dtype, op[1].device) for op in operands}) > 1:
-        raise ValueError("adamw_master_steps: expected one device and one moment dtype")
-    (lr_ptr, *hp), lr_on_device = _hparam_args(lr, operands[0][6], beta1, beta2, eps, weight_decay)
-    moments_bf16 = operands[0][3].dtype == torch.int16
-    for scaled in (False, True):
-        same = [op for op in operands if (op[5] is not None) == scaled]
-        for i in range(0, len(same), MAX_SLOTS):
-            chunk = same[i : i + MAX_SLOTS]
-            args, end = [], 0
-            for k in range(MAX_SLOTS):
-                if k < len(chunk):
-                    w, p, g, m, v, gs, st = chunk[k]
-                    end += triton.cdiv(p.numel(), BLOCK)
-                    args += [w, p, g, m, v, st, st if gs is None else gs, p.numel()]
-                else:
-                    args += [None] * 7 + [0]
-                if k < MAX_SLOTS - 1:
-                    args.append(end)
-            with _device_guard(chunk[0][1]):
-                adamw_master_multi_kernel[(end,)](
-                    *args, lr_ptr, *hp, SLOTS=len(chunk), LR_ON_DEVICE=lr_on_device,
-                    HAS_GS=scaled, MOMENTS_BF16=moments_bf16, STOCHASTIC=stochastic,
-                    BLOCK=BLOCK, num_warps=4,
-                )  # fmt: skip

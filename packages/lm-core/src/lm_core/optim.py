@@ -298,14 +298,13 @@ class AdamW(torch.optim.Optimizer):
         if optim_lowp.backend(group.get("fused"), device, what) == "triton":
             steps = self._device_steps(params, steps)
             self._advance(steps)
-            items, copies = [], []
             for p, g, m, v, s, w in zip(params, grads, exp_avgs, exp_avg_sqs, steps, masters):
-                work = [t.contiguous() for t in (p, w, g, m, v)]  # rarely a copy
-                items.append((*work, s, lowp_weights.take_grad_scale(p)))
-                copies += [(t, c) for t, c in zip((p, w, m, v), work[:2] + work[3:]) if c is not t]
-            optim_lowp.master_kernel_steps(items, group, self.state_rounding)
-            for t, c in copies:
-                t.copy_(c)
+                work = [t.contiguous() for t in (p, w, g, m, v)]
+                scale = lowp_weights.take_grad_scale(p)
+                optim_lowp.master_kernel_step(*work, s, group, self.state_rounding, scale)
+                for t, c in zip((p, w, g, m, v), work):
+                    if c is not t and t is not g:
+                        t.copy_(c)
             return
         steps = self._host_steps(params, steps)  # resolved here: the updates see masters
         grads32 = [g.float() for g in grads]

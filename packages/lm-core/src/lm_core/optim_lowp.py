@@ -139,26 +139,24 @@ def kernel_step(
     )
 
 
-# Whether the held weights of one update share launches (`adamw_triton.adamw_master_steps`,
-# up to four per launch) or take one launch each: an A/B switch for benchmarks, the same
-# numbers either way.
-MULTI_TENSOR_MASTER = True
-
-
-def master_kernel_steps(
-    items: list[tuple[torch.Tensor, ...]], group: dict[str, Any], rounding: str
+def master_kernel_step(
+    param: torch.Tensor,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    group: dict[str, Any],
+    rounding: str,
+    grad_scale: torch.Tensor | None = None,
 ) -> None:
-    """Held weights' updates by the Triton kernel: `items` as for
-    `adamw_triton.adamw_master_steps` (param, master, grad, exp_avg, exp_avg_sq, step,
-    grad_scale or None)."""
-    from lm_core.adamw_triton import adamw_master_step, adamw_master_steps
+    """One held weight's update by the Triton kernel (`lm_core.lowp_weights`)."""
+    from lm_core.adamw_triton import adamw_master_step
 
     hparams = _kernel_hparams(group, rounding)
-    if MULTI_TENSOR_MASTER:
-        adamw_master_steps(items, **hparams)
-        return
-    for item in items:
-        adamw_master_step(*item[:6], grad_scale=item[6], **hparams)
+    adamw_master_step(
+        param, master, grad, exp_avg, exp_avg_sq, step, grad_scale=grad_scale, **hparams
+    )
 
 
 # ----------------------------------------------------------------------------- rounding
