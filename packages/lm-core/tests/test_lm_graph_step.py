@@ -260,7 +260,8 @@ def rerun_trainer(monkeypatch):
     monkeypatch.setattr(trainer, "AdamW", functools.partial(AdamW, fused=True))
     runners: list[_Rerun] = []
 
-    def make_runner(device):
+    def make_runner(device, node_priorities=False):
+        assert node_priorities  # the trainer's step replays with node priorities
         runners.append(_Rerun())
         return runners[-1]
 

@@ -7,9 +7,11 @@ KERNELS: `swiglu` (`lm_core.swiglu`), `qkv_rope` (`lm_core.qkv_rope`), `rmsnorm`
 (`lm_core.rmsnorm`), `gemm_autotune` (torch inductor's `max_autotune_gemm`: compiled
 matmuls pick the fastest of cuBLAS and inductor's Triton templates per shape),
 `tf32x3_gluon` (`lm_core.tf32x3_gluon`, the Hopper GEMM of `--matmul tf32x3`),
-`tf32x3_plans` (that GEMM's plans with A split in registers and split K), or `defer_add`
+`tf32x3_plans` (that GEMM's plans with A split in registers and split K), `defer_add`
 (`lm_core.model.DEFER_RESIDUAL_ADD`: each block's last residual add in the next block's
-first norm kernel instead of a separate add). Each round
+first norm kernel instead of a separate add), or `node_priorities`
+(`lm_core.graph_step.NODE_PRIORITIES`: the step's CUDA graph replayed with the backward's
+kernels at high priority and the overlapped optimizer's at low). Each round
 runs `perf_tools.bench` (BENCH_ARGS, plus --quiet) first with the switch off (the module's
 "auto" held to the plain ops; autotuning off), then on, resetting dynamo before each so every
 variant compiles its own graphs; one CSV per run in OUT_DIR (KERNELS_off_R.csv,
@@ -34,6 +36,7 @@ KERNELS = (
     "tf32x3_gluon",
     "tf32x3_plans",
     "defer_add",
+    "node_priorities",
 )
 
 
@@ -48,6 +51,11 @@ def _switch(kernels: str, on: bool) -> None:
 
         tf32x3_gluon.ENABLED = on
         tf32x3_triton._best.clear()  # each shape's first call chooses again
+        return
+    if kernels == "node_priorities":
+        from lm_core import graph_step
+
+        graph_step.NODE_PRIORITIES = on
         return
     if kernels == "defer_add":
         from lm_core import model

@@ -22,16 +22,21 @@ graphs forward and backward of a module but not the optimizer step, which is hal
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import torch
 
-from lm_core import optim_lowp
+from lm_core import graph_priority, optim_lowp
 from lm_core.optim import AdamW, _fused_available, implementation
 from lm_core.train_config import ConfigError, KeyNames, TrainConfig
 
 WARMUP_STEPS = 3  # eager steps before the capture (torch's docs: a few, on a side stream)
+# Whether GraphedStep (the trainer) and perf_tools.bench replay with node priorities
+# (`CudaGraphs`); a switch for A/B benchmarks.
+NODE_PRIORITIES = True
 KEY = "training.cuda_graph"
 
 T = TypeVar("T")
@@ -208,11 +213,18 @@ class GraphRunner(Protocol):
 
 class CudaGraphs:
     """Eager calls on a side stream, and `torch.cuda.graph` capture (as torch's docs ask:
-    warm-up work on a side stream, so that lazily created state is not captured)."""
+    warm-up work on a side stream, so that lazily created state is not captured).
 
-    def __init__(self, device: torch.device) -> None:
+    node_priorities: capture on a stream of the highest priority and replay with each
+    kernel's priority kept (`lm_core.graph_priority`): work the step puts on side streams of
+    the default priority (`OverlappedOptimizer`'s updates) yields the SMs to the backward.
+    Only for steps that draw no random numbers on the GPU (that replay does not advance the
+    generator); where it cannot be done, a warning and torch's replay."""
+
+    def __init__(self, device: torch.device, node_priorities: bool = False) -> None:
         check_device(device, "CudaGraphs")
         self.device = device
+        self.node_priorities = node_priorities
         with torch.cuda.device(device):
             self.side = torch.cuda.Stream()
 
@@ -227,9 +239,11 @@ class CudaGraphs:
 
     def capture(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Record one call of `fn` (its kernels are recorded, not run); returns the replay."""
-        graph = torch.cuda.CUDAGraph()
+        keep = self.node_priorities and "keep_graph" in _graph_init_args()
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
+        stream = graph_priority.high_priority_stream(self.device) if keep else None
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph):
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=stream):
                 fn()
         except torch.OutOfMemoryError:
             raise  # as it is: callers tell an OOM from other failures by its type
@@ -238,10 +252,30 @@ class CudaGraphs:
                 f"capturing the step in a CUDA graph failed: {exc}. Something in the step "
                 "synchronizes with the host or changes shape; run it without a CUDA graph"
             ) from exc
+        if self.node_priorities:
+            why = "this torch's CUDAGraph has no keep_graph (torch 2.8+)"
+            if keep:
+                try:
+                    return graph_priority.PriorityGraph(graph, self.device)
+                except RuntimeError as exc:
+                    why = str(exc)
+            warnings.warn(
+                f"CUDA graph node priorities: {why}; replaying through torch", stacklevel=2
+            )
         return graph.replay
 
 
-def capture_cuda_graph(step: Callable[[], None], *, warmup: int = 3) -> Callable[[], None]:
+def _graph_init_args() -> tuple[str, ...]:
+    """The parameters of this torch's CUDAGraph constructor (keep_graph: torch 2.8+)."""
+    try:
+        return tuple(inspect.signature(torch.cuda.CUDAGraph).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+def capture_cuda_graph(
+    step: Callable[[], None], *, warmup: int = 3, node_priorities: bool = False
+) -> Callable[[], None]:
     """Record one call of `step` into a CUDA graph; returns the graph's replay.
 
     The whole step (forward, backward, optimizer) becomes one launch, so the host no longer
@@ -249,10 +283,12 @@ def capture_cuda_graph(step: Callable[[], None], *, warmup: int = 3) -> Callable
     counters live on the device (lm_core's fused AdamW, torch's fused/capturable AdamW), and
     without autocast's weight cache (`torch.autocast(..., cache_enabled=False)`). `warmup`
     eager calls run first on a side stream. The step's gradients end up in the graph's private
-    memory pool and are rewritten in place by every replay."""
+    memory pool and are rewritten in place by every replay. `node_priorities`: as
+    `CudaGraphs`' (for steps that draw no random numbers on the GPU)."""
     if not torch.cuda.is_available():
         raise RuntimeError("capture_cuda_graph: CUDA graphs need a CUDA device")
-    runner = CudaGraphs(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    runner = CudaGraphs(device, node_priorities=node_priorities)
     for _ in range(warmup):
         runner.eager(step)
     return runner.capture(step)
@@ -271,6 +307,8 @@ class GraphedStep:
 
     Parameters and optimizer state are the graph's: nothing may replace them after the
     capture (load a checkpoint before the first call; `load_state_dict` rebinds the state).
+    `node_priorities` (default NODE_PRIORITIES): `CudaGraphs`'; lm_core's models draw no
+    random numbers, so the trainer's step replays with them.
     """
 
     def __init__(
@@ -284,13 +322,15 @@ class GraphedStep:
         device: torch.device,
         warmup: int = WARMUP_STEPS,
         runner: GraphRunner | None = None,
+        node_priorities: bool | None = None,
     ) -> None:
         if warmup < 1:  # the optimizer's state must exist before the capture, not inside it
             raise ValueError(f"warmup: expected at least 1 eager step, got {warmup}")
         if runner is None:
             check_device(device)
             check_optimizer(optimizer, device)
-            runner = CudaGraphs(device)
+            priorities = NODE_PRIORITIES if node_priorities is None else node_priorities
+            runner = CudaGraphs(device, node_priorities=priorities)
         self.step = step
         self.warmup = warmup
         self.runner = runner
