@@ -314,3 +314,26 @@ def test_trainer_graph_run_with_a_cosine_schedule(rerun_trainer):
         rtol=1e-5,
         atol=0,
     )
+
+
+class _FusedAdamW(AdamW):
+    """lm_core's AdamW with fused=True as a class (OverlappedOptimizer takes a class)."""
+
+    def __init__(self, params, **kwargs) -> None:
+        super().__init__(params, fused=True, **kwargs)
+
+
+def test_trainer_graph_run_with_the_overlapped_optimizer(rerun_trainer, monkeypatch):
+    """--cuda-graph with --optimizer-overlap (the bench's fast step in the trainer): every
+    unit's AdamW reads the graph's LR tensor, and the run is the eager overlapped run bit
+    for bit (an LR exact in float32), accumulation included."""
+    monkeypatch.setattr(trainer, "AdamW", _FusedAdamW)
+    common = [*FAST, "--log-every", "1", "--steps", "8", "--grad-accum-steps", "2"]
+    common += ["--max-lr", str(2.0**-8), "--min-lr", str(2.0**-8), "--grad-clip", "0"]
+    common += ["--optimizer-overlap"]
+    eager = main(common)
+    graphed = main([*common, "--cuda-graph"])
+    assert (rerun_trainer[0].eager_calls, rerun_trainer[0].replays) == (3, 5)
+    assert [h["loss"] for h in graphed.history] == [h["loss"] for h in eager.history]
+    for key, value in eager.model.state_dict().items():
+        assert torch.equal(value, graphed.model.state_dict()[key]), key

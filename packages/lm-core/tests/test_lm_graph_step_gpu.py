@@ -40,6 +40,11 @@ CASES = {
     "bf16-fused-ckpt": (["--bf16", "--fused-loss", "--activation-checkpointing", "1"], 1e-3),
     "bf16-compile-accum": (["--bf16", "--compile", "--grad-accum-steps", "2"], 1e-3),
     "fp32-flash-triton": (["--attention", "flash-triton"], 1e-4),
+    # the bench's fast step: blocks compiled, AdamW on a side stream during the backward
+    "bf16-blocks-overlap": (
+        ["--bf16", "--compile-blocks", "--optimizer-overlap", "--grad-clip", "0"],
+        1e-3,
+    ),
 }
 
 
@@ -57,8 +62,9 @@ def test_graphed_run_matches_eager(case):
     assert [h["step"] for h in graphed.history] == list(range(1, 13))
     assert [h["lr"] for h in graphed.history] == [h["lr"] for h in eager.history]
     torch.testing.assert_close(_losses(graphed), _losses(eager), rtol=rel, atol=0)
-    norms = [torch.tensor([h["grad_norm"] for h in r.history]) for r in (graphed, eager)]
-    torch.testing.assert_close(*norms, rtol=10 * rel, atol=0)
+    if "grad_norm" in eager.history[0]:  # logged where clipping is on
+        norms = [torch.tensor([h["grad_norm"] for h in r.history]) for r in (graphed, eager)]
+        torch.testing.assert_close(*norms, rtol=10 * rel, atol=0)
     _assert_same_weights(eager, graphed, 5 * rel)
     assert graphed.optimizer.param_groups[0]["lr"] == eager.optimizer.param_groups[0]["lr"]
 

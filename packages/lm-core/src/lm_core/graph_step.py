@@ -114,6 +114,11 @@ def check_optimizer(optimizer: torch.optim.Optimizer, device: torch.device) -> N
     moments (`state_dtype`) the Triton kernel of `lm_core.adamw_triton` must serve, which
     does the same."""
     where = f"--cuda-graph ({KEY})"
+    units = getattr(optimizer, "optimizers", None)  # OverlappedOptimizer: each unit's
+    if units is not None and not isinstance(optimizer, AdamW):
+        for unit in units:
+            check_optimizer(unit, device)
+        return
     if not isinstance(optimizer, AdamW):
         raise RuntimeError(f"{where} needs lm_core.AdamW, got {type(optimizer).__name__}")
     overloads = getattr(getattr(torch.ops.aten, "_fused_adamw_", None), "overloads", list)

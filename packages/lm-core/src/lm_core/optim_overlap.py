@@ -262,6 +262,12 @@ class OverlappedOptimizer:
         return [g for unit in self._units for g in unit.optimizer.param_groups]
 
     @property
+    def caller_param_groups(self) -> list[dict[str, Any]]:
+        """The param groups as given (`params`, or the model's parameters as one group): the
+        layout of `state_dict()`, which the units' groups split."""
+        return self._groups
+
+    @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The units' optimizers, in unit order."""
         return [unit.optimizer for unit in self._units]

@@ -76,6 +76,7 @@ def resolve_config(
     check_cuda_graph(c, n)
     _check_checkpoint_format(c, n)
     _check_bf16_weights(c, n)
+    _check_overlap(c, n)
     _check_files(c, n)
     _check_sample(c, n)
     _apply_sidecar(c, n)
@@ -160,6 +161,44 @@ def _check_bf16_weights(c: TrainConfig, n: KeyNames) -> None:
     for clash, why in clashes:
         if clash:
             raise ConfigError(key, f"{n(key)} {why} (lm_core.lowp_weights)")
+
+
+def _check_overlap(c: TrainConfig, n: KeyNames) -> None:
+    """training.compile_blocks: not beside the whole-model compile, nor with the wrappers
+    that compile blocks themselves (--fsdp, --tp). training.optimizer_overlap: one process
+    (data-parallel wrappers reduce gradients after the hooks that step them), no global-norm
+    clipping (it needs every gradient before any update), the full checkpoint format."""
+    t, p = c.training, c.parallel
+    if t.compile_blocks:
+        key = "training.compile_blocks"
+        for clash, other in (
+            (t.compile, n("training.compile")),
+            (p.fsdp != "none", n("parallel.fsdp")),
+            (p.tp > 1, n("parallel.tp")),
+        ):
+            if clash:
+                raise ConfigError(
+                    key,
+                    f"{n(key)} excludes {other} (which compiles the model, or its blocks, itself)",
+                )
+    if not t.optimizer_overlap:
+        return
+    key = "training.optimizer_overlap"
+    clashes = [
+        (p.ddp != "none", f"excludes {n('parallel.ddp')}"),
+        (p.zero, f"excludes {n('parallel.zero')}"),
+        (p.fsdp != "none", f"excludes {n('parallel.fsdp')}"),
+        (p.tp > 1, f"excludes {n('parallel.tp')}"),
+        (
+            c.optim.grad_clip > 0,
+            f"needs {n.setting('optim.grad_clip', 0)}: clipping by the global norm needs "
+            "every gradient before any update",
+        ),
+        (c.checkpoint.format == "dcp", f"needs {n.setting('checkpoint.format', 'full')}"),
+    ]
+    for clash, why in clashes:
+        if clash:
+            raise ConfigError(key, f"{n(key)} {why} (lm_core.OverlappedOptimizer)")
 
 
 def _check_parallel(c: TrainConfig, n: KeyNames) -> None:

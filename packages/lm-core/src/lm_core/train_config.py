@@ -121,6 +121,18 @@ class TrainingOptions:
     )
     tf32: bool = _opt(False, "allow TF32 matmuls on CUDA")
     compile: bool = _opt(False, "torch.compile the model")
+    compile_blocks: bool = _opt(
+        False,
+        "torch.compile each Transformer block on its own instead of the whole model "
+        "(lm_core.compile_blocks): one backward node per block, which --optimizer-overlap "
+        "needs to step blocks during the backward",
+    )
+    optimizer_overlap: bool = _opt(
+        False,
+        "step each block's AdamW during the backward, on a side CUDA stream, as soon as its "
+        "gradients are final (lm_core.OverlappedOptimizer; the same math; one process, "
+        "--grad-clip 0, the full checkpoint format)",
+    )
     cuda_graph: bool = _opt(
         False,
         "capture the whole step (forward, backward, clipping, AdamW, the LR) in one CUDA graph "

@@ -32,6 +32,7 @@ from lm_core.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from lm_core.compiling import compile_blocks
 from lm_core.data import (
     document_offsets,
     gather_windows,
@@ -63,6 +64,7 @@ from lm_core.loss import cross_entropy
 from lm_core.model import TransformerLM
 from lm_core.optim import AdamW, cosine_lr
 from lm_core.optim_lowp import STATE_DTYPE_NAMES
+from lm_core.optim_overlap import OverlappedOptimizer
 from lm_core.run_dir import checkpoint_name, continue_metrics
 from lm_core.shared_dir import start_together
 from lm_core.train_checks import resolve_config
@@ -214,9 +216,14 @@ def _step_on(
     graph captures it), gradients set to None."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=env.device)
+    # before the backward: an OverlappedOptimizer steps its units during the last one
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    no_step = getattr(optimizer, "no_step", None)  # OverlappedOptimizer: no update yet
     for micro, (x, y, cu_seqlens) in enumerate(batches):
         last = micro == accum - 1
-        with contextlib.nullcontext() if last else pm.no_sync():
+        quiet = no_step() if no_step is not None and not last else contextlib.nullcontext()
+        with contextlib.nullcontext() if last else pm.no_sync(), quiet:
             loss = _loss(pm.module, x, y, config, env, cu_seqlens, autocast_cache)
             (loss / accum).backward()
         loss_sum += loss.detach()
@@ -224,8 +231,6 @@ def _step_on(
     grad_norm = None
     if config.optim.grad_clip > 0:  # global norm (sharded: a collective)
         grad_norm = pm.clip_grad_norm(config.optim.grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum / accum, grad_norm
@@ -366,7 +371,8 @@ def _group_shapes(
 ) -> list[list[tuple[int, ...]]]:
     """The full shapes of `param_shapes` (the model's parameters, in order) split as the
     optimizer's groups are: the trainer builds every optimizer over the parameters in order."""
-    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    groups = getattr(optimizer, "caller_param_groups", optimizer.param_groups)
+    sizes = [len(g["params"]) for g in groups]
     if sum(sizes) != len(param_shapes):
         raise RuntimeError(
             f"the optimizer holds {sum(sizes)} parameters, the model {len(param_shapes)}"
@@ -473,6 +479,8 @@ def _wrap(model: TransformerLM, config: TrainConfig, env: DistEnv) -> ParallelMo
             activation_ratio=ratio,
         )
     apply_activation_checkpointing(model, t.activation_checkpointing, activation_ratio=ratio)
+    if t.compile_blocks:  # after checkpointing, before wrappers (torchtitan's order)
+        compile_blocks(model)
     return wrap_model(
         model,
         p.ddp,
@@ -504,16 +512,18 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
         model = TransformerLM(config.model_config)
     param_shapes = [tuple(p.shape) for p in model.parameters()]  # full shapes, before sharding
     pm = _wrap(model, config, env)
-    optimizer = build_optimizer(
-        pm.parameters(),  # under --fsdp: this rank's shards (and the replicated norms)
-        AdamW,
-        config.parallel.zero,
-        lr=o.max_lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        state_dtype=STATE_DTYPE_NAMES[o.state_dtype],
-    )
+    hparams = {
+        "lr": o.max_lr,
+        "betas": (o.beta1, o.beta2),
+        "eps": o.eps,
+        "weight_decay": o.weight_decay,
+        "state_dtype": STATE_DTYPE_NAMES[o.state_dtype],
+    }
+    if t.optimizer_overlap:  # one process (resolve_config): the model's own parameters
+        optimizer = OverlappedOptimizer(model, optimizer_cls=AdamW, **hparams)
+    else:
+        # under --fsdp: this rank's shards (and the replicated norms)
+        optimizer = build_optimizer(pm.parameters(), AdamW, config.parallel.zero, **hparams)
     start = 0
     if config.checkpoint.resume is not None:
         start = _resume(config.checkpoint.resume, pm, optimizer, data, config, param_shapes)
