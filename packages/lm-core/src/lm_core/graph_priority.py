@@ -38,8 +38,15 @@ def high_priority_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _driver() -> ctypes.CDLL:
+    # the name the driver installs first: find_library may name a toolkit's link stub
     name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
-    lib = ctypes.CDLL(ctypes.util.find_library("cuda") or name)
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        found = ctypes.util.find_library("cuda")
+        if found is None:
+            raise
+        lib = ctypes.CDLL(found)
     lib.cuGraphInstantiateWithFlags.argtypes = [
         ctypes.POINTER(ctypes.c_void_p),
         ctypes.c_void_p,
@@ -76,7 +83,9 @@ class PriorityGraph:
         self._finalizer = weakref.finalize(self, lib.cuGraphExecDestroy, handle)
 
     def __call__(self) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream
-        rc = self._lib.cuGraphLaunch(self._handle, ctypes.c_void_p(stream))
+        # the driver launches in the calling thread's current context: the device's own
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            rc = self._lib.cuGraphLaunch(self._handle, ctypes.c_void_p(stream))
         if rc != 0:
             raise RuntimeError(f"cuGraphLaunch failed: CUDA driver error {rc}")
