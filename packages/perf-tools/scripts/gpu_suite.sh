@@ -41,9 +41,11 @@
 #              forward at d = 64 (d64_fwd_bwd_parts.py)
 #                                                  (one H200: under 6 min in all)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
-#              graph, AdamW during the backward, bf16-held weights): SDPA against our
-#              attention, then lm_core's SwiGLU, q/k/v RoPE and RMSNorm kernels off / on
-#              (scripts/kernel_ab.py, two rounds each), then a profile of the step
+#              graph replayed with node priorities, AdamW during the backward, bf16-held
+#              weights, fused loss): SDPA against our attention, then lm_core's SwiGLU, q/k/v
+#              RoPE and RMSNorm kernels, the deferred residual add and the node priorities
+#              off / on (scripts/kernel_ab.py, two rounds each), then a profile of the step,
+#              then the same step in lm_core.train (80 steps, no checkpoint)
 #              (measured: its parts ran in 40 s to 2.5 min each on one H200)
 #   hostcost   flashattn-triton's benchmarks/host_cost.py (128 x 512, d = 64: us per eager and
 #              compiled forward + backward on either autograd thread, launch ops against the
@@ -219,11 +221,12 @@ if want features; then  # flashattn-triton's features and decode, d = 64's parts
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks
-    --cuda-graph on --optimizer-overlap on --matmul-weights bf16 --warmup 3 --steps 10"
+    --cuda-graph on --optimizer-overlap on --matmul-weights bf16 --fused-loss --warmup 3
+    --steps 10"
   # shellcheck disable=SC2086
   run xl_attention $PY -m perf_tools.bench $XL --attention sdpa flash-triton --quiet \
     --csv "$WORK/xl_attention.csv"
-  for kernels in swiglu qkv_rope rmsnorm; do
+  for kernels in swiglu qkv_rope rmsnorm defer_add node_priorities; do
     # shellcheck disable=SC2086
     run "xl_${kernels}_ab" $PY "$ROOT/packages/perf-tools/scripts/kernel_ab.py" \
       "$WORK/xl_${kernels}_ab" 2 "$kernels" -- $XL
@@ -231,6 +234,10 @@ if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kerne
   # shellcheck disable=SC2086
   run xl_profile $PY -m perf_tools.bench ${XL/--cuda-graph on/} --steps 2 \
     --attention flash-triton --quiet --profile "$WORK/xl_profile"
+  run xl_train $PY -m lm_core.train --size xl --context-length 512 --batch-size 4 --bf16 \
+    --bf16-weights --compile-blocks --optimizer-overlap --cuda-graph --fused-loss \
+    --grad-clip 0 --attention flash-triton --synthetic random --steps 80 --log-every 10 \
+    --no-progress
 fi
 if want hostcost; then  # a lone attention call's host time, ours against SDPA, eager and compiled
   run host_cost $PY "$ROOT/packages/flashattn-triton/benchmarks/host_cost.py" --shape 128x512x64 \
