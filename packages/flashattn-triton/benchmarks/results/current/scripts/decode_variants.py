@@ -22,6 +22,10 @@ Variants (``VARIANTS`` below):
                   (ROTATE); dot-ef-...: K/V loads with eviction_policy="evict_first"
   ...-sxF         own kernel with the rule's splits times F, partials merged by the package's
                   attn_fwd_combine_kernel
+  streamk-...     persistent grid (SMs x programs per SM; 3 or 5 under the interpreter) over all
+                  (batch, k/v head) x key tiles as one sequence, program p taking tiles
+                  [p T / P, (p+1) T / P) across row-group boundaries; one partial per row-group
+                  segment, merged by the script's streamk_combine_kernel ("splits" = max slots)
 Own-kernel names: n<BLOCK_N>w<warps>s<stages>. "rule" splits = the package's decode_splits
 with the variant's own tile (programs per SM from its shared-memory ring).
 
@@ -254,6 +258,100 @@ def decode_kernel(
             tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=rows_ok[:, None])
 
 
+@triton.jit
+def _streamk_owner(t, n_tiles, n_progs):
+    """The program whose range [p * T // P, (p + 1) * T // P) holds linear key tile t (int64):
+    the largest p with p * T // P <= t."""
+    return ((t + 1) * n_progs - 1) // n_tiles
+
+
+@triton.jit
+def streamk_decode_kernel(
+    Q, K, V, O_PART, LSE_PART,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    n_kv_heads, n_k, qk_scale, tiles_per_group, n_tiles, n_slots,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Stream-K: a persistent grid of P programs over the n_tiles = (B * Hkv) *
+    tiles_per_group key tiles laid end to end (row group g = b * Hkv + hk, its tiles in key
+    order). Program p takes tiles [p * T // P, (p + 1) * T // P), which may start and end
+    inside row groups and span several; each row-group segment it walks (the GROUP q heads of
+    k/v head (b, hk) as the rows of one dot tile, the last tile of each group masked when
+    n_k % BLOCK_N != 0) leaves a normalized fp32 partial and its log2 log-sum-exp in slot
+    p - (first program of g) of O_PART (B * H, n_slots, HEAD_DIM) / LSE_PART (B * H,
+    n_slots), for ``streamk_combine_kernel``. Every segment has at least one key."""
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    t0 = (pid.to(tl.int64) * n_tiles // n_progs).to(tl.int32)
+    t1 = ((pid.to(tl.int64) + 1) * n_tiles // n_progs).to(tl.int32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    rows_ok = offs_r < GROUP
+    for g in range(t0 // tiles_per_group, (t1 - 1) // tiles_per_group + 1):
+        g_t0 = g * tiles_per_group  # first linear tile of row group g
+        b32 = g // n_kv_heads
+        hk32 = g % n_kv_heads
+        b = b32.to(tl.int64)
+        hk = hk32.to(tl.int64)
+        lo = (tl.maximum(t0, g_t0) - g_t0) * BLOCK_N
+        hi = (tl.minimum(t1, g_t0 + tiles_per_group) - g_t0) * BLOCK_N
+        if EVEN_N:
+            hi_full = hi
+        else:
+            hi = tl.minimum(hi, n_k)
+            hi_full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        head = hk * GROUP + offs_r  # (BLOCK_M,) int64 q head of each row
+        q_ptrs = Q + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=rows_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        k_base = K + b * stride_kb + hk * stride_kh
+        v_base = V + b * stride_vb + hk * stride_vh
+        acc, l_i, m_i = _decode_range(
+            acc, l_i, m_i, q, k_base, v_base, None, None, b32, hk32, stride_kn, stride_vn,
+            lo, hi_full, hi, n_k, qk_scale, offs_n, offs_d, pid,
+            BLOCK_N, HEAD_DIM, False, False, False, DOT_PRECISION, "", EVEN_N, False,
+        )  # fmt: skip
+        o = acc / l_i[:, None]
+        lse2 = m_i + tl.math.log2(l_i)
+        slot = pid - _streamk_owner(g_t0.to(tl.int64), n_tiles, n_progs)
+        part = (b * n_kv_heads * GROUP + head) * n_slots + slot  # (BLOCK_M,)
+        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=rows_ok[:, None])
+        tl.store(LSE_PART + part, lse2, mask=rows_ok)
+
+
+@triton.jit
+def streamk_combine_kernel(
+    O_PART, LSE_PART, Out, stride_ob, stride_oh,
+    n_heads, tiles_per_group, n_tiles, n_progs, n_slots,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One program: q head row (b, h) (b * H + h), its stream-K partials merged by their
+    log-sum-exps; its row group g = (b * H + h) // GROUP has slots 0 .. owner(last tile) -
+    owner(first tile) (the rest of the n_slots slots are never written and masked out)."""
+    row = tl.program_id(0).to(tl.int64)
+    g_t0 = row // GROUP * tiles_per_group
+    first = _streamk_owner(g_t0, n_tiles, n_progs)
+    last = _streamk_owner(g_t0 + tiles_per_group - 1, n_tiles, n_progs)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < last - first + 1
+    part = row * n_slots + offs_s
+    lse_s = tl.load(LSE_PART + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)  # finite: slot 0 always holds keys
+    w = tl.math.exp2(lse_s - m)
+    o_s = tl.load(
+        O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    o = tl.sum(o_s * w[:, None], 0) / tl.sum(w, 0)
+    b = row // n_heads
+    h = row % n_heads
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, o.to(Out.dtype.element_ty))
+
+
 # ------------------------------------------------------------------------------------------
 # Variants and launchers
 # ------------------------------------------------------------------------------------------
@@ -266,7 +364,7 @@ class UnsupportedError(Exception):
 @dataclass(frozen=True)
 class Variant:
     name: str
-    kind: str  # "sdpa" | "pkg" | "pkgk" | "own"
+    kind: str  # "sdpa" | "pkg" | "pkgk" | "own" | "streamk"
     bn: int = 64
     warps: int = 4
     stages: int = 3
@@ -276,6 +374,7 @@ class Variant:
     evict_first: bool = False  # K/V pointer loads with eviction_policy="evict_first"
     rotate: bool = False  # staggered start of each program's key loop (ROTATE)
     factor: int = 1  # splits = rule's splits * factor (clamped to the key tiles)
+    cpu_programs: int = 3  # stream-K: persistent programs off-GPU (GPU: SMs x per SM)
 
 
 def _own(prefix: str, bn: int, w: int, s: int, factor: int = 1, **kw) -> Variant:
@@ -315,6 +414,9 @@ VARIANTS: list[Variant] = [
     _own("dot-ef", 64, 4, 3, evict_first=True),
     _own("dot-rot-ef", 64, 4, 3, 8, rotate=True, evict_first=True),
     _own("dot", 32, 4, 3),
+    # stream-K: persistent grid, the (batch, k/v head) x key-tile work cut into equal ranges
+    Variant("streamk-n64w4s3", "streamk", 64, 4, 3, cpu_programs=5),
+    Variant("streamk-n64w4s2", "streamk", 64, 4, 2, cpu_programs=3),
 ]
 
 
@@ -371,6 +473,28 @@ def _combine(o_part, lse_part, o, lse, h: int, splits: int) -> None:
         o_part, lse_part, o, lse, *o.stride()[:3], h, 1, splits,
         HEAD_DIM=o.shape[-1], BLOCK_D=o.shape[-1], BLOCK_S=max(2, next_pow2(splits)),
     )  # fmt: skip
+
+
+def streamk_plan(var: Variant, q, k) -> tuple[int, int, int, int]:
+    """-> (P, T, tiles per row group, S): P persistent programs (SMs x programs per SM of
+    the variant's tile ring, as the package's decode slots; var.cpu_programs off-GPU), at
+    most T (B * Hkv x key tiles); S = the most programs that touch one row group."""
+    C, _, _, sm_count, smem_per_sm, _ = _pkg_modules()
+    b, _, h_kv, n_k, d = _dims(q, k)
+    tpg = cdiv(n_k, var.bn)
+    n_tiles = b * h_kv * tpg
+    slots = 0
+    if sm_count(q) > 0:
+        cfg = C.TileConfig(16, var.bn, var.warps, var.stages)
+        per_sm = C.decode_programs_per_sm(cfg, d, q.element_size(), smem_per_sm(q))
+        slots = sm_count(q) * per_sm
+    progs = max(1, min(n_tiles, slots or var.cpu_programs))
+
+    def owner(t: int) -> int:
+        return ((t + 1) * progs - 1) // n_tiles
+
+    n_slots = max(owner((g + 1) * tpg - 1) - owner(g * tpg) + 1 for g in range(b * h_kv))
+    return progs, n_tiles, tpg, n_slots
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -433,6 +557,32 @@ def build(var: Variant, q, k, v):
 
         info = {"splits": s, "programs": b * h_kv * s, "tile": cfg.spec(), "rule_splits": splits0}
         return fn, info
+    if var.kind == "streamk":
+        progs, n_tiles, tpg, n_slots = streamk_plan(var, q, k)
+        o_part = torch.empty((b * h, n_slots, d), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((b * h, n_slots), dtype=torch.float32, device=q.device)
+        block_m = max(16, next_pow2(group))
+        qk_scale = scale * LOG2E
+        prec = _dot_prec(q.dtype)
+
+        def fn():
+            streamk_decode_kernel[(progs,)](
+                q, k, v, o_part, lse_part,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                h_kv, n_k, qk_scale, tpg, n_tiles, n_slots,
+                GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=var.bn,
+                EVEN_N=n_k % var.bn == 0, DOT_PRECISION=prec,
+                num_warps=var.warps, num_stages=var.stages,
+            )  # fmt: skip
+            streamk_combine_kernel[(b * h,)](
+                o_part, lse_part, o, o.stride(0), o.stride(1),
+                h, tpg, n_tiles, progs, n_slots,
+                GROUP=group, HEAD_DIM=d, BLOCK_S=max(2, next_pow2(n_slots)),
+            )  # fmt: skip
+            return o
+
+        return fn, {"splits": n_slots, "programs": progs, "tiles": n_tiles}
     # own kernel
     if var.no_dot and group != 1:
         raise UnsupportedError("no-dot: MHA only")
