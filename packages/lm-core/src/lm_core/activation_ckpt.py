@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lm_core.config import ModelConfig
-from lm_core.model import TransformerLM, chain_block
+from lm_core.model import TransformerLM, run_chain
 
 __all__ = [
     "activation_memory",
@@ -129,14 +129,10 @@ def resolve_group_size(every: str | int | None, num_layers: int, ratio: float = 
 def _run_group(
     layers: nn.ModuleList, start: int, end: int, x: torch.Tensor, *packing: object
 ) -> torch.Tensor:
-    # packing = (cu_seqlens, max_seqlen) or nothing. Each block's last residual add goes to
-    # the next block's first norm (`chain_block`), the group's last one stays in the group:
-    # a group keeps one stream tensor as its input, not the stream and a branch.
+    # packing = (cu_seqlens, max_seqlen) or nothing. The group's last residual add stays in
+    # the group (`run_chain`): a group keeps one stream tensor as its input, not two.
     kw = {} if not packing else {"cu_seqlens": packing[0], "max_seqlen": packing[1]}
-    branch = None
-    for i in range(start, end):
-        x, branch = chain_block(layers[i], x, branch, **kw)
-    return x if branch is None else x + branch
+    return run_chain((layers[i] for i in range(start, end)), x, **kw)
 
 
 def _run_blocks_checkpointed(

@@ -22,7 +22,6 @@ graphs forward and backward of a module but not the optimizer step, which is hal
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -244,7 +243,8 @@ class CudaGraphs:
 
     def capture(self, fn: Callable[[], object]) -> Callable[[], None]:
         """Record one call of `fn` (its kernels are recorded, not run); returns the replay."""
-        keep = self.node_priorities and "keep_graph" in _graph_init_args()
+        # keep_graph and raw_cuda_graph came together (torch 2.8)
+        keep = self.node_priorities and hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph")
         graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         stream = graph_priority.high_priority_stream(self.device) if keep else None
         try:
@@ -268,14 +268,6 @@ class CudaGraphs:
                 f"CUDA graph node priorities: {why}; replaying through torch", stacklevel=2
             )
         return graph.replay
-
-
-def _graph_init_args() -> tuple[str, ...]:
-    """The parameters of this torch's CUDAGraph constructor (keep_graph: torch 2.8+)."""
-    try:
-        return tuple(inspect.signature(torch.cuda.CUDAGraph).parameters)
-    except (TypeError, ValueError):
-        return ()
 
 
 def capture_cuda_graph(

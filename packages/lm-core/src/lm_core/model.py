@@ -35,6 +35,7 @@ Shapes: B batch, T sequence, D d_model, H heads, Hkv k/v heads, Dh head dim, F d
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -324,9 +325,16 @@ def chain_block(
         if branch is not None:
             x = x + branch
         return block(x, **packing), None
-    if branch is None:  # as a plain call: the block's hooks see one input
-        return block(x, defer_add=True, **packing)
     return block(x, branch=branch, defer_add=True, **packing)
+
+
+def run_chain(blocks: Iterable[nn.Module], x: torch.Tensor, **packing: object) -> torch.Tensor:
+    """The residual stream x through `blocks` in order (`chain_block`), the last block's
+    branch added at the end: (B, T, D) -> (B, T, D). `packing`: cu_seqlens, max_seqlen."""
+    branch = None
+    for block in blocks:
+        x, branch = chain_block(block, x, branch, **packing)
+    return x if branch is None else x + branch
 
 
 class TokenEmbedding(nn.Embedding):
@@ -486,11 +494,9 @@ class TransformerLM(nn.Module):
         """The residual stream through every block in order: (B, T, D) -> (B, T, D).
 
         `lm_core.apply_activation_checkpointing` replaces this on an instance."""
-        packing = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
-        branch = None
-        for block in self.layers:
-            x, branch = chain_block(block, x, branch, **packing)
-        return x if branch is None else x + branch
+        if cu_seqlens is None:
+            return run_chain(self.layers, x)
+        return run_chain(self.layers, x, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
     def _check_input(self, token_ids: torch.Tensor) -> None:
         # Shape and dtype checks read metadata only. The value-range check reads the data, which

@@ -344,10 +344,10 @@ def _triton_args(a: torch.Tensor, b: torch.Tensor) -> tuple:
 def _run_triton(key, cfg: dict, meta: dict, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b by the Triton kernel with tiles `cfg` and launch options `meta`."""
     args = _triton_args(a, b)
-    m, n = args[3], args[4]
-    grid = (_cdiv(m, cfg["BM"]) * _cdiv(n, cfg["BN"]),)
+    c = args[2]
+    grid = (_cdiv(c.shape[0], cfg["BM"]) * _cdiv(c.shape[1], cfg["BN"]),)
     _launch_mm(key, grid, *args, cfg["BM"], cfg["BN"], cfg["BK"], 8, **meta)
-    return args[2]
+    return c
 
 
 def _meta(config: triton.Config) -> dict:
