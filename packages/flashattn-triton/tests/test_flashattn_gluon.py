@@ -38,6 +38,32 @@ def test_onepass_never_applies_off_gpu():
     assert not gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, True, 0.1)
 
 
+@pytest.mark.parametrize(
+    ("setting", "rule", "expected"),
+    [("auto", 32, 2), ("auto", 1, 1), ("off", 32, 32), (4, 4, 4)],
+)
+def test_onepass_head_group(setting, rule, expected, monkeypatch, set_options):
+    """Under ``head_group="auto"`` the one-pass kernel runs at most MAX_HEAD_GROUP heads'
+    programs at a time, also where the L2 rule keeps the plain order; an explicit setting
+    is passed through."""
+    seen = {}
+    for name in ("would_run", "applies", "rows_by_tma"):
+        monkeypatch.setattr(gluon_bwd, name, lambda *a, **k: True)
+    monkeypatch.setattr(
+        gluon_bwd,
+        "head_group_args",
+        lambda t, bh, rows, d: {"head_group": rule, "GROUPED": rule < bh},
+    )
+    monkeypatch.setattr(gluon_bwd, "run_guarded", lambda kernel, key, launch: launch() or True)
+    monkeypatch.setattr(gluon_bwd, "launch_onepass", lambda *a, **k: seen.update(k))
+    set_options(options.Options(head_group=setting))
+    q = torch.zeros(2, 16, 256, 128, dtype=torch.bfloat16)
+    stats = torch.zeros(2, 16, 256)
+    assert gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, False, 0.1)
+    assert seen["head_group"] == expected
+    assert gluon_bwd.MAX_HEAD_GROUP == 2
+
+
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_onepass_compiles_for_hopper():
     """The one-pass backward compiles for sm_90 without a GPU, with its register split:
