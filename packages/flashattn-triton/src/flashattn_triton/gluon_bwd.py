@@ -33,7 +33,6 @@ import torch
 
 from . import fastlaunch
 from ._device import head_group_args
-from .options import get_options
 from .gluon_dkdv import (
     GL_DTYPES,
     HAVE_GLUON,
@@ -45,6 +44,7 @@ from .gluon_dkdv import (
     rows_by_tma,
     run_guarded,
 )
+from .options import get_options
 
 if HAVE_GLUON:
     from triton._C.libtriton import ir
