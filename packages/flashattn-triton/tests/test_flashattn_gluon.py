@@ -39,29 +39,37 @@ def test_onepass_never_applies_off_gpu():
 
 
 @pytest.mark.parametrize(
-    ("setting", "rule", "expected"),
-    [("auto", 32, 2), ("auto", 1, 1), ("off", 32, 32), (4, 4, 4)],
+    ("setting", "rule", "causal", "sms", "expected"),
+    [
+        ("auto", 32, False, 132, 2),  # the L2 rule's plain order, capped
+        ("auto", 1, False, 132, 1),
+        ("auto", 32, True, 8, 2),  # causal, 64 programs: 8 waves of 8 SMs
+        ("auto", 32, True, 9, 32),  # causal, under 8 waves: the plain order stays
+        ("off", 32, False, 132, 32),
+        (4, 4, True, 132, 4),
+    ],
 )
-def test_onepass_head_group(setting, rule, expected, monkeypatch, set_options):
+def test_onepass_head_group(setting, rule, causal, sms, expected, monkeypatch, set_options):
     """Under ``head_group="auto"`` the one-pass kernel runs at most MAX_HEAD_GROUP heads'
-    programs at a time, also where the L2 rule keeps the plain order; an explicit setting
-    is passed through."""
+    programs at a time, also where the L2 rule keeps the plain order, except on causal grids
+    of fewer than CAUSAL_MIN_WAVES waves; an explicit setting is passed through."""
     seen = {}
     for name in ("would_run", "applies", "rows_by_tma"):
         monkeypatch.setattr(gluon_bwd, name, lambda *a, **k: True)
-    monkeypatch.setattr(
-        gluon_bwd,
-        "head_group_args",
-        lambda t, bh, rows, d: {"head_group": rule, "GROUPED": rule < bh},
-    )
+
+    def rule_groups(t, bh, rows, d):
+        return {"head_group": rule, "GROUPED": rule < bh}
+
+    monkeypatch.setattr(gluon_bwd, "head_group_args", rule_groups)
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda t: sms)
     monkeypatch.setattr(gluon_bwd, "run_guarded", lambda kernel, key, launch: launch() or True)
     monkeypatch.setattr(gluon_bwd, "launch_onepass", lambda *a, **k: seen.update(k))
     set_options(options.Options(head_group=setting))
-    q = torch.zeros(2, 16, 256, 128, dtype=torch.bfloat16)
+    q = torch.zeros(2, 16, 256, 128, dtype=torch.bfloat16)  # 2 x 16 x 2 key tiles: 64 programs
     stats = torch.zeros(2, 16, 256)
-    assert gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, False, 0.1)
+    assert gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, causal, 0.1)
     assert seen["head_group"] == expected
-    assert gluon_bwd.MAX_HEAD_GROUP == 2
+    assert (gluon_bwd.MAX_HEAD_GROUP, gluon_bwd.CAUSAL_MIN_WAVES) == (2, 8)
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import fastlaunch
-from ._device import head_group_args
+from ._device import head_group_args, sm_count
 from .gluon_dkdv import (
     GL_DTYPES,
     HAVE_GLUON,
@@ -76,13 +76,17 @@ MIN_KEYS = 2048
 MATH_REGS = 240
 # At most this many k/v heads' programs run at a time under ``Options.head_group="auto"``.
 # Every program of a head reads that head's Q / dO tiles and adds into its dQ rows, so
-# concurrent programs must share heads; the L2 rule the other kernels follow
+# concurrent programs should share heads; the L2 rule the other kernels follow
 # (``configs.head_group``) keeps the plain order, head fastest, below four times L2 of
-# streamed rows. Forward + backward on an H200, ms, plain order against two heads:
-# 8 x 16 x 2048 causal 1.57 against 1.21, non-causal 2.61 against 2.08; 2 x 16 x 8192
-# non-causal 7.64 against 6.97; 1 x 16 x 16384 non-causal 14.22-14.73 against 13.52
+# streamed rows. Causal grids are capped only from CAUSAL_MIN_WAVES waves of programs: the
+# plain order starts every head's heaviest key tiles first, groups start later groups'
+# heavy tiles late, which shows where a grid has few waves. Forward + backward
+# on an H200, ms, plain order against the cap: 8 x 16 x 2048 causal 1.52 against 1.20,
+# non-causal 2.59 against 1.94; 2 x 16 x 8192 causal 3.82 against 3.59; 1 x 32 x 2048
+# non-causal 0.514 against 0.494; but 1 x 32 x 2048 causal (4 waves) 0.314 against 0.338
 # (DESIGN, "One-pass backward").
 MAX_HEAD_GROUP = 2
+CAUSAL_MIN_WAVES = 8
 
 
 if HAVE_GLUON:
@@ -418,7 +422,10 @@ def try_onepass(
     b, h, n_q, d = q.shape
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
-    if get_options().head_group == "auto":
+    programs = b * h_kv * -(-k.shape[2] // 128)
+    if get_options().head_group == "auto" and (
+        not causal or programs >= CAUSAL_MIN_WAVES * sm_count(q)
+    ):
         group = min(group, MAX_HEAD_GROUP)
     return run_guarded(
         "one-pass backward",
