@@ -43,6 +43,7 @@ def test_onepass_never_applies_off_gpu():
     [
         ("auto", 32, False, 132, 2),  # the L2 rule's plain order, capped
         ("auto", 1, False, 132, 1),
+        ("auto", 8, False, 132, 8),  # the L2 rule's own groups stay
         ("auto", 32, True, 8, 2),  # causal, 64 programs: 8 waves of 8 SMs
         ("auto", 32, True, 9, 32),  # causal, under 8 waves: the plain order stays
         ("off", 32, False, 132, 32),
@@ -50,9 +51,9 @@ def test_onepass_never_applies_off_gpu():
     ],
 )
 def test_onepass_head_group(setting, rule, causal, sms, expected, monkeypatch, set_options):
-    """Under ``head_group="auto"`` the one-pass kernel runs at most MAX_HEAD_GROUP heads'
-    programs at a time, also where the L2 rule keeps the plain order, except on causal grids
-    of fewer than CAUSAL_MIN_WAVES waves; an explicit setting is passed through."""
+    """Under ``head_group="auto"`` the one-pass kernel runs MAX_HEAD_GROUP heads' programs
+    at a time where the L2 rule keeps the plain order, except on causal grids of fewer than
+    CAUSAL_MIN_WAVES waves; the rule's own groups and an explicit setting pass through."""
     seen = {}
     for name in ("would_run", "applies", "rows_by_tma"):
         monkeypatch.setattr(gluon_bwd, name, lambda *a, **k: True)

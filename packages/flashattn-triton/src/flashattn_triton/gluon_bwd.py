@@ -74,17 +74,17 @@ MIN_KEYS = 2048
 # Registers per thread (setmaxnreg) of the worker math warpgroup; the 1-warp workers get 24 and
 # the default partition's math warpgroup the rest (256 in the sm_90 compile).
 MATH_REGS = 240
-# At most this many k/v heads' programs run at a time under ``Options.head_group="auto"``.
-# Every program of a head reads that head's Q / dO tiles and adds into its dQ rows, so
-# concurrent programs should share heads; the L2 rule the other kernels follow
-# (``configs.head_group``) keeps the plain order, head fastest, below four times L2 of
-# streamed rows. Causal grids are capped only from CAUSAL_MIN_WAVES waves of programs: the
-# plain order starts every head's heaviest key tiles first, groups start later groups'
-# heavy tiles late, which shows where a grid has few waves. Forward + backward
-# on an H200, ms, plain order against the cap: 8 x 16 x 2048 causal 1.52 against 1.20,
-# non-causal 2.59 against 1.94; 2 x 16 x 8192 causal 3.82 against 3.59; 1 x 32 x 2048
-# non-causal 0.514 against 0.494; but 1 x 32 x 2048 causal (4 waves) 0.314 against 0.338
-# (DESIGN, "One-pass backward").
+# Where the L2 rule the other kernels follow (``configs.head_group``) keeps the plain order,
+# head fastest (under four times L2 of streamed rows), this kernel runs MAX_HEAD_GROUP k/v
+# heads' programs at a time instead (``Options.head_group="auto"`` only): every program of
+# a head reads that head's Q / dO tiles and adds into its dQ rows, so concurrent programs
+# should share heads. Causal grids of fewer than CAUSAL_MIN_WAVES waves keep the plain
+# order, which starts every head's heaviest key tiles first (groups start later groups'
+# heavy tiles late). Where the L2 rule groups heads already, its group stays (4 x 32 x 4096
+# causal: 15 heads, 4.01 ms against 4.22 with two). GPU time of forward + backward on an
+# H200, ms, plain order against two heads: 8 x 16 x 2048 causal 1.53 against 1.19,
+# non-causal 2.61 against 1.95; 1 x 16 x 16384 non-causal 14.23 against 13.40; 1 x 32 x
+# 2048 causal (four waves) 0.314 against 0.338 (DESIGN, "One-pass backward").
 MAX_HEAD_GROUP = 2
 CAUSAL_MIN_WAVES = 8
 
@@ -422,10 +422,9 @@ def try_onepass(
     b, h, n_q, d = q.shape
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
-    programs = b * h_kv * -(-k.shape[2] // 128)
-    if get_options().head_group == "auto" and (
-        not causal or programs >= CAUSAL_MIN_WAVES * sm_count(q)
-    ):
+    plain = group >= b * h_kv  # the L2 rule found too few streamed rows to group heads
+    many_waves = b * h_kv * -(-k.shape[2] // 128) >= CAUSAL_MIN_WAVES * sm_count(q)
+    if plain and get_options().head_group == "auto" and (many_waves or not causal):
         group = min(group, MAX_HEAD_GROUP)
     return run_guarded(
         "one-pass backward",
