@@ -80,11 +80,12 @@ MATH_REGS = 240
 # a head reads that head's Q / dO tiles and adds into its dQ rows, so concurrent programs
 # should share heads. Causal grids of fewer than CAUSAL_MIN_WAVES waves keep the plain
 # order, which starts every head's heaviest key tiles first (groups start later groups'
-# heavy tiles late). Where the L2 rule groups heads already, its group stays (4 x 32 x 4096
-# causal: 15 heads, 4.01 ms against 4.22 with two). GPU time of forward + backward on an
-# H200, ms, plain order against two heads: 8 x 16 x 2048 causal 1.53 against 1.19,
-# non-causal 2.61 against 1.95; 1 x 16 x 16384 non-causal 14.23 against 13.40; 1 x 32 x
-# 2048 causal (four waves) 0.314 against 0.338 (DESIGN, "One-pass backward").
+# heavy tiles late). Where the L2 rule groups heads already, its group stays: two heads
+# were not shown better there (4 x 32 x 4096 causal, 15 heads by the rule, moved by 5%
+# between identical settings). GPU time of forward + backward on an H200, ms, plain order
+# against two heads: 8 x 16 x 2048 causal 1.53 against 1.19, non-causal 2.61 against 1.95;
+# 1 x 16 x 16384 non-causal 14.23 against 13.40; 1 x 32 x 2048 causal (four waves) 0.314
+# against 0.338 (DESIGN, "One-pass backward").
 MAX_HEAD_GROUP = 2
 CAUSAL_MIN_WAVES = 8
 
