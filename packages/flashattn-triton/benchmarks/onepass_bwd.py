@@ -26,10 +26,13 @@ which the package's launcher does in one kernel.
     python benchmarks/onepass_bwd.py check ws 128,sep,late --out $OUT  # Hopper GPU
     python benchmarks/onepass_bwd.py time ws 128,sep,late --out $OUT
     python benchmarks/onepass_bwd.py time 128,sep,late 64 --ablate 1 2 --out $OUT
-    python benchmarks/onepass_bwd.py check ws --d 64 --out $OUT        # not measured yet
+    python benchmarks/onepass_bwd.py time ws --d 64 --out $OUT
+    python benchmarks/onepass_bwd.py time ws --d 64 --head-group-cap 1000000 --out $OUT
 
-``--d 64`` runs the same kernels at head dim 64, which the package does not (compiled
-offline: 129 KB of shared memory, one program per SM, no spills; never run on a GPU).
+``--d 64`` runs the same kernels at head dim 64, which the package does not (129 KB of
+shared memory, one program per SM, no spills; timed on an H200 with the L2 rule's launch
+order alone, i.e. before the package's two-head groups: DESIGN.md, "At d = 64").
+``--head-group-cap`` sets the launch order's cap (``gluon_bwd.head_group``).
 """
 
 from __future__ import annotations
@@ -318,11 +321,15 @@ def launch_onepass(
     )  # fmt: skip
 
 
-def backward_onepass(do, q, k, v, o, lse, causal: bool, scale: float, **variant):
+def backward_onepass(
+    do, q, k, v, o, lse, causal: bool, scale: float, cap: int | None = None, **variant
+):
     """dq, dk, dv through ``launch_onepass``: the row statistics (lse in log2 units and
     delta = rowsum(dO * O), rows padded to a multiple of 256), the zeroed float32 dQ buffer
-    and its conversion, as a launcher would make them. lse: natural log, (B, H, n_q)."""
-    from flashattn_triton._device import head_group_args
+    and its conversion, as a launcher would make them, and the package's launch order
+    (``gluon_bwd.head_group``, at most ``cap`` heads where the L2 rule keeps the plain
+    order). lse: natural log, (B, H, n_q)."""
+    from flashattn_triton.gluon_bwd import head_group
 
     b, h, n_q, d = q.shape
     rows = -(-n_q // 256) * 256
@@ -332,8 +339,7 @@ def backward_onepass(do, q, k, v, o, lse, causal: bool, scale: float, **variant)
     delta[..., :n_q] = (do.float() * o.float()).sum(-1)
     dq_acc = torch.zeros((b, h, n_q, d), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    h_kv = k.shape[1]
-    group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
+    group = head_group(q, k, causal, cap)
     launch_onepass(
         q, k, v, do, lse2, delta, dq_acc, dk, dv, causal, scale, head_group=group, **variant
     )
@@ -426,9 +432,12 @@ def check(specs: list[str], out: Path | None, d: int = 128) -> int:
     return int(bad > 0)
 
 
-def time_specs(specs: list[str], ablate: list[int], out: Path | None, d: int = 128) -> int:
+def time_specs(
+    specs: list[str], ablate: list[int], out: Path | None, d: int = 128, cap: int | None = None
+) -> int:
     """Backward alone (ms, do_bench median): the package's split kernels, then each variant
-    (with ``ablate`` parts left out, first spec only), then split again; one process."""
+    (with ``ablate`` parts left out, first spec only; launch order as ``backward_onepass``
+    with ``cap``), then split again; one process."""
     import triton
 
     from flashattn_triton import launch, use_options
@@ -449,7 +458,7 @@ def time_specs(specs: list[str], ablate: list[int], out: Path | None, d: int = 1
             row["split"] = bench(lambda: _split(do, q, k, v, o, lse, causal, scale))  # noqa: B023
         for spec in specs:
             for ab in [0, *ablate] if spec == specs[0] else [0]:
-                kw = parse_spec(spec) | {"ablate": ab}
+                kw = parse_spec(spec) | {"ablate": ab, "cap": cap}
                 label = spec + (f" ablate={ab}" if ab else "")
                 row[label] = bench(
                     lambda kw=kw: backward_onepass(do, q, k, v, o, lse, causal, scale, **kw)  # noqa: B023
@@ -519,6 +528,14 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--d", type=int, default=128, choices=(64, 128), help="head dim (the package: 128)"
     )
+    ap.add_argument(
+        "--head-group-cap",
+        type=int,
+        default=None,
+        help="time: at most this many heads' programs at a time where the L2 rule keeps the "
+        "plain order (default: the package's gluon_bwd.MAX_HEAD_GROUP; e.g. 1000000: the "
+        "L2 rule alone, as before that cap)",
+    )
     a = ap.parse_args(argv)
     if not HAVE_GLUON:
         ap.error("this Triton has no Gluon (triton.experimental.gluon); Triton >= 3.5 does")
@@ -535,7 +552,7 @@ def main(argv=None) -> int:
         ap.error(f"'{a.mode}' needs a Hopper GPU (sm_90); 'offline' runs anywhere")
     if a.mode == "check":
         return check(a.specs, a.out, a.d)
-    return time_specs(a.specs, a.ablate, a.out, a.d)
+    return time_specs(a.specs, a.ablate, a.out, a.d, a.head_group_cap)
 
 
 if __name__ == "__main__":

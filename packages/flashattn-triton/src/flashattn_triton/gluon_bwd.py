@@ -406,6 +406,21 @@ def would_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     return k.shape[2] >= MIN_KEYS and applies(q, k, v, do, defaults=table)
 
 
+def head_group(q: torch.Tensor, k: torch.Tensor, causal: bool, cap: int | None = None) -> int:
+    """Heads whose programs run at a time (``launch_onepass``'s ``head_group``): the L2 rule's
+    (``_device.head_group_args``, which reads ``Options.head_group``), and under "auto" at
+    most ``cap`` (default MAX_HEAD_GROUP) where that rule keeps the plain order, unless the
+    grid is causal with fewer than CAUSAL_MIN_WAVES waves of 128-key programs."""
+    b, h, n_q, d = q.shape
+    h_kv = k.shape[1]
+    group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
+    plain = group >= b * h_kv  # the L2 rule found too few streamed rows to group heads
+    many_waves = b * h_kv * -(-k.shape[2] // 128) >= CAUSAL_MIN_WAVES * sm_count(q)
+    if plain and get_options().head_group == "auto" and (many_waves or not causal):
+        group = min(group, MAX_HEAD_GROUP if cap is None else cap)
+    return group
+
+
 def try_onepass(
     q, k, v, do, lse2, delta, dq_acc, dk, dv, causal: bool, softmax_scale: float
 ) -> bool:
@@ -420,13 +435,8 @@ def try_onepass(
         return False
     if not rows_by_tma(lse2, delta):
         return False
-    b, h, n_q, d = q.shape
-    h_kv = k.shape[1]
-    group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
-    plain = group >= b * h_kv  # the L2 rule found too few streamed rows to group heads
-    many_waves = b * h_kv * -(-k.shape[2] // 128) >= CAUSAL_MIN_WAVES * sm_count(q)
-    if plain and get_options().head_group == "auto" and (many_waves or not causal):
-        group = min(group, MAX_HEAD_GROUP)
+    h, d, h_kv = q.shape[1], q.shape[3], k.shape[1]
+    group = head_group(q, k, causal)
     return run_guarded(
         "one-pass backward",
         (d, q.dtype, causal, h_kv != h),
