@@ -66,6 +66,23 @@ def _f32_to_bf16_bits(x, idx, key, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def adamw_update(p, g, m, v, step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay):
+    """One AdamW update in fp32 -> (p, m, v): the foreach update's ops in its order (decay,
+    lerp, v * beta2 + (1 - beta2) g^2, the bias-corrected step), so results match it bitwise.
+    Shared by both kernels below."""
+    p = p * (1.0 - lr * weight_decay)
+    w = 1.0 - beta1
+    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))  # torch.lerp's two forms
+    v = v * beta2
+    v = v + (1.0 - beta2) * g * g
+    bias1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    denom = tl.sqrt(v) / bias2_sqrt + eps
+    p = p + (-lr / bias1) * (m / denom)
+    return p, m, v
+
+
+@triton.jit
 def adamw_bf16_state_kernel(
     P,  # (n,) float32 parameter, updated in place
     G,  # (n,) gradient (any float dtype; read as fp32)
@@ -96,16 +113,9 @@ def adamw_bf16_state_kernel(
     m = _bf16_bits_to_f32(tl.load(M + offs, mask=mask, other=0))
     v = _bf16_bits_to_f32(tl.load(V + offs, mask=mask, other=0))
 
-    # the foreach update's ops in its order: decay, lerp, v * beta2 + (1 - beta2) g^2, step
-    p = p * (1.0 - lr * weight_decay)
-    w = 1.0 - beta1
-    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))  # torch.lerp's two forms
-    v = v * beta2
-    v = v + (1.0 - beta2) * g * g
-    bias1 = 1.0 - tl.exp2(step * log2_beta1)
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    denom = tl.sqrt(v) / bias2_sqrt + eps
-    p = p + (-lr / bias1) * (m / denom)
+    p, m, v = adamw_update(
+        p, g, m, v, step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay
+    )
     tl.store(P + offs, p, mask=mask)
 
     t = step.to(tl.uint32)
@@ -162,15 +172,9 @@ def adamw_master_kernel(
         m = tl.load(M + offs, mask=mask, other=0.0)
         v = tl.load(V + offs, mask=mask, other=0.0)
 
-    p = p * (1.0 - lr * weight_decay)
-    w = 1.0 - beta1
-    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
-    v = v * beta2
-    v = v + (1.0 - beta2) * g * g
-    bias1 = 1.0 - tl.exp2(step * log2_beta1)
-    bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-    denom = tl.sqrt(v) / bias2_sqrt + eps
-    p = p + (-lr / bias1) * (m / denom)
+    p, m, v = adamw_update(
+        p, g, m, v, step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay
+    )
     tl.store(P + offs, p, mask=mask)
     idx = offs.to(tl.uint32)
     tl.store(W + offs, _f32_to_bf16_bits(p, idx, 0, False), mask=mask)

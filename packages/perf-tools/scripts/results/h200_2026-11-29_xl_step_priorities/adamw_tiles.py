@@ -51,15 +51,9 @@ def kern(
             g = A._bf16_bits_to_f32(tl.load(G + offs, mask=mask, other=0))
             m = tl.load(M + offs, mask=mask, other=0.0)
             v = tl.load(V + offs, mask=mask, other=0.0)
-        p = p * (1.0 - lr * weight_decay)
-        w = 1.0 - beta1
-        m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
-        v = v * beta2
-        v = v + (1.0 - beta2) * g * g
-        bias1 = 1.0 - tl.exp2(step * log2_beta1)
-        bias2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        denom = tl.sqrt(v) / bias2_sqrt + eps
-        p = p + (-lr / bias1) * (m / denom)
+        p, m, v = A.adamw_update(
+            p, g, m, v, step, lr, beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay
+        )
         idx = offs.to(tl.uint32)
         if EVICT:
             tl.store(P + offs, p, mask=mask, cache_modifier=".cs")
