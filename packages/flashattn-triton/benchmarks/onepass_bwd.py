@@ -537,6 +537,8 @@ def main(argv=None) -> int:
         "L2 rule alone, as before that cap)",
     )
     a = ap.parse_args(argv)
+    if a.head_group_cap is not None and a.head_group_cap < 1:
+        ap.error(f"--head-group-cap: expected at least 1 head, got {a.head_group_cap}")
     if not HAVE_GLUON:
         ap.error("this Triton has no Gluon (triton.experimental.gluon); Triton >= 3.5 does")
     for spec in a.specs:

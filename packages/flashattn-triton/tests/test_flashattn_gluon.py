@@ -73,6 +73,13 @@ def test_onepass_head_group(setting, rule, causal, sms, expected, monkeypatch, s
     assert (gluon_bwd.MAX_HEAD_GROUP, gluon_bwd.CAUSAL_MIN_WAVES) == (2, 8)
 
 
+@pytest.mark.parametrize("cap", [0, -1, 1.5, True])
+def test_onepass_head_group_refuses_a_bad_cap(cap):
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="cap: expected a positive int"):
+        gluon_bwd.head_group(q, q, True, cap)
+
+
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 def test_onepass_compiles_for_hopper():
     """The one-pass backward compiles for sm_90 without a GPU, with its register split:

@@ -411,6 +411,8 @@ def head_group(q: torch.Tensor, k: torch.Tensor, causal: bool, cap: int | None =
     (``_device.head_group_args``, which reads ``Options.head_group``), and under "auto" at
     most ``cap`` (default MAX_HEAD_GROUP) where that rule keeps the plain order, unless the
     grid is causal with fewer than CAUSAL_MIN_WAVES waves of 128-key programs."""
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"cap: expected a positive int (heads at a time), got {cap!r}")
     b, h, n_q, d = q.shape
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
