@@ -34,7 +34,7 @@ def test_never_applies_off_gpu():
 def test_onepass_never_applies_off_gpu():
     q = torch.zeros(1, 2, 16384, 128, dtype=torch.bfloat16)
     stats = torch.zeros(1, 2, 16384)
-    assert not gluon_bwd.would_run(q, q, q, q)
+    assert not gluon_bwd.would_run(q, q, q, q, True)
     assert not gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, True, 0.1)
 
 
@@ -71,6 +71,29 @@ def test_onepass_head_group(setting, rule, causal, sms, expected, monkeypatch, s
     assert gluon_bwd.try_onepass(q, q, q, q, stats, stats, q, q, q, causal, 0.1)
     assert seen["head_group"] == expected
     assert (gluon_bwd.MAX_HEAD_GROUP, gluon_bwd.CAUSAL_MIN_WAVES) == (2, 8)
+
+
+@pytest.mark.parametrize(
+    ("d", "b", "h", "n", "causal", "expected"),
+    [
+        (128, 1, 2, 2048, True, True),  # d = 128: MIN_KEYS
+        (128, 1, 2, 2047, False, False),
+        (64, 1, 32, 2048, False, False),  # 512 programs, 4 waves: twice MIN_KEYS
+        (64, 1, 16, 4096, False, True),
+        (64, 8, 16, 2048, False, True),  # 2048 programs, 15.5 waves: MIN_KEYS
+        (64, 1, 16, 4096, True, False),  # causal, 4 waves: four times MIN_KEYS
+        (64, 1, 8, 8192, True, True),
+        (64, 8, 16, 2048, True, False),  # causal, 15.5 waves: twice MIN_KEYS
+        (64, 4, 32, 4096, True, True),
+    ],
+)
+def test_onepass_enough_keys(d, b, h, n, causal, expected, monkeypatch):
+    """d = 128 from MIN_KEYS keys; d = 64 from a multiple of it that falls on grids of
+    D64_MANY_WAVES waves (132 SMs, as an H100 or H200)."""
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda t: 132)
+    q = torch.empty(b, h, n, d, device="meta")
+    assert gluon_bwd.enough_keys(q, q, causal) is expected
+    assert (gluon_bwd.MIN_KEYS, gluon_bwd.D64_MANY_WAVES) == (2048, 8)
 
 
 @pytest.mark.parametrize("cap", [0, -1, 1.5, True])

@@ -1,6 +1,7 @@
-"""GPU tests of the one-pass Gluon backward (``gluon_bwd``; Hopper, head dim 128).
+"""GPU tests of the one-pass Gluon backward (``gluon_bwd``; Hopper, head dims 64 and 128).
 
-The launcher takes it from ``gluon_bwd.MIN_KEYS`` keys; the accuracy tests lower that bound
+The launcher takes it from ``gluon_bwd.MIN_KEYS`` keys (at d = 64 a multiple of it,
+``gluon_bwd.enough_keys``); the accuracy tests lower that bound
 so that small, awkward shapes run it too, and hold it to the bound of every other path: at
 most 2x SDPA's error against a float64 reference (+1e-4), grouped-query heads against an
 expanded reference with the split kernels' error as the yardstick.
@@ -47,25 +48,26 @@ def onepass_runs(monkeypatch):
     launch_plans.clear_plans()
 
 
-def _inputs(b, h, h_kv, n_q, n_k, dtype, layout="bhnd", seed=0):
+def _inputs(b, h, h_kv, n_q, n_k, dtype, layout="bhnd", seed=0, d=128):
     g = torch.Generator(device=DEV).manual_seed(seed)
 
     def rand(*shape):
         return torch.randn(*shape, device=DEV, generator=g).to(dtype)
 
     if layout == "bnhd":  # a model's (B, N, H, d) buffers seen as (B, H, N, d)
-        q = rand(b, n_q, h, 128).transpose(1, 2)
-        k, v = (rand(b, n_k, h_kv, 128).transpose(1, 2) for _ in range(2))
+        q = rand(b, n_q, h, d).transpose(1, 2)
+        k, v = (rand(b, n_k, h_kv, d).transpose(1, 2) for _ in range(2))
     else:
-        q = rand(b, h, n_q, 128)
-        k, v = (rand(b, h_kv, n_k, 128) for _ in range(2))
-    return q, k, v, rand(b, h, n_q, 128)
+        q = rand(b, h, n_q, d)
+        k, v = (rand(b, h_kv, n_k, d) for _ in range(2))
+    return q, k, v, rand(b, h, n_q, d)
 
 
 def _ours(q, k, v, do, causal):
     return run_fwd_bwd(lambda a, b, c, s: flash_attention(a, b, c, causal=s), q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("b", "h", "h_kv", "n_q", "n_k", "causal", "layout"),
@@ -79,10 +81,12 @@ def _ours(q, k, v, do, causal):
         (2, 4, 4, 1024, 1024, True, "bnhd"),
     ],
 )
-def test_onepass_matches_float64(b, h, h_kv, n_q, n_k, causal, layout, dtype, monkeypatch,
-                                 onepass_runs):  # fmt: skip
+def test_onepass_matches_float64(b, h, h_kv, n_q, n_k, causal, layout, dtype, d, monkeypatch,
+                                 onepass_runs, set_options):  # fmt: skip
     monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1)
-    q, k, v, do = _inputs(b, h, h_kv, n_q, n_k, dtype, layout)
+    monkeypatch.setattr(gluon_bwd, "D64_KEY_FACTOR", dict.fromkeys(gluon_bwd.D64_KEY_FACTOR, 1))
+    set_options(backward="onepass")  # auto gives small causal grids at d = 64 the fused kernel
+    q, k, v, do = _inputs(b, h, h_kv, n_q, n_k, dtype, layout, d=d)
     ours = _ours(q, k, v, do, causal)
     assert onepass_runs == [(b, h, n_q)]
     ref = reference_features(q, k, v, do, causal)
@@ -101,12 +105,15 @@ def test_onepass_matches_float64(b, h, h_kv, n_q, n_k, causal, layout, dtype, mo
         assert err <= bound, f"{name}: {err:.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize(("h", "h_kv", "causal"), [(8, 2, True), (8, 1, False), (4, 4, True)])
-def test_onepass_grouped_query_heads(h, h_kv, causal, monkeypatch, onepass_runs):
+@pytest.mark.parametrize(
+    ("h", "h_kv", "causal", "d"),
+    [(8, 2, True, 128), (8, 1, False, 128), (4, 4, True, 128), (8, 2, False, 64), (6, 1, True, 64)],
+)
+def test_onepass_grouped_query_heads(h, h_kv, causal, d, monkeypatch, onepass_runs):
     """dK, dV summed over each group of q heads inside the kernel; within 1.5x of the split
     kernels' error against float64 (expanded k, v)."""
     monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1)
-    q, k, v, do = _inputs(2, h, h_kv, 777, 777, torch.bfloat16)
+    q, k, v, do = _inputs(2, h, h_kv, 777, 777, torch.bfloat16, d=d)
     ours = _ours(q, k, v, do, causal)
     assert onepass_runs == [(2, h, 777)]
     monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1 << 40)
@@ -135,6 +142,23 @@ def test_onepass_is_the_default_from_min_keys(onepass_runs, set_options):
     short = n // 4
     _ours(*_inputs(1, 2, 2, short, short, torch.bfloat16), True)
     assert onepass_runs == [(1, 2, n)]
+
+
+def test_onepass_at_d64_from_its_key_bound(onepass_runs):
+    """At d = 64 ``auto`` takes it from ``enough_keys`` (a few heads, non-causal: twice
+    MIN_KEYS) and not below; gradients agree with the split kernels'."""
+    n = 2 * gluon_bwd.MIN_KEYS
+    short = _inputs(1, 2, 2, n // 2, n // 2, torch.bfloat16, d=64)
+    _ours(*short, False)
+    assert onepass_runs == []
+    q, k, v, do = _inputs(1, 2, 2, n, n, torch.bfloat16, d=64)
+    ours = _ours(q, k, v, do, False)
+    assert onepass_runs == [(1, 2, n)]
+    with use_options(backward="split"):
+        split = _ours(q, k, v, do, False)
+    assert onepass_runs == [(1, 2, n)]
+    for name in ("dq", "dk", "dv"):
+        assert rel_err(ours[name], split[name]) < 1e-2, name
 
 
 def test_onepass_outputs_fully_written(monkeypatch, onepass_runs):

@@ -1,4 +1,4 @@
-"""One-pass attention backward for head dim 128 on Hopper, in Gluon: dK, dV and dQ from one
+"""One-pass attention backward for head dims 64 and 128 on Hopper, in Gluon: dK, dV and dQ from one
 loop over query tiles, dQ summed by TMA reduce-adds.
 
 The split backward (``gluon_dq`` then ``gluon_dkdv``) computes S and dP twice, once per
@@ -64,13 +64,23 @@ if HAVE_GLUON:
     from .gluon_dkdv import _query_tile, _store_dkdv, _tile_stage, _tma_load
     from .kernels import _grouped_program
 
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 # Fewer keys keep the split kernels. Forward + backward through the package on an H200,
 # replayed launches, ms against the split kernels: 1 x 64 heads x 1024 causal 0.34-0.44
 # against 0.22-0.26 (lost), 1 x 32 x 2048 causal 0.32 against 0.33, 1 x 16 x 4096 causal
 # 0.52 against 0.55, 1 x 32 x 2048 non-causal 0.51 against 0.57, and faster on every longer
 # shape measured (DESIGN, "One-pass backward").
 MIN_KEYS = 2048
+# At head dim 64 a program does half of d = 128's math per query tile while its row loads,
+# dS exchange and dQ reduce-adds per tile stay, so it needs longer key ranges to beat the
+# split kernels: MIN_KEYS times D64_KEY_FACTOR[causal, the grid has D64_MANY_WAVES waves of
+# 128-key programs]. GPU time of forward + backward on an H200, ms, split against one-pass:
+# non-causal 1 x 32 x 2048 (four waves) 0.310 against 0.318, 1 x 16 x 4096 0.603 against
+# 0.576, 8 x 16 x 2048 1.352 against 1.240; causal 1 x 16 x 4096 (four waves) 0.307 against
+# 0.320, 8 x 16 x 2048 0.720 against 0.757, 1 x 8 x 8192 0.580 against 0.571, 4 x 32 x 4096
+# 2.707 against 2.546; 7-16% faster on the longer shapes (DESIGN, "One-pass backward").
+D64_KEY_FACTOR = {(False, False): 2, (False, True): 1, (True, False): 4, (True, True): 2}
+D64_MANY_WAVES = 8
 # Registers per thread (setmaxnreg) of the worker math warpgroup; the 1-warp workers get 24 and
 # the default partition's math warpgroup the rest (256 in the sm_90 compile).
 MATH_REGS = 240
@@ -370,7 +380,7 @@ def launch_onepass(
     head_group: int = 0,
     math_regs: int = MATH_REGS,
 ) -> None:
-    """dK, dV of (B, H, N, 128) 16-bit q, do and (B, Hkv, N, 128) k, v (TMA-readable, as
+    """dK, dV of (B, H, N, d) 16-bit q, do and (B, Hkv, N, d) k, v (d in HEAD_DIMS; as
     ``gluon_dkdv.applies`` requires) into dk, dv, and dQ * softmax_scale added into dq_acc,
     a zeroed contiguous float32 (B, H, n_q, d) buffer. lse2 (log2 units, +inf for rows
     without keys) and delta: contiguous (B, H, rows) float32 that ``rows_by_tma`` accepts.
@@ -398,12 +408,26 @@ def launch_onepass(
     )  # fmt: skip
 
 
-def would_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Whether the launcher takes this kernel: at least MIN_KEYS keys, ``Options.gluon``, a
-    Hopper GPU and TMA-readable 16-bit inputs with a head dim in HEAD_DIMS
+def enough_keys(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
+    """At least MIN_KEYS keys, and at head dim 64 MIN_KEYS times D64_KEY_FACTOR."""
+    n_k = k.shape[2]
+    if n_k < MIN_KEYS:
+        return False
+    if q.shape[3] != 64:
+        return True
+    programs = k.shape[0] * k.shape[1] * -(-n_k // 128)
+    many_waves = programs >= D64_MANY_WAVES * sm_count(q)
+    return n_k >= MIN_KEYS * D64_KEY_FACTOR[bool(causal), many_waves]
+
+
+def would_run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, causal: bool
+) -> bool:
+    """Whether the launcher takes this kernel: ``enough_keys``, ``Options.gluon``, a Hopper
+    GPU and TMA-readable 16-bit inputs with a head dim in HEAD_DIMS
     (``gluon_dkdv.applies``)."""
     table = {d: {} for d in HEAD_DIMS}
-    return k.shape[2] >= MIN_KEYS and applies(q, k, v, do, defaults=table)
+    return applies(q, k, v, do, defaults=table) and enough_keys(q, k, causal)
 
 
 def head_group(q: torch.Tensor, k: torch.Tensor, causal: bool, cap: int | None = None) -> int:
@@ -433,7 +457,7 @@ def try_onepass(
     compile warns once per key, see ``gluon_dkdv.run_guarded``). delta must hold D already.
     The launch goes through ``fastlaunch``, so a launch plan replays it."""
     table = {d: {} for d in HEAD_DIMS}
-    if not (would_run(q, k, v, do) and applies(q, k, v, do, dk, dv, defaults=table)):
+    if not (would_run(q, k, v, do, causal) and applies(q, k, v, do, dk, dv, defaults=table)):
         return False
     if not rows_by_tma(lse2, delta):
         return False

@@ -7,9 +7,10 @@ layouts, the dK/dV kernel is the Gluon one of ``gluon_dkdv``, and on small grids
 2048 keys or more the dQ kernel that of ``gluon_dq``);
 ``fused`` = the same two loops in one launch, program t doing key tile t and query tile t;
 ``atomic`` = one dK/dV kernel that also adds dQ into a float32 buffer with atomics;
-``onepass`` = on Hopper at head dim 128 (16-bit, TMA-readable, from ``gluon_bwd.MIN_KEYS``
-keys, no window or packing) one warp-specialized Gluon kernel for dK, dV and dQ, dQ summed
-into a float32 buffer by TMA reduce-adds (``gluon_bwd``), elsewhere what ``auto`` picks;
+``onepass`` = on Hopper at head dims 64 and 128 (16-bit, TMA-readable, with the keys
+``gluon_bwd.enough_keys`` asks for, no window or packing) one warp-specialized Gluon kernel
+for dK, dV and dQ, dQ summed into a float32 buffer by TMA reduce-adds (``gluon_bwd``),
+elsewhere what ``auto`` picks;
 ``auto`` (default) = fused for causal 16-bit inputs on small grids (about one wave of
 programs, e.g. batch 1 with few heads and long sequences), else onepass where it applies,
 else split. On small causal grids the split kernels also halve their grid-axis tiles
@@ -338,7 +339,7 @@ def _backward_scheme(
     block_d, elem = C.block_d_for(d), q.element_size()
     _check_grid(triton_cdiv(max(n_q, n_k), 16), "sequence length", 16)
     setting = get_options().backward
-    onepass = setting in ("auto", "onepass") and _onepass_applies(q, k, v, do, feat)
+    onepass = setting in ("auto", "onepass") and _onepass_applies(q, k, v, do, causal, feat)
     if onepass and setting == "auto" and feat is None:
         n_sms = sm_count(q)
         onepass = (
@@ -361,12 +362,12 @@ def _backward_scheme(
     return scheme, kind, small_dkdv, packed
 
 
-def _onepass_applies(q, k, v, do, feat: Features | None) -> bool:
+def _onepass_applies(q, k, v, do, causal: bool, feat: Features | None) -> bool:
     """Whether the one-pass Gluon backward (``gluon_bwd``) may take this call: CUDA inputs
     it accepts (``gluon_bwd.would_run``) and no window (grouped-query heads are fine)."""
     if v is None or do is None or not q.is_cuda or (feat is not None and feat.window):
         return False
-    return _gluon_bwd().would_run(q, k, v, do)
+    return _gluon_bwd().would_run(q, k, v, do, causal)
 
 
 def _backward_launches(

@@ -43,16 +43,17 @@ _FALSE = ("0", "false", "no", "off")
 class Options:
     """Launch choices of the Triton backend (all have measured defaults).
 
-    backward: ``auto`` (fused on small causal 16-bit grids; else on Hopper at head dim 128
-        from 2048 keys the one-pass Gluon backward, ``onepass``; else split), ``split``,
+    backward: ``auto`` (fused on small causal 16-bit grids; else on Hopper at head dims 64
+        and 128 from 2048 keys (d = 64: more, ``gluon_bwd.enough_keys``) the one-pass Gluon
+        backward, ``onepass``; else split), ``split``,
         ``fused``, ``atomic`` or ``onepass`` (see ``launch``). ``onepass`` sums dQ by
         atomics, so its last bits may vary between runs; ``split`` is deterministic, and
         torch's deterministic mode runs it instead of ``onepass``.
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
         ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
         ('highest' -> tf32x3, else tf32).
-    gluon: allow the Hopper Gluon kernels (d = 128: the forward from 2048 keys, the backward)
-        where they apply.
+    gluon: allow the Hopper Gluon kernels (d = 128: the forward from 2048 keys, the split
+        backward; d = 64 and 128: the one-pass backward) where they apply.
     head_group: launch order by head groups, ``auto``, ``off`` or a number of heads.
     tile_configs: tile overrides, ``"fwd=128,64,4,3;dq=128,64,8,3,tma"`` (see
         ``configs.TileConfig.parse``; ``kind.fp32=...`` for float32 inputs).
