@@ -1,6 +1,6 @@
-"""One-pass attention backward for head dim 128 in Gluon: the package's warp-specialized
-kernel (``flashattn_triton.gluon_bwd``, spec ``ws``) beside the simpler variants it grew
-from, which lost (flashattn-triton DESIGN.md, "One-pass backward").
+"""One-pass attention backward for head dims 128 and 64 in Gluon: the package's
+warp-specialized kernel (``flashattn_triton.gluon_bwd``, spec ``ws``) beside the simpler
+variants it grew from, which lost (flashattn-triton DESIGN.md, "One-pass backward").
 
 The package's d = 128 split backward on Hopper (``gluon_dq``, ``gluon_dkdv``) computes seven
 products where five are counted. The one-pass variants add the fifth to the dK/dV loop: per
@@ -29,9 +29,9 @@ which the package's launcher does in one kernel.
     python benchmarks/onepass_bwd.py time ws --d 64 --out $OUT
     python benchmarks/onepass_bwd.py time ws --d 64 --head-group-cap 1000000 --out $OUT
 
-``--d 64`` runs the same kernels at head dim 64, which the package does not (129 KB of
-shared memory, one program per SM, no spills; timed on an H200 with the L2 rule's launch
-order alone, i.e. before the package's two-head groups: DESIGN.md, "At d = 64").
+``--d 64`` runs the same kernels at head dim 64 (129 KB of shared memory, one program per
+SM, no spills), which the package runs on long rows (``gluon_bwd.enough_keys``; DESIGN.md,
+"At d = 64").
 ``--head-group-cap`` sets the launch order's cap (``gluon_bwd.head_group``).
 """
 
@@ -525,9 +525,7 @@ def main(argv=None) -> int:
     ap.add_argument("specs", nargs="+", help="BLOCK_N[,sep][,late]")
     ap.add_argument("--ablate", type=int, nargs="*", default=[], choices=(1, 2))
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON results")
-    ap.add_argument(
-        "--d", type=int, default=128, choices=(64, 128), help="head dim (the package: 128)"
-    )
+    ap.add_argument("--d", type=int, default=128, choices=(64, 128), help="head dim")
     ap.add_argument(
         "--head-group-cap",
         type=int,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,43 +42,43 @@ def test_every_runnable_module_has_a_script():
     assert runnable <= targets
 
 
-def test_lm_train_script_exits_zero(monkeypatch):
+def test_lm_train_script_exits_zero_without_freeing_the_run(monkeypatch):
     """`main()` returns a TrainResult, which a console script would pass to sys.exit (exit
-    status 1 and the object printed); the script's `cli()` returns None."""
-    from lm_core import train
-
-    monkeypatch.setattr(train, "main", lambda argv=None: object())
-    assert train.cli() is None
-
-
-def test_lm_train_script_frees_the_run_before_the_interpreter_exits(monkeypatch):
-    """A wrapped model sits in reference cycles (torch's fully_shard: module and state hold
-    each other through hooks) that keep its process group alive; `cli()` collects them, so
-    the group is not destroyed during interpreter exit (where gloo's threads abort the
-    process). Automatic collection is off here, as it may not run before a process exits."""
-    import gc
+    status 1 and the object printed); `cli()` flushes stdout and stderr and leaves through
+    `os._exit(0)` with the run still referenced, so no process group's destructor runs (it
+    can hang joining gloo's threads) and nothing is torn down at exit."""
     import weakref
 
     from lm_core import train
 
-    refs = []
-
     class Run:
         pass
 
+    class Stream(io.StringIO):
+        flushed = False
+
+        def flush(self):
+            self.flushed = True
+
+    class ExitCalledError(Exception):
+        pass
+
+    refs, exits = [], []
+    out, err = Stream(), Stream()
+
     def fake_main(argv=None):
         run = Run()
-        run.me = run  # a cycle, like the model's hooks
         refs.append(weakref.ref(run))
         return run
 
+    def fake_exit(code):
+        exits.append((code, refs[0]() is not None, out.flushed, err.flushed))
+        raise ExitCalledError
+
     monkeypatch.setattr(train, "main", fake_main)
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    with pytest.raises(ExitCalledError):
         train.cli()
-        assert refs
-        assert refs[0]() is None
-    finally:
-        if was:
-            gc.enable()
+    assert exits == [(0, True, True, True)]

@@ -34,9 +34,10 @@
 #              batch-1 shapes (benchmarks/gluon_fwd_ab.py --sweep), the eager d = 128 sweep,
 #              the leaderboard shape at d = 128, the GQA / window feature rows, and the
 #              one-pass backward's float64 check and its timing against the split backward
-#              and SDPA, its launch order's A/B (onepass_head_group_ab.py), and the same kernel
-#              at d = 64 with two-head groups and with the L2 rule alone (onepass_bwd.py --d 64)
-#              (estimate ~13 min: its parts ran in 1-4 min each on one H200)
+#              and SDPA, its launch order's A/B (onepass_head_group_ab.py), and at d = 64
+#              the package against the same with the one-pass kernel held to d = 128
+#              (onepass_d64_ab.py final), then the eager and compiled d = 64 sweep
+#              (estimate ~14 min: its parts ran in 1-4 min each on one H200)
 #   features   flashattn-triton's features against SDPA (perf_tools.attention_features: GQA,
 #              varlen, window, decode), the decode key-split rule against the former one
 #              (decode_split_rules.py), and d = 64's forward and backward apart with the Gluon
@@ -213,12 +214,14 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
     "$WORK/onepass_min_keys" 1,64,64,1024,1 1,32,32,2048,1 1,16,16,4096,1 1,8,8,8192,1 \
     1,32,32,2048,0 1,16,16,4096,0 1,8,8,8192,0 4,32,8,4096,1 --min-keys 512
   # its launch order: two heads at a time (gluon_bwd.head_group) against the L2 rule alone,
-  # GPU time; then the same kernel at d = 64 with either order, against the split backward
+  # GPU time; then d = 64, where it takes long rows (gluon_bwd.enough_keys), against the
+  # split backward, and the d = 64 sweep
   run d128_onepass_order $PY "$FA/results/current/scripts/onepass_head_group_ab.py" \
     "$WORK/onepass_head_group_ab.json"
-  run d64_onepass_two_heads $PY "$FA/onepass_bwd.py" time ws --d 64 --out "$WORK/onepass_d64"
-  run d64_onepass_rule_order $PY "$FA/onepass_bwd.py" time ws --d 64 --head-group-cap 1000000 \
-    --out "$WORK/onepass_d64_rule"
+  run d64_onepass_ab $PY "$FA/results/current/scripts/onepass_d64_ab.py" final \
+    "$WORK/onepass_d64_ab.json"
+  run d64_sweep $PY -m perf_tools.attention_sweep --d 64 --modes eager compiled \
+    --csv "$WORK/sweep_d64.csv" --json "$WORK/sweep_d64.json" --plot "$WORK/sweep_d64.png"
 fi
 if want features; then  # flashattn-triton's features and decode, d = 64's parts
   FA="$ROOT/packages/flashattn-triton/benchmarks"

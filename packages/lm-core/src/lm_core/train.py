@@ -29,8 +29,8 @@ In Python: `run(TrainConfig(...))` validates and trains, returning the `TrainRes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import gc
 import sys
 import types
 import typing
@@ -180,8 +180,9 @@ def run(config: TrainConfig) -> TrainResult:
     a ValueError, names the option by its key, e.g. `optim.max_lr`); `config` itself is not
     modified. Under torchrun call it on every rank. Returns the `lm_core.trainer.TrainResult`:
     `step` (steps completed), `final_loss`, `history` (the logged records), `evals`, the
-    trained `model` and `optimizer`. Under torchrun, drop the result and call `gc.collect()`
-    before the process exits, as `cli()` does: a sharded model holds its process group.
+    trained `model` and `optimizer`. A wrapped model holds its gloo process group, whose
+    destructor can hang when the result is freed (`cli()` explains why): in a torchrun
+    worker that is done, flush what you write and leave through `os._exit`, as `cli()` does.
 
     Example:
         from lm_core.train import run
@@ -220,15 +221,32 @@ def _write_text(target: str, text: str) -> None:
 
 
 def cli() -> None:
-    """The `lm-train` console script: `main()`, exit status 0 (its TrainResult is not a code)."""
-    main()
-    # Free the run's objects while the interpreter is whole. A wrapped model keeps its process
-    # group alive after `destroy_process_group` (torch's fully_shard holds it in its mesh
-    # info), and the module's hooks form reference cycles, so without this the group is
-    # destroyed during interpreter exit, where gloo's worker threads cannot take the GIL to
-    # drop their tensors and the process aborts ("terminate called without an active
-    # exception", SIGABRT): a finished job that exits non-zero.
-    gc.collect()
+    """The `lm-train` console script: `main()`, then exit status 0 (its TrainResult is not a
+    code) without freeing the run's objects (`_exit_now`)."""
+    result = main()
+    # The run's files are written and closed by now. What is left would only free objects,
+    # and freeing them can hang or abort a finished job: a wrapped model keeps its gloo
+    # process group alive after `destroy_process_group` (which does not stop gloo's worker
+    # threads), so the group's destructor runs when the TrainResult is dropped, on this
+    # thread, holding the interpreter lock while it joins those workers; a worker that needs
+    # the lock (to drop a tensor's Python object, or its own thread state) never finishes.
+    # Dropped here, that hung a two-node CI job after its last step (the worker's stack ended
+    # at this call); dropped during interpreter exit, it aborts the process ("terminate
+    # called without an active exception").
+    _exit_now(0, keep=result)
+
+
+def _exit_now(code: int, keep: object = None) -> None:
+    """Flush stdout, stderr and logging, then end the process with `code` through `os._exit`:
+    no destructors, no at-exit teardown. `keep` stays referenced until then."""
+    import logging
+    import os
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 if __name__ == "__main__":
