@@ -236,7 +236,7 @@ def _two_node_job(
 def _job_again_if_it_hangs(train_argv: list[str], nproc: int, cwds: list[Path]) -> list[str]:
     """`_two_node_job`, started once more from the same files if it times out.
 
-    This resumed ZeRO job hung in two CI runs (never in 95 local runs): a worker stayed
+    This resumed ZeRO job hung in several CI runs (never in 95 local runs): a worker stayed
     alive after step 4, its stack ending where `lm_core.train.cli` dropped the run (a gloo
     group's destructor joining its threads under the interpreter lock; the CLI now leaves
     through `os._exit` instead, lm-core README "Exit of a finished run"), while the other
