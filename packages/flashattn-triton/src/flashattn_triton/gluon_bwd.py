@@ -75,10 +75,10 @@ MIN_KEYS = 2048
 # dS exchange and dQ reduce-adds per tile stay, so it needs longer key ranges to beat the
 # split kernels: MIN_KEYS times D64_KEY_FACTOR[causal, the grid has D64_MANY_WAVES waves of
 # 128-key programs]. GPU time of forward + backward on an H200, ms, split against one-pass:
-# non-causal 1 x 32 x 2048 (four waves) 0.310 against 0.318, 1 x 16 x 4096 0.603 against
-# 0.576, 8 x 16 x 2048 1.352 against 1.240; causal 1 x 16 x 4096 (four waves) 0.307 against
-# 0.320, 8 x 16 x 2048 0.720 against 0.757, 1 x 8 x 8192 0.580 against 0.571, 4 x 32 x 4096
-# 2.707 against 2.546; 7-16% faster on the longer shapes (DESIGN, "One-pass backward").
+# non-causal 1 x 32 x 2048 (four waves) 0.313 against 0.317, 1 x 16 x 4096 0.610 against
+# 0.577, 8 x 16 x 2048 1.392 against 1.249; causal 1 x 16 x 4096 (four waves) 0.308 against
+# 0.320, 8 x 16 x 2048 0.754 against 0.761, 1 x 8 x 8192 0.579 against 0.570, 4 x 32 x 4096
+# 2.766 against 2.555; 4-19% faster on the longer shapes (DESIGN, "At d = 64").
 D64_KEY_FACTOR = {(False, False): 2, (False, True): 1, (True, False): 4, (True, True): 2}
 D64_MANY_WAVES = 8
 # Registers per thread (setmaxnreg) of the worker math warpgroup; the 1-warp workers get 24 and
