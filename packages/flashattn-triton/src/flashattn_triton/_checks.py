@@ -17,6 +17,37 @@ MAX_HEAD_DIM = 128
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
     """Check ranks, dtypes, devices and shapes of q (..., Nq, d), k and v (..., Nk, d)."""
+    if not _plain_qkv(q, k, v, causal):
+        _check_qkv_in_detail(q, k, v, causal)
+
+
+def _plain_qkv(q, k, v, causal) -> bool:
+    """The common valid call (one dtype, device and leading shape) in one expression: every
+    call pays for the checks, and this costs under half of ``_check_qkv_in_detail`` (3.7
+    against 8.1 us, medians of seven interleaved rounds on a 2-core CPU host). False sends
+    the call to that function, which accepts grouped-query heads and names what is wrong
+    otherwise."""
+    try:
+        qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
+        return (
+            isinstance(causal, bool)
+            and isinstance(q, torch.Tensor)
+            and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and k.dtype == dt
+            and v.dtype == dt
+            and dt.is_floating_point
+            and len(qs) == len(ks) == len(vs) >= 2
+            and qs[:-2] == ks[:-2] == vs[:-2]
+            and ks[-2] == vs[-2]
+            and qs[-1] == ks[-1] == vs[-1] >= 1
+            and q.device == k.device == v.device
+        )
+    except AttributeError:  # not tensors: the detailed checks say which argument
+        return False
+
+
+def _check_qkv_in_detail(q, k, v, causal) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
