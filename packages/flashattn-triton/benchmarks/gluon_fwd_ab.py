@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 
 import torch
@@ -217,8 +218,12 @@ def timing(rows: list, shapes, rounds: int) -> None:
             print(row, flush=True)
 
 
-def offline(causal: bool, kv_group: int) -> None:
-    """Compile the shipped d = 128 variant for sm_90 on any machine and print its resources."""
+def offline(
+    causal: bool, kv_group: int, head_dim: int = D, block_m: int = 0, regs: int = 240
+) -> None:
+    """Compile the shipped d = 128 variant (or, with ``head_dim`` / ``block_m`` / ``regs``,
+    that kernel at another head dim, with 128 or 192 query rows, its math warpgroups'
+    registers) for sm_90 on any machine and print its resources and SASS hash."""
     import sys
     from pathlib import Path
 
@@ -229,26 +234,27 @@ def offline(causal: bool, kv_group: int) -> None:
     from triton.runtime.jit import mangle_type
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from compile_offline import _resource_usage
+    from compile_offline import _resource_usage, sass_hash
 
     cfg = {k: v for k, v in gluon_fwd.DEFAULTS[D].items() if k != "min_keys"}
-    q = torch.empty(1, kv_group, 1024, D, dtype=torch.bfloat16, device="meta")
+    cfg["block_m"] = block_m or cfg["block_m"]
+    q = torch.empty(1, kv_group, 1024, head_dim, dtype=torch.bfloat16, device="meta")
 
     def desc(rows):
-        block = [1, 1, rows, D]
+        block = [1, 1, rows, head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return mangle_type(TensorDescriptor(q, list(q.shape), list(q.stride()), block, layout))
 
-    sig = {"q_desc": desc(cfg["block_m"] // 2), "k_desc": desc(cfg["block_n"])}
+    sig = {"q_desc": desc(gluon_fwd.WG_ROWS), "k_desc": desc(cfg["block_n"])}
     sig["v_desc"] = sig["k_desc"]
     sig.update(Out="*bf16", LSE="*fp32", qk_scale="fp32")
     names_i32 = ("stride_ob", "stride_oh", "stride_om", "n_heads", "n_q", "n_k", "kv_group")
     for name in (*names_i32, "head_group"):
         sig[name] = "i32"
     consts = {
-        "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "HEAD_DIM": D,
+        "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "HEAD_DIM": head_dim,
         "STAGES": cfg["stages"], "CAUSAL": causal, "PINGPONG": cfg["pingpong"],
-        "CONSUMER_REGS": 240, "GROUPED": True, "num_warps": 4,
+        "CONSUMER_REGS": regs, "GROUPED": True, "num_warps": 4,
     }  # fmt: skip
     if kv_group == 1:
         consts["kv_group"] = 1  # as Triton specializes an argument equal to 1
@@ -261,6 +267,10 @@ def offline(causal: bool, kv_group: int) -> None:
     ptx = c.asm["ptx"]
     print(_resource_usage(c.asm["cubin"]), "shared", c.metadata.shared)
     print("warps", c.metadata.num_warps, "wgmma", ptx.count("wgmma.mma_async"))
+    print(
+        "setmaxnreg", sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    )
+    print("sass", sass_hash(c.asm["cubin"]))
 
 
 def main() -> None:
@@ -269,11 +279,14 @@ def main() -> None:
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--kv-group", type=int, default=1)
+    ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128), help="--offline")
+    ap.add_argument("--block-m", type=int, default=0, choices=(0, 128, 192), help="--offline")
+    ap.add_argument("--regs", type=int, default=240, help="--offline: CONSUMER_REGS")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     if args.offline:
-        offline(args.causal, args.kv_group)
+        offline(args.causal, args.kv_group, args.head_dim, args.block_m, args.regs)
         return
     if args.out is None:
         ap.error("OUT.json is required unless --offline")

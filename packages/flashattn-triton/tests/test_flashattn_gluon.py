@@ -194,6 +194,24 @@ def test_gluon_forward_compiles_for_hopper(causal, kv_group):
     assert int(out.stdout.split("wgmma ")[1].split()[0]) > 0
 
 
+@pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
+def test_three_warpgroup_forward_compiles_for_hopper():
+    """The forward with three math warpgroups (192 query rows at d = 64, a benchmark
+    variant) compiles for sm_90 without spills at 160 registers per math thread."""
+    env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
+    env.pop("TRITON_INTERPRET", None)
+    script = BENCH.parent / "gluon_fwd_ab.py"
+    args = ["--offline", "--head-dim", "64", "--block-m", "192", "--regs", "160"]
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warps 16" in out.stdout, out.stdout  # 3 x 4 math warps, 1 loader, padded
+    assert "stack   0" in out.stdout, out.stdout  # no spills
+    assert "local 0" in out.stdout, out.stdout
+    assert "'160'" in out.stdout, out.stdout  # the worker warpgroups' setmaxnreg
+
+
 def test_tma_layout_rule():
     """What the 4-D descriptors accept: a unit last stride, a 16-byte aligned base and
     16-byte multiple strides (a (B, N, H, d) buffer seen as (B, H, N, d) qualifies)."""

@@ -1,5 +1,6 @@
-"""The forward on Hopper written in Gluon: two math warpgroups sharing the K / V tiles that a
-loader warp streams in (head dim 128, from ``DEFAULTS``' ``min_keys`` keys).
+"""The forward on Hopper written in Gluon: two math warpgroups (three at ``block_m`` 192, not a
+default yet) sharing the K / V tiles that a loader warp streams in (head dim 128, from
+``DEFAULTS``' ``min_keys`` keys).
 
 Triton 3.6 waits for each ``tl.dot`` before its result is used, so inside one warpgroup the
 exponentials never run while the tensor cores work; the Triton forward relies on two
@@ -37,6 +38,8 @@ from .options import get_options
 # the plain order on seven shapes), and the fewest keys from which it runs (below,
 # the Triton forward's two programs per SM win: a 128-row program here fills a whole SM, and
 # its start, the first loads, is not hidden behind another program's work).
+# Query rows per math warpgroup (a program has block_m // WG_ROWS of them).
+WG_ROWS = 64
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
@@ -60,14 +63,14 @@ if HAVE_GLUON:
     def _produce(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
         v_empty, b, h, hk, start_m, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-        HALF_M: gl.constexpr,
+        WG_M: gl.constexpr, NUM_WG: gl.constexpr,
     ):  # fmt: skip
-        """Loader warp: both halves of the Q tile (q head h), then K and V (k/v head hk) of
-        each key tile as soon as both warpgroups have released its stage (a fresh barrier
-        counts as released)."""
-        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, start_m, 0], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [b, h, start_m + HALF_M, 0], q_ready, q_smem.index(1))
+        """Loader warp: each math warpgroup's rows of the Q tile (q head h), then K and V
+        (k/v head hk) of each key tile as soon as every warpgroup has released its stage (a
+        fresh barrier counts as released)."""
+        mbarrier.expect(q_ready, NUM_WG * q_desc.block_type.nbytes)
+        for w in gl.static_range(NUM_WG):
+            _tma_load(q_desc, [b, h, start_m + w * WG_M, 0], q_ready, q_smem.index(w))
         for i in range(n_tiles):
             stage = i % STAGES
             phase = ((i // STAGES) & 1) ^ 1
@@ -125,11 +128,11 @@ if HAVE_GLUON:
         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
         Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m, n_q, n_k,
         n_tiles, causal_off, qk_scale,
-        WG: gl.constexpr, HALF_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         PINGPONG: gl.constexpr,
     ):  # fmt: skip
-        """One math warpgroup: rows start_m + WG * HALF_M .. + HALF_M of the program's tile."""
+        """One math warpgroup: rows start_m + WG * WG_M .. + WG_M of the program's tile."""
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -140,17 +143,17 @@ if HAVE_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row0 = start_m + WG * HALF_M
-        offs_m = row0 + gl.arange(0, HALF_M, layout=row_layout)
+        row0 = start_m + WG * WG_M
+        offs_m = row0 + gl.arange(0, WG_M, layout=row_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([HALF_M], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.zeros([HALF_M], gl.float32, layout=row_layout)
-        zero_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, layout=s_layout)
-        acc = gl.zeros([HALF_M, HEAD_DIM], gl.float32, layout=o_layout)
+        m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.zeros([WG_M], gl.float32, layout=row_layout)
+        zero_s = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=s_layout)
+        acc = gl.zeros([WG_M, HEAD_DIM], gl.float32, layout=o_layout)
         # Key tiles from this one on contain a key that some row of the warpgroup must not
         # see (the causal diagonal): they compute the mask.
         mask_from = row0 + causal_off - BLOCK_N + 1
-        q_tile = q_smem.index(WG).reshape([HALF_M, HEAD_DIM])
+        q_tile = q_smem.index(WG).reshape([WG_M, HEAD_DIM])
 
         mbarrier.wait(q_ready, 0)
         # Tile 0: its scores alone.
@@ -208,7 +211,7 @@ if HAVE_GLUON:
 
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         o = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        out_rows = row0 + gl.arange(0, HALF_M, layout=o_rows)
+        out_rows = row0 + gl.arange(0, WG_M, layout=o_rows)
         out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
         offs = base + out_rows.to(gl.int64)[:, None] * stride_om + out_cols[None, :]
@@ -225,10 +228,14 @@ if HAVE_GLUON:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
-        """One program: BLOCK_M query rows of one (batch, head); heaviest tiles first, with
-        GROUPED head_group heads at a time (``kernels._grouped_program``)."""
+        """One program: BLOCK_M query rows of one (batch, head), 64 per math warpgroup (two,
+        or three at BLOCK_M = 192); heaviest tiles first, with GROUPED head_group heads at a
+        time (``kernels._grouped_program``)."""
         gl.static_assert(num_warps == 4, "the default partition is one math warpgroup")
-        HALF_M: gl.constexpr = BLOCK_M // 2
+        gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "two or three math warpgroups")
+        WG_M: gl.constexpr = 64
+        NUM_WG: gl.constexpr = BLOCK_M // WG_M
+        gl.static_assert(NUM_WG == 2 or not PINGPONG, "ping-pong pairs two warpgroups")
         pid_bh, tile = _grouped_program(head_group, GROUPED)
         b = pid_bh // n_heads
         h = pid_bh % n_heads
@@ -243,7 +250,7 @@ if HAVE_GLUON:
         # At least one tile: a tile where no row sees a key comes out fully masked (o = 0).
         n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
 
-        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, HALF_M, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
@@ -257,19 +264,22 @@ if HAVE_GLUON:
         for st in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(st), count=1)
             mbarrier.init(v_ready.index(st), count=1)
-            mbarrier.init(k_empty.index(st), count=2)  # both warpgroups release a stage
-            mbarrier.init(v_empty.index(st), count=2)
+            mbarrier.init(k_empty.index(st), count=NUM_WG)  # every warpgroup releases a stage
+            mbarrier.init(v_empty.index(st), count=NUM_WG)
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
 
-        gl.warp_specialize(
-            [
+        # The partitions: the math warpgroups (the first is the default partition), then the
+        # loader warp; written out per warpgroup count (a partition list is a literal).
+        if NUM_WG == 2:
+            gl.warp_specialize(
+                [
                 (
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                         turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, HALF_M, BLOCK_N,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M, BLOCK_N,
                         HEAD_DIM, STAGES, CAUSAL, PINGPONG,
                     ),
                 ),
@@ -278,7 +288,7 @@ if HAVE_GLUON:
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                         turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, HALF_M, BLOCK_N,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M, BLOCK_N,
                         HEAD_DIM, STAGES, CAUSAL, PINGPONG,
                     ),
                 ),
@@ -287,13 +297,55 @@ if HAVE_GLUON:
                     (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
                         k_empty, v_ready, v_empty, b, h, hk, start_m, n_tiles, STAGES, BLOCK_N,
-                        HALF_M,
+                        WG_M, NUM_WG,
                     ),
                 ),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )  # fmt: skip
+                ],
+                [4, 1],
+                [CONSUMER_REGS, 24],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                (
+                    _consume,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M, BLOCK_N,
+                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                    ),
+                ),
+                (
+                    _consume,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M, BLOCK_N,
+                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                    ),
+                ),
+                (
+                    _consume,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
+                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 2, WG_M, BLOCK_N,
+                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                    ),
+                ),
+                (
+                    _produce,
+                    (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready,
+                        k_empty, v_ready, v_empty, b, h, hk, start_m, n_tiles, STAGES, BLOCK_N,
+                        WG_M, NUM_WG,
+                    ),
+                ),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )  # fmt: skip
         mbarrier.invalidate(q_ready)
         for st in gl.static_range(STAGES):
             mbarrier.invalidate(k_ready.index(st))
@@ -323,23 +375,26 @@ def launch_fwd(
     """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
     (B, H, Nq, d), k, v (B, Hkv, Nk, d), Hkv dividing H (grouped-query heads), in the layouts
     ``applies`` accepts. Checks nothing: ``try_fwd`` is the gated entry point; this one is for
-    benchmarks that pick their own tiles. ``head_group``: programs of that many heads at a
-    time (``kernels._grouped_program``); 0: the plain order."""
+    benchmarks that pick their own tiles. ``block_m`` 192: three math warpgroups (as
+    FlashAttention-3 at d = 64; ``consumer_regs`` 160 fits them without spills).
+    ``head_group``: programs of that many heads at a time (``kernels._grouped_program``); 0:
+    the plain order."""
     if not HAVE_GLUON:
         raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
     if q.dtype not in GL_DTYPES:
         raise ValueError(f"q must be float16 or bfloat16, got {q.dtype}")
-    if block_m != 128:
-        raise ValueError(f"block_m must be 128 (two warpgroups of 64 rows), got {block_m}")
+    if block_m not in (128, 192):
+        raise ValueError(
+            f"block_m must be 128 or 192 (two or three warpgroups of 64 rows), got {block_m}"
+        )
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    half = block_m // 2
     group, grouped = launch_order(head_group, b * h)
     fastlaunch.launch(
         fwd_kernel, (b * h, -(-n_q // block_m)),
-        _desc(q, half), _desc(k, block_n), _desc(v, block_n), o, lse,
+        _desc(q, WG_ROWS), _desc(k, block_n), _desc(v, block_n), o, lse,
         o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
         h // k.shape[1], group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,

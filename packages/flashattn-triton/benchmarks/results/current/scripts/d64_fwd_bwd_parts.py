@@ -1,6 +1,7 @@
 """Head dim 64, where the time goes: the Gluon forward (``gluon_fwd``, shipped for d = 128 only)
-at d = 64 in four variants against the package's Triton forward and SDPA cuDNN (forward
-alone), and the backward alone of ours against cuDNN's. bf16, one process, three interleaved
+at d = 64 in seven variants (two math warpgroups, or three with 192 query rows) against the
+package's Triton forward and SDPA cuDNN (forward alone), and the backward alone of ours
+against cuDNN's. bf16, one process, three interleaved
 rounds, ``do_bench`` medians in ms.
 
     python d64_fwd_bwd_parts.py OUT.json
@@ -32,7 +33,13 @@ VARIANTS = {
     "g_n128_s3": {"block_n": 128, "stages": 3, "head_group": 4},
     "g_n64_s3": {"block_n": 64, "stages": 3, "head_group": 4},
     "g_n128_s2_pp": {"block_n": 128, "stages": 2, "head_group": 4, "pingpong": True},
-}
+    # three math warpgroups, 192 query rows (FlashAttention-3's d = 64 shape)
+    "g3_n128_s2": {"block_m": 192, "block_n": 128, "stages": 2, "head_group": 4,
+                   "consumer_regs": 160},
+    "g3_n128_s3": {"block_m": 192, "block_n": 128, "stages": 3, "head_group": 4,
+                   "consumer_regs": 160},
+    "g3_n128_s2_plain": {"block_m": 192, "block_n": 128, "stages": 2, "consumer_regs": 160},
+}  # fmt: skip
 
 
 def gl(q, k, v, causal, **kw):
