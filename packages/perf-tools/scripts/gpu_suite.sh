@@ -41,8 +41,9 @@
 #   features   flashattn-triton's features against SDPA (perf_tools.attention_features: GQA,
 #              varlen, window, decode), the decode key-split rule against the former one
 #              (decode_split_rules.py), and d = 64's forward and backward apart with the Gluon
-#              forward at d = 64 (d64_fwd_bwd_parts.py)
-#                                                  (one H200: under 6 min in all)
+#              forward at d = 64, two or three math warpgroups (d64_fwd_bwd_parts.py)
+#                                                  (one H200: under 6 min in all before
+#                                                  the three-warpgroup variants)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
 #              graph replayed with node priorities, AdamW during the backward, bf16-held
 #              weights, fused loss): SDPA against our attention, then lm_core's SwiGLU, q/k/v
