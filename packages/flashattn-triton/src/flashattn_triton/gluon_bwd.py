@@ -408,6 +408,12 @@ def launch_onepass(
     )  # fmt: skip
 
 
+def _has_waves(q: torch.Tensor, k: torch.Tensor, waves: int) -> bool:
+    """Whether the grid's (batch x k/v head x 128-key tile) programs fill ``waves`` waves of
+    one program per SM."""
+    return k.shape[0] * k.shape[1] * -(-k.shape[2] // 128) >= waves * sm_count(q)
+
+
 def enough_keys(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """At least MIN_KEYS keys, and at head dim 64 MIN_KEYS times D64_KEY_FACTOR."""
     n_k = k.shape[2]
@@ -415,8 +421,7 @@ def enough_keys(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
         return False
     if q.shape[3] != 64:
         return True
-    programs = k.shape[0] * k.shape[1] * -(-n_k // 128)
-    many_waves = programs >= D64_MANY_WAVES * sm_count(q)
+    many_waves = _has_waves(q, k, D64_MANY_WAVES)
     return n_k >= MIN_KEYS * D64_KEY_FACTOR[bool(causal), many_waves]
 
 
@@ -441,7 +446,7 @@ def head_group(q: torch.Tensor, k: torch.Tensor, causal: bool, cap: int | None =
     h_kv = k.shape[1]
     group = head_group_args(q, b * h_kv, n_q * (h // h_kv), d)["head_group"]
     plain = group >= b * h_kv  # the L2 rule found too few streamed rows to group heads
-    many_waves = b * h_kv * -(-k.shape[2] // 128) >= CAUSAL_MIN_WAVES * sm_count(q)
+    many_waves = _has_waves(q, k, CAUSAL_MIN_WAVES)
     if plain and get_options().head_group == "auto" and (many_waves or not causal):
         group = min(group, MAX_HEAD_GROUP if cap is None else cap)
     return group

@@ -78,6 +78,8 @@ def check(variants) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] not in MODES:
+        sys.exit(f"usage: onepass_d64_ab.py {{{','.join(MODES)}}} OUT.json")
     mode, out = sys.argv[1], sys.argv[2]
     variants = MODES[mode]
     if mode == "probe":
