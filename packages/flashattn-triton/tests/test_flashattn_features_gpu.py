@@ -101,7 +101,7 @@ def _check_dense(shape, causal, window, dtype, seed=0):
 @pytest.mark.parametrize(
     ("shape", "causal", "window"),
     [
-        ((2, 32, 8, 1024, 1024, 128), True, (-1, -1)),  # GQA 4, the head counts
+        ((2, 32, 8, 1024, 1024, 128), True, (-1, -1)),  # GQA 4, the features table's head counts
         ((1, 16, 2, 2048, 2048, 128), True, (-1, -1)),  # GQA 8, Gluon dQ too (2048 keys)
         ((2, 6, 3, 999, 1500, 128), False, (-1, -1)),  # GQA 2, ragged, Nq < Nk
         ((1, 4, 1, 2500, 2100, 128), True, (-1, -1)),  # MQA, Nq > Nk: rows with no key

@@ -58,7 +58,7 @@ def test_param_count_matches_course_formula(name):
     expected = v * d + n_layers * (4 * d * d + 3 * d * f + 2 * d) + d + d * v
     assert model.num_params() == expected
     assert model.num_params(non_embedding=True) == expected - v * d
-    if name == "8B":  # the README's table; built on the meta device only (no memory)
+    if name == "8B":  # docs/model.md's table; built on the meta device only (no memory)
         assert expected == 8_125_698_048
 
 

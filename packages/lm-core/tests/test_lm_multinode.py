@@ -239,9 +239,9 @@ def _job_again_if_it_hangs(train_argv: list[str], nproc: int, cwds: list[Path]) 
     This resumed ZeRO job hung in several CI runs (never in 95 local runs): a worker stayed
     alive after step 4, its stack ending where `lm_core.train.cli` dropped the run (a gloo
     group's destructor joining its threads under the interpreter lock; the CLI now leaves
-    through `os._exit` instead, lm-core README "Exit of a finished run"), while the other
-    agent waited in torchrun's exit barrier. The retry stays as a guard: the first hang's
-    stacks (workers' included) are kept as a warning; a second hang fails the test."""
+    through `os._exit` instead, lm-core docs/training.md "Exit of a finished run"), while the
+    other agent waited in torchrun's exit barrier. The retry stays as a guard: the first
+    hang's stacks (workers' included) are kept as a warning; a second hang fails the test."""
     with tempfile.TemporaryDirectory() as before:
         saved = [Path(before) / str(i) for i in range(len(cwds))]
         for cwd, copy in zip(cwds, saved):

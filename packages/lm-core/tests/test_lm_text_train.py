@@ -23,14 +23,18 @@ from lm_core.train import main as train_main
 from lm_core.train import parse_args
 
 REPO = Path(__file__).resolve().parents[3]
-DOCS = [*sorted(REPO.glob("packages/*/README.md")), REPO / "README.md"]
+DOCS = [
+    *sorted(REPO.glob("packages/*/README.md")),
+    *sorted(REPO.glob("packages/*/docs/*.md")),
+    REPO / "README.md",
+]
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Tokenizer (vocab 512) and train/val token files of the repo's docs."""
     if len(DOCS) < 4 or sum(p.stat().st_size for p in DOCS) < 50_000:
-        pytest.fail(f"expected the repository's README files under {REPO}")
+        pytest.fail(f"expected the repository's README and docs files under {REPO}")
     out = tmp_path_factory.mktemp("corpus")
     pieces = (p for f in DOCS for p in DocumentReader(f, blank_lines=True) if p is not DOC_END)
     tokenizer = train_bpe(pieces, 512, show_progress=False)

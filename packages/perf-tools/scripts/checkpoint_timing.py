@@ -1,4 +1,4 @@
-"""Sharded (DCP) checkpoints against the single file, timed in a real run (issue 26).
+"""Sharded (DCP) checkpoints against the single file, timed in a real run.
 
 Under torchrun: trains a few steps with the given `lm_core.train` flags, then times, with
 every rank synchronized before and after each:

@@ -1,6 +1,6 @@
 """Float32 GEMM speed and accuracy on the small model's shapes: cuBLAS vs Triton variants.
 
-Issue 2's "small fp32 train step <= 36 ms" is bound by float32 matmuls (~37 ms of the 41.6 ms
+The goal "small fp32 train step <= 36 ms" is bound by float32 matmuls (~37 ms of the 41.6 ms
 strict-fp32 step on an H100 run in cuBLAS SGEMM at ~40 TFLOP/s). This experiment measures, on
 the products one train step of the small model makes (batch 4 x 512 tokens), each way of
 computing a float32 matmul, and its error against a float64 product:

@@ -1,4 +1,4 @@
-"""What FSDP's accumulation without sync and `reshard_after_forward=False` buy (issue 26).
+"""What FSDP's accumulation without sync and `reshard_after_forward=False` buy.
 
 Under torchrun, each rank builds lm_core's model on the meta device, shards it with
 `--fsdp ours` (`zero_shard.FSDP`) or `--fsdp torch` (`fully_shard` per block, then the root)

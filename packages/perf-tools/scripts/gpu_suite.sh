@@ -111,7 +111,7 @@
 #              fused loss, SDPA: TP 2 (batch 2) against FSDP torch (batch 1 per rank), eager,
 #              the planner's prediction beside each row. NEEDS 2 GPUs OF 141 GB
 #                                                                      measured: 55 s (2x H200)
-#   step8b     issue 7: the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
+#   step8b     the 8B FSDP (ours) train step of BENCHMARKS.md 7.1, ctx 32768, batch
 #              1 per rank, fused loss, every block checkpointed, sdpa then flash-triton, 1
 #              warm-up + 3 steps. NEEDS 2 GPUs OF 141 GB (H200): ~69 GB per rank plus the
 #              32.5 GB transient of the build; OOM on 80 GB H100s

@@ -1,4 +1,4 @@
-"""Memory of building a sharded model: the meta-device build against a full build (issue 26).
+"""Memory of building a sharded model: the meta-device build against a full build.
 
 Under torchrun, each rank builds lm_core's model and shards it with `--fsdp ours`
 (`zero_shard.FSDP`) or `--fsdp torch` (`fully_shard` per block, then the root), built

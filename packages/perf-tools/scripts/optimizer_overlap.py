@@ -1,5 +1,5 @@
 """Where the optimizer time of a graphed train step goes: lm_core's AdamW after the backward,
-per unit inside it on the backward's stream, or overlapped on a side stream (issue 28).
+per unit inside it on the backward's stream, or overlapped on a side stream.
 
 One model, blocks compiled one by one (`lm_core.compile_blocks`), bf16 autocast; each variant
 captures the whole step in a CUDA graph (`lm_core.graph_step.capture_cuda_graph`) and prints the

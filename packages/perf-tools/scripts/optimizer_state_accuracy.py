@@ -1,4 +1,4 @@
-"""Accuracy of lm_core's bf16 optimizer states (`AdamW(state_dtype=torch.bfloat16)`, issue 28):
+"""Accuracy of lm_core's bf16 optimizer states (`AdamW(state_dtype=torch.bfloat16)`):
 the same small model trained on real text with fp32 moments (the default) and with bf16
 moments, same seed and same batches, and the loss curves compared.
 

@@ -17,7 +17,7 @@ from perf_tools.flops import formula_forward_flops
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
 FAST = ["--warmup", "1", "--steps", "2"]
 MULTI = ["--nprocs", "2", "--device", "cpu"]
-# The README's 8B command (issue 7): batch 2 across 2 GPUs = 1 sequence per rank.
+# The README's 8B command: batch 2 across 2 GPUs = 1 sequence per rank.
 CMD_8B = [
     *("--size", "8B", "--context", "32768", "--batch", "1", "--nprocs", "2", "--fsdp", "ours"),
     *("--precision", "bf16", "--mode", "train", "--fused-loss", "--activation-checkpointing"),

@@ -1,5 +1,6 @@
 """README code that claims to run on a CPU does: every fenced block right after a
-`<!-- cpu ... -->` line, in the repository's READMEs, runs as written.
+`<!-- cpu ... -->` line, in the repository's READMEs (and the packages' docs/ pages), runs as
+written.
 
 bash blocks: one command per line (`# comments` dropped, `python` / `python3` is this
 interpreter); python blocks: the whole block. Each runs in a fresh directory, without a GPU.
@@ -16,7 +17,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-READMES = [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]
+READMES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "packages").glob("*/README.md")),
+    *sorted((ROOT / "packages").glob("*/docs/*.md")),
+]
 MARK = "<!-- cpu"
 
 

@@ -5,7 +5,7 @@ The field names (`vocab_size`, `context_length`, `d_model`, `num_layers`, `num_h
 (see `lm_core.attention`). Presets follow Table 1 of the CS336 assignment 2 handout with a
 vocabulary of 10,000 and `context_length` 1024 (the largest context the handout's experiments
 use; RoPE tables are sized by it, weights are not), plus a `tiny` preset for tests and the
-`8B` model of issue 7 (vocabulary 151,936, context 32,768: the course's 8B training-step race).
+`8B` model (vocabulary 151,936, context 32,768: the course's 8B training-step race).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "large": _preset(1280, 5120, 36, 20),
     "xl": _preset(1600, 6400, 48, 25),
     "2.7B": _preset(2560, 10240, 32, 32),
-    # Issue 7's 8B model (the course's FSDP race: batch 2, context 32,768 on two GPUs); head
+    # The 8B model (the course's FSDP race: batch 2, context 32,768 on two GPUs); head
     # dim 128, RoPE base as the other presets. Too large to train on one GPU: shard it.
     "8B": ModelConfig(
         vocab_size=151_936,

@@ -7,8 +7,8 @@ AdamW kernels take the SMs that the next backward matmul waits for. The CUDA dri
 each kernel node's priority, copied from its stream at capture, and honours it when the
 graph is instantiated with CU_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY. Captured on a stream
 of the highest priority beside a side stream of the default (lowest) one, the backward's
-kernels are then scheduled first and the optimizer's fill the SMs they leave (xl, one H200:
-60.2 -> 58.8 ms per step; BENCHMARKS.md 1.2d).
+kernels are then scheduled first and the optimizer's fill the SMs they leave (lm-core DESIGN.md,
+"Node priorities in the graph").
 
 torch has no argument for the flag, so the graph is taken as torch captured it
 (`CUDAGraph(keep_graph=True)`, `raw_cuda_graph()`), instantiated and launched through the

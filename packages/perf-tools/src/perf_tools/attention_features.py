@@ -1,4 +1,4 @@
-"""Speed of flashattn-triton's attention features against PyTorch SDPA (issue 25's table):
+"""Speed of flashattn-triton's attention features against PyTorch SDPA:
 `python -m perf_tools.attention_features [gqa] [varlen] [window] [decode]`.
 
   gqa     32 query heads, 8 k/v heads, d 128, causal, N 4096 (batch 4) and 16384 (batch 1):
