@@ -3,8 +3,9 @@ the same small model trained on real text with fp32 moments (the default) and wi
 moments, same seed and same batches, and the loss curves compared.
 
 The text is this repository's own Markdown documentation (`packages/*/README.md`,
-`packages/*/DESIGN.md`, `README.md`; sorted, deterministic), as in the working tree or at a
-commit (`--corpus-rev`, read with git: the same text whatever the docs say today), tokenized
+`packages/*/DESIGN.md`, `packages/*/docs/*.md`, `README.md`; sorted, deterministic), as in the
+working tree or at a commit (`--corpus-rev`, read with git: the same text whatever the docs say
+today), tokenized
 by a byte-level BPE of 512 tokens trained on it (lm_core.tokenizer, needs `tokenizers`), 10%
 held out for validation. Each variant trains a fresh model from the same initialization on the same
 sequence of batches with lm_core's AdamW (betas 0.9/0.95, weight decay 0.1, gradient
@@ -50,7 +51,7 @@ VARIANTS = {
 
 def corpus_files(work: Path, rev: str | None) -> list[Path]:
     """The docs, from the working tree (rev None) or copied out of commit `rev` into `work`."""
-    patterns = ("packages/*/README.md", "packages/*/DESIGN.md")
+    patterns = ("packages/*/README.md", "packages/*/DESIGN.md", "packages/*/docs/*.md")
     if rev is None:
         files = [f for pattern in patterns for f in sorted(REPO.glob(pattern))]
         return [*files, REPO / "README.md"]

@@ -17,7 +17,7 @@ from perf_tools.flops import formula_forward_flops
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
 FAST = ["--warmup", "1", "--steps", "2"]
 MULTI = ["--nprocs", "2", "--device", "cpu"]
-# The README's 8B command: batch 2 across 2 GPUs = 1 sequence per rank.
+# The 8B command of docs/bench.md: batch 2 across 2 GPUs = 1 sequence per rank.
 CMD_8B = [
     *("--size", "8B", "--context", "32768", "--batch", "1", "--nprocs", "2", "--fsdp", "ours"),
     *("--precision", "bf16", "--mode", "train", "--fused-loss", "--activation-checkpointing"),
@@ -277,12 +277,12 @@ def test_8b_command_resolves_without_building():
 def test_readme_has_the_8b_command():
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert "python -m perf_tools.bench " + " ".join(CMD_8B) in readme
+    doc = (Path(__file__).parents[1] / "docs" / "bench.md").read_text()
+    assert "python -m perf_tools.bench " + " ".join(CMD_8B) in doc
 
 
 def test_8b_memory_estimate_per_gpu():
-    """The README's numbers: bf16 compute, 2 ranks, 1 x 32,768 tokens each, groups of 1."""
+    """docs/bench.md's numbers: bf16 compute, 2 ranks, 1 x 32,768 tokens each, groups of 1."""
     from lm_core import MODEL_SIZES
 
     est = bench_dist.fsdp_memory_estimate(

@@ -23,7 +23,7 @@ from perf_tools.flops import formula_forward_flops
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet", "--device", "cpu"]
 FAST = ["--warmup", "1", "--steps", "2"]
 AOT = ["--compile-backend", "aot_eager"]
-README = Path(__file__).parents[1] / "README.md"
+BENCH_DOC = Path(__file__).parents[1] / "docs" / "bench.md"
 
 
 def _rows(path):
@@ -311,10 +311,10 @@ def test_the_sweep_resolves_compile_per_layout(monkeypatch):
 
 
 def _readme_parallel_commands() -> list[list[str]]:
-    """The README's `python -m perf_tools.bench ... --ddp ...` and `--compile` multi-GPU
+    """docs/bench.md's `python -m perf_tools.bench ... --ddp ...` and `--compile` multi-GPU
     lines, as argv."""
     out = []
-    for line in README.read_text().splitlines():
+    for line in BENCH_DOC.read_text().splitlines():
         multi = line.startswith("python -m perf_tools.bench ") and " --nprocs " in line
         if multi and (" --ddp" in line or " --compile" in line):
             out.append(shlex.split(line, comments=True)[3:])
@@ -322,7 +322,7 @@ def _readme_parallel_commands() -> list[list[str]]:
 
 
 def test_readme_parallel_commands_parse(monkeypatch):
-    """Every DDP / compiled multi-GPU command of the README passes the flag checks (the GPU
+    """Every DDP / compiled multi-GPU command of docs/bench.md passes the flag checks (the GPU
     ones checked as on a CPU: nothing is built or spawned)."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -19,15 +19,15 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet", "--device", "cpu"]
 FAST = ["--warmup", "1", "--steps", "2"]
-README = Path(__file__).parents[1] / "README.md"
-# the README's CPU command
+BENCH_DOC = Path(__file__).parents[1] / "docs" / "bench.md"
+# the CPU command of docs/bench.md
 CPU_TP2 = [*TINY[:6], *FAST, "--nprocs", "2", "--tp", "2", "--device", "cpu"]
 
 
 def _readme_tp_commands() -> list[list[str]]:
-    """Every `python -m perf_tools.bench ... --tp ...` line of the README, as argv."""
+    """Every `python -m perf_tools.bench ... --tp ...` line of docs/bench.md, as argv."""
     out = []
-    for line in README.read_text().splitlines():
+    for line in BENCH_DOC.read_text().splitlines():
         if line.startswith("python -m perf_tools.bench ") and " --tp " in line:
             out.append(shlex.split(line)[3:])
     return out
@@ -56,7 +56,7 @@ def _rows(path):
 
 
 def test_tp2_on_two_ranks_writes_a_row(tmp_path):
-    """The README's CPU command, with output files."""
+    """The CPU command of docs/bench.md, with output files."""
     assert CPU_TP2 in _readme_tp_commands()
     out, table = tmp_path / "t.json", tmp_path / "t.csv"
     argv = [*CPU_TP2, "--quiet", "--peak-tflops", "1"]
@@ -183,7 +183,7 @@ def test_bad_tp_flags_fail_before_any_rank_starts(argv, needles, refused_before_
 
 
 def test_readme_tp_commands_parse(monkeypatch):
-    """Every --tp command of the README passes the flag checks (heads, batch, mesh); the GPU
+    """Every --tp command of docs/bench.md passes the flag checks (heads, batch, mesh); the GPU
     ones checked as on a CPU (nothing is built or spawned)."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

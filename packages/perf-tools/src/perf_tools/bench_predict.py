@@ -15,7 +15,8 @@ On a CPU or a GPU the planner has no preset for: none.
 
 The planner computes at the peak (100% MFU) and counts no transient buffers, so the measured
 step is slower and the measured memory higher by those; and it counts the embedding and LM
-head as sharded under TP, where lm_core keeps them replicated (perf-tools README, plan).
+head as sharded under TP, where lm_core keeps them replicated (perf-tools
+docs/distributed.md, plan).
 """
 
 from __future__ import annotations
