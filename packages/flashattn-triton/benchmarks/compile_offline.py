@@ -29,6 +29,7 @@ still fill the gap).
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 import subprocess
 import sys
@@ -177,22 +178,34 @@ class _Capture:
         def launch(*args, num_warps=4, num_stages=3, maxnreg=None, **kwargs):
             bound = dict(zip(self.fn.arg_names, args))
             bound.update(kwargs)
+            for name, param in inspect.signature(self.fn.fn).parameters.items():
+                if name not in bound and param.default is not inspect.Parameter.empty:
+                    bound[name] = param.default  # as Triton's launcher binds defaults
             self.log.append((self.fn, grid, bound, num_warps, num_stages, maxnreg))
 
         return launch
 
 
 def capture_launches(
-    shape, n_k, dtype, causal, scheme, tma=True, kv_heads=None, window=(-1, -1), varlen=0
-):
+    shape, n_k, dtype, causal, scheme, tma=True, kv_heads=None, window=(-1, -1), varlen=0,
+    kvcache=False,
+):  # fmt: skip
     """Run the launchers on meta tensors; return the kernel launches they would make.
 
     With ``tma`` the launchers see a Hopper GPU's TMA support, so configs marked ``tma``
     compile with descriptors as they run there; without it, every load uses pointers.
     ``kv_heads``, ``window``: grouped-query heads and a sliding window; ``varlen``: that
     many packed sequences of at most N tokens (B*N tokens in all), through
-    ``launch_varlen``."""
-    from flashattn_triton import kernels, launch, launch_backward, launch_common, launch_varlen
+    ``launch_varlen``; ``kvcache``: a forward over a cache of n_k rows with a key count per
+    sequence, through ``launch_kvcache``."""
+    from flashattn_triton import (
+        kernels,
+        launch,
+        launch_backward,
+        launch_common,
+        launch_kvcache,
+        launch_varlen,
+    )
 
     log: list = []
 
@@ -219,7 +232,7 @@ def capture_launches(
         "_packed_rows": packed_rows,
     }
     # Each launcher module binds the helpers it calls: replace them wherever they are bound.
-    for module in (launch, launch_backward, launch_common, launch_varlen):
+    for module in (launch, launch_backward, launch_common, launch_varlen, launch_kvcache):
         for name, stub in stubs.items():
             if hasattr(module, name):
                 setattr(module, name, stub)
@@ -238,6 +251,10 @@ def capture_launches(
         return log
     q = torch.empty((b, h, n, d), dtype=dtype, device="meta")
     k = torch.empty((b, h_kv, n_k, d), dtype=dtype, device="meta")
+    if kvcache:
+        seqlens = torch.empty((b,), dtype=torch.int32, device="meta")
+        launch_kvcache.forward_kvcache(q, k, k, seqlens, causal, d**-0.5, *window)
+        return log
     o, lse = launch.forward(q, k, k, causal, d**-0.5, *window)
     if o.shape[2] > 16:  # a decode-sized forward runs no backward here
         launch.backward(o, q, k, k, o, lse, causal, d**-0.5, *window)
@@ -291,6 +308,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, help="k/v heads (grouped-query attention)")
     ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
     ap.add_argument("--varlen", type=int, default=0, help="B packed sequences of up to N tokens")
+    ap.add_argument("--kvcache", action="store_true", help="a forward over a KV cache of --nk rows")
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
@@ -301,9 +319,9 @@ def main(argv=None) -> int:
     window = tuple(int(x) for x in a.window.split(","))
     log = capture_launches(
         shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers,
-        kv_heads=a.kv_heads, window=window, varlen=a.varlen,
+        kv_heads=a.kv_heads, window=window, varlen=a.varlen, kvcache=a.kvcache,
     )  # fmt: skip
-    features = ("USE_TMA", "REG_A", "GQA", "WINDOW", "VARLEN", "SPLIT")
+    features = ("USE_TMA", "REG_A", "GQA", "WINDOW", "VARLEN", "SPLIT", "KV_LENS")
     for fn, _grid, bound, w, s, maxnreg in log:
         meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
         meta |= {k: v for k, v in bound.items() if k in features and v}

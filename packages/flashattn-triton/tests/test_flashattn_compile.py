@@ -80,3 +80,11 @@ def test_feature_kernels_compile_for_hopper():
     decode = _compile_features("--causal", "--shape", "8,32,1,128", "--nk", "65536")
     assert "'SPLIT': True" in decode["attn_fwd_decode_kernel"]
     assert "attn_fwd_combine_kernel" in decode
+    # A KV cache with a key count per sequence (flash_attention_kvcache): decode and forward.
+    cache = ("--causal", "--nk", "8192", "--kvcache", "--kv-heads", "8", "--window", "1024,-1")
+    step = _compile_features("--shape", "8,32,4,128", *cache)
+    assert "'KV_LENS': True" in step["attn_fwd_decode_kernel"], step
+    assert "'SPLIT': True" in step["attn_fwd_decode_kernel"]
+    chunk = _compile_features("--shape", "2,32,300,128", *cache)
+    assert "'KV_LENS': True" in chunk["attn_fwd_kernel"], chunk
+    assert " local 0" in chunk["attn_fwd_kernel"], chunk  # no register spills

@@ -308,3 +308,77 @@ def test_compiled_model_with_features():
     eager = layer(q, k, v, cu)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, cu), eager, rtol=0, atol=0)
+
+
+def _forward_error_within_2x(ours, sdpa, ref):
+    err, bound = rel_err(ours, ref), 2 * rel_err(sdpa, ref) + 1e-4
+    assert torch.isfinite(ours).all()
+    assert err <= bound, f"error {err} above 2x SDPA's ({bound})"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("shape", "causal", "window"),
+    [
+        ((8, 32, 8, 1, 8192, 128), True, (-1, -1)),  # one token per step, GQA 4
+        ((4, 32, 32, 4, 6000, 128), True, (-1, -1)),  # ragged cache rows
+        ((4, 16, 2, 16, 5000, 64), True, (1024, -1)),  # a window per sequence
+        ((2, 32, 8, 300, 4096, 128), True, (-1, -1)),  # a chunk of queries: forward kernel
+        ((3, 8, 1, 64, 2000, 64), False, (-1, -1)),
+    ],
+)
+def test_kvcache(shape, causal, window, dtype):
+    """flash_attention_kvcache with a random filled length per sequence (one of them 0, one
+    the whole cache) against SDPA on each sequence's filled part: o within 2x SDPA's error of
+    float64, lse, and the same result when the lengths change in place (a CUDA graph's case)."""
+    b, h_q, h_kv, n_q, s, d = shape
+    g = _gen(7)
+    q = _randn(b, h_q, n_q, d, dtype=dtype, g=g)
+    k = _randn(b, h_kv, s, d, dtype=dtype, g=g)
+    v = _randn(b, h_kv, s, d, dtype=dtype, g=g)
+    gen = torch.Generator().manual_seed(3)
+    lens = [0, s, *torch.randint(1, s, (b - 2,), generator=gen).tolist()][:b]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    with torch.no_grad():
+        o, lse = fa.flash_attention_kvcache(
+            q, k, v, seqlens, causal, window_size=window, return_lse=True
+        )
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (o[i] == 0).all()
+            assert torch.isneginf(lse[i]).all()
+            continue
+        kb, vb = k[i : i + 1, :, :n], v[i : i + 1, :, :n]
+        ref = reference_features(
+            q[i : i + 1], kb, vb, torch.zeros_like(q[i : i + 1]), causal, window
+        )
+        with torch.no_grad():
+            sdpa = _sdpa(q[i : i + 1], kb, vb, causal, window)
+        _forward_error_within_2x(o[i : i + 1], sdpa, ref["o"])
+        _check_lse(lse[i : i + 1], ref["lse"])
+    # The same tensor with other lengths: read at launch, so a replayed call sees them.
+    seqlens.copy_(torch.tensor(lens[::-1], dtype=torch.int32))
+    with torch.no_grad():
+        again = fa.flash_attention_kvcache(q, k, v, seqlens, causal, window_size=window)
+        want = fa.flash_attention_kvcache(q, k, v, lens[-1], causal, window_size=window)
+    torch.testing.assert_close(again[0], want[0], rtol=0, atol=0)
+
+
+def test_kvcache_decode_step_in_a_cuda_graph():
+    """A decode step captured once and replayed with the lengths advanced in place gives
+    what eager calls give, bit for bit."""
+    g = _gen(8)
+    q = _randn(4, 32, 1, 128, dtype=torch.bfloat16, g=g)
+    k = _randn(4, 8, 4096, 128, dtype=torch.bfloat16, g=g)
+    v = _randn(4, 8, 4096, 128, dtype=torch.bfloat16, g=g)
+    seqlens = torch.tensor([100, 2000, 4096, 1], dtype=torch.int32, device=DEV)
+    with torch.no_grad():
+        fa.flash_attention_kvcache(q, k, v, seqlens, True)  # warm-up: compile, launch plan
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fa.flash_attention_kvcache(q, k, v, seqlens, True)
+        for step in range(3):
+            seqlens.copy_(torch.tensor([101 + step, 2001 + step, 4000 + step, 2 + step]))
+            graph.replay()
+            want = fa.flash_attention_kvcache(q, k, v, seqlens, True)
+            torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -95,6 +95,43 @@ def test_compiled_decode_step_is_one_graph_without_breaks():
     assert len(graphs) == 1
 
 
+def test_flash_triton_decodes_over_the_filled_cache_rows(monkeypatch):
+    """With the flash-triton backend the decode step runs `flash_attention_kvcache` over the
+    cache's filled rows (the lengths computed on the device), GQA and windows included, and
+    generates the tokens of re-running the prefix; compiled, the step stays one graph."""
+    fa = pytest.importorskip("flashattn_triton")
+    calls = []
+    real = fa.flash_attention_kvcache
+
+    def spy(q, k, v, lengths, *args, **kwargs):
+        calls.append(lengths.clone())
+        return real(q, k, v, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(fa, "flash_attention_kvcache", spy)
+    model = _model(5, attention="flash-triton", num_kv_heads=2, sliding_window=6)
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(2))
+    expected, _ = _greedy_by_rerunning(model, prompt, 12)
+    assert torch.equal(Decoder(model).generate(prompt, 12, temperature=0), expected)
+    layers = model.config.num_layers
+    assert len(calls) == 11 * layers  # every decode step of every layer (not the prefill)
+    assert calls[0].tolist() == [6, 6]  # prompt 5 + the first new token
+    assert calls[-1].tolist() == [16, 16]
+    monkeypatch.setattr(fa, "flash_attention_kvcache", real)  # the spy would break the graph
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        decoder = Decoder(model, compile=True, compile_options={"backend": capture})
+        assert torch.equal(decoder.generate(prompt, 12, temperature=0), expected)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+
+
 def test_same_seed_same_tokens_and_other_seeds_differ():
     model = _model(4)
     prompt = torch.randint(0, 256, (2, 4))

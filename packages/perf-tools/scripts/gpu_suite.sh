@@ -39,9 +39,11 @@
 #              (onepass_d64_ab.py final), then the eager and compiled d = 64 sweep
 #              (estimate ~14 min: its parts ran in 1-4 min each on one H200)
 #   features   flashattn-triton's features against SDPA (perf_tools.attention_features: GQA,
-#              varlen, window, decode), the decode key-split rule against the former one
-#              (decode_split_rules.py), and d = 64's forward and backward apart with the Gluon
-#              forward at d = 64, two or three math warpgroups (d64_fwd_bwd_parts.py)
+#              varlen, window, decode, KV cache with a length per sequence), the decode
+#              key-split rule against the former one (decode_split_rules.py), d = 64's
+#              forward and backward apart with the Gluon forward at d = 64, two or three
+#              math warpgroups (d64_fwd_bwd_parts.py), and lm_core's decode with SDPA and
+#              with flash_attention_kvcache (generate_bench --attention sdpa flash-triton)
 #                                                  (one H200: under 6 min in all before
 #                                                  the three-warpgroup variants)
 #   xlstep     the xl bf16 train step in its fast configuration (blocks compiled, one CUDA
@@ -231,6 +233,9 @@ if want features; then  # flashattn-triton's features and decode, d = 64's parts
   run decode_split_rules $PY "$FA/results/current/scripts/decode_split_rules.py" \
     "$WORK/decode_split_rules.json"
   run d64_parts $PY "$FA/results/current/scripts/d64_fwd_bwd_parts.py" "$WORK/d64_parts.json"
+  run generate_attention $PY -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 \
+    --providers compile+cudagraph cudagraph --attention sdpa flash-triton --quiet \
+    --csv "$WORK/generate_attention.csv"
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs
   XL="--size xl --precision bf16 --mode train --context 512 --batch 4 --compile blocks

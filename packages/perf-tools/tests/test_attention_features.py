@@ -23,15 +23,30 @@ def test_smoke_run_every_case(tmp_path):
         ("window", "ours-window"), ("window", "ours-full-causal"),
         ("window", "sdpa-full-causal"), ("window", "sdpa-window-mask"),
         ("decode", "ours-split-kv"), ("decode", "ours-no-split"), ("decode", "sdpa"),
+        ("kvcache", "ours"), ("kvcache", "sdpa-masked-cache"), ("kvcache", "sdpa-per-sequence"),
     }  # fmt: skip
     assert all(r["status"] == "ok" for r in rows), rows
     for r in rows:
         assert r["fwd_ms"] > 0
-        assert (r.get("fwd_bwd_ms") is None) == (r["case"] == "decode")
-        baseline = r["provider"] in ("sdpa-enable_gqa", "sdpa-padded", "sdpa-full-causal", "sdpa")
+        assert (r.get("fwd_bwd_ms") is None) == (r["case"] in ("decode", "kvcache"))
+        baseline = r["provider"] in (
+            "sdpa-enable_gqa", "sdpa-padded", "sdpa-full-causal", "sdpa", "sdpa-masked-cache"
+        )  # fmt: skip
         if baseline:
             assert r["speedup"] == pytest.approx(1.0)
     assert csv.read_text().startswith("case,shape,provider")
+
+
+def test_kvcache_case_matches_sdpa_per_sequence():
+    """The kvcache case's providers compute the same attention (the masked cache, the filled
+    rows per sequence and ours), so the table compares equal work."""
+    size = af.SIZES["kvcache"][1]
+    cells, lens = af.kvcache_cells(size, torch.float32, torch.device("cpu"), torch.Generator())
+    assert len(lens) == size["batch"]
+    ours, masked, per_seq = (c.fwd for c in cells)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(), masked(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(), torch.cat(per_seq()), rtol=1e-5, atol=1e-5)
 
 
 def test_useful_flops_count_visible_pairs():

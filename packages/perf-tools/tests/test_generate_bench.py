@@ -79,3 +79,20 @@ def test_a_failing_cell_is_an_error_row_and_exit_1(tmp_path, monkeypatch, capsys
     (row,) = csv.DictReader((tmp_path / "d.csv").open())
     assert row["note"] == "error: RuntimeError: kernel exploded"
     assert "kernel exploded" in capsys.readouterr().err
+
+
+def test_attention_backends_are_an_axis_of_our_rows(tmp_path):
+    out = tmp_path / "decode.csv"
+    argv = ["--sizes", "tiny", "--batch-sizes", "2", "--prompt-len", "4", "--new-tokens", "5"]
+    argv += ["--repeats", "1", "--providers", "eager", "compile", "hf"]
+    argv += ["--attention", "sdpa", "flash-triton", "--csv", str(out), "--quiet"]
+    assert generate_bench.main(argv) == 0
+    rows = list(csv.DictReader(out.open()))
+    cells = {(r["provider"], r["attention"]) for r in rows}
+    assert cells == {
+        ("eager", "sdpa"), ("compile", "sdpa"), ("eager", "flash-triton"),
+        ("compile", "flash-triton"), ("hf", "sdpa"),
+    }  # fmt: skip
+    for r in rows:
+        if r["provider"] != "hf":
+            assert float(r["tokens_per_s"]) > 0, r

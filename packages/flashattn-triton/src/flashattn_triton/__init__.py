@@ -2,15 +2,22 @@
 torch.compile-friendly custom op.
 
 Read top-down: ``reference`` (naive attention) -> ``torch_impl`` (FlashAttention2Torch) ->
-``kernels`` (Triton) -> ``launch`` / ``launch_varlen`` / ``ops`` (custom ops) -> ``autograd``
-(FlashAttention2Triton) -> ``api`` (flash_attention, flash_attention_varlen, FlashAttention).
+``kernels`` (Triton) -> ``launch`` / ``launch_varlen`` / ``launch_kvcache`` / ``ops`` (custom
+ops) -> ``autograd`` (FlashAttention2Triton) -> ``api`` (flash_attention,
+flash_attention_varlen, flash_attention_kvcache, FlashAttention).
 The launchers build on ``launch_common`` (one kernel's launch), ``launch_backward`` (the
 backward schemes) and ``launch_plans`` (launch-plan keys). ``options`` holds the launch
 switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans,
 ``features`` what grouped-query heads, windows and packing ask of them.
 """
 
-from .api import BACKENDS, FlashAttention, flash_attention, flash_attention_varlen
+from .api import (
+    BACKENDS,
+    FlashAttention,
+    flash_attention,
+    flash_attention_kvcache,
+    flash_attention_varlen,
+)
 from .autograd import FlashAttention2Triton
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
@@ -31,6 +38,7 @@ __all__ = [
     "attention_reference",
     "causal_mask",
     "flash_attention",
+    "flash_attention_kvcache",
     "flash_attention_varlen",
     "get_options",
     "set_options",

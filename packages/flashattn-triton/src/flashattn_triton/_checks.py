@@ -238,3 +238,48 @@ def check_offsets(cu: torch.Tensor, name: str, total: int, max_seqlen: int) -> l
             f"{max_name}={max_seqlen} is less than the longest sequence in {name}, {longest}"
         )
     return offsets
+
+
+def check_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int,
+    causal: bool,
+) -> None:
+    """Check q (B, Hq, Nq, d), the caches (B, Hkv, S, d) and ``cache_seqlens``: an int in
+    [0, S], or an int32 (B,) tensor on q's device (its values are not read: no host sync)."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (batch, heads, seq, head_dim) for "
+                f"flash_attention_kvcache, got shape {tuple(t.shape)}"
+            )
+    check_qkv(q, k_cache, v_cache, causal)
+    batch, n_k = q.shape[0], k_cache.shape[2]
+    if isinstance(cache_seqlens, torch.Tensor):
+        if cache_seqlens.dtype != torch.int32:
+            raise TypeError(
+                f"cache_seqlens must be an int32 tensor (flash-attn's), got {cache_seqlens.dtype}"
+            )
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(
+                f"cache_seqlens must have shape (batch,) = ({batch},), got "
+                f"{tuple(cache_seqlens.shape)}"
+            )
+        if cache_seqlens.device != q.device:
+            raise ValueError(
+                f"cache_seqlens must be on q's device {q.device}, got {cache_seqlens.device}"
+            )
+        return
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        raise TypeError(
+            f"cache_seqlens must be an int or an int32 tensor of shape (batch,), got "
+            f"{type(cache_seqlens).__name__}"
+        )
+    if not 0 <= cache_seqlens <= n_k:
+        raise ValueError(
+            f"cache_seqlens must lie in [0, {n_k}] (the cache's length), got {cache_seqlens}"
+        )

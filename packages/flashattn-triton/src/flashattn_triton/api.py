@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import launch_kvcache, ops
 from ._checks import (
     MAX_HEAD_DIM,
     TRITON_DTYPES,
+    check_kvcache,
     check_offsets,
     check_qkv,
     check_triton_dtype_and_dim,
@@ -21,7 +23,12 @@ from .autograd import (
     WindowedFlashAttention,
     forward_without_grad,
 )
-from .torch_impl import FlashAttention2Torch, TorchAttention, varlen_attention_torch
+from .torch_impl import (
+    FlashAttention2Torch,
+    TorchAttention,
+    kvcache_attention_torch,
+    varlen_attention_torch,
+)
 
 BACKENDS = ("auto", "triton", "torch")
 
@@ -170,6 +177,62 @@ def flash_attention_varlen(
         if offs_q is None:
             offs_q, offs_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
         o, lse = varlen_attention_torch(q, k, v, offs_q, offs_k, causal, scale, (left, right))
+    return (o, lse) if return_lse else o
+
+
+def flash_attention_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of new queries over a KV cache whose filled length differs per sequence
+    (flash-attn's ``flash_attn_with_kvcache`` without the in-place append).
+
+    q (B, Hq, Nq, d); k_cache, v_cache (B, Hkv, S, d) with S rows allocated (Hkv divides Hq,
+    grouped-query heads as in :func:`flash_attention`; any strides with a unit last stride,
+    e.g. a (B, S, Hkv, d) buffer transposed); ``cache_seqlens``: how many keys of each
+    sequence are filled, an int32 (B,) tensor on q's device or one int for all. Sequence b
+    attends to its keys [0, cache_seqlens[b]), and ``causal`` / ``window_size`` align to that
+    length as :func:`flash_attention` aligns to Nk: the queries are the last Nq positions
+    (query i sees key j <= i + cache_seqlens[b] - Nq). Write the new tokens' keys and values
+    into the cache first. Returns o (B, Hq, Nq, d), with ``return_lse`` also lse (B, Hq, Nq)
+    float32.
+
+    The lengths are read on the device only, so a call never waits for the GPU and a CUDA
+    graph replays it with lengths that change between replays (S, not the lengths, sets the
+    shapes); values outside [0, S] count as the nearest bound. Few queries (decoding) split
+    the keys over thread blocks, as :func:`flash_attention` does. Forward only: inputs that
+    require grad under grad mode are refused.
+    """
+    check_kvcache(q, k_cache, v_cache, cache_seqlens, causal)
+    left, right = _check_window_and_lse(window_size, return_lse)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        raise RuntimeError(
+            "flash_attention_kvcache computes no gradients (a KV cache serves inference): "
+            "call it under torch.no_grad() or torch.inference_mode(), or detach q, k_cache, "
+            "v_cache"
+        )
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    if resolve_backend(backend, q) == "triton":
+        check_triton_dtype_and_dim(q)
+        args = (q, k_cache, v_cache, cache_seqlens, causal, scale, left, right)
+        if _compiling():
+            o, lse = ops.kvcache_fwd_launch(*args)
+        else:
+            o, lse = launch_kvcache.forward_kvcache(*args)
+    else:
+        o, lse = kvcache_attention_torch(
+            q, k_cache, v_cache, cache_seqlens, causal, scale, (left, right)
+        )
     return (o, lse) if return_lse else o
 
 

@@ -298,13 +298,16 @@ def attn_fwd_kernel(
     GQA: tl.constexpr,
     WINDOW: tl.constexpr,
     VARLEN: tl.constexpr,
+    KV_LENS: tl.constexpr = False,
 ):
     """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
 
     DESC_A, DESC_B: TMA descriptors of K and V (with USE_TMA; else unused). head_group: see
     ``_grouped_program``. GQA: k/v head h // kv_group. WINDOW: window_left / window_right
     bound the keys (module docstring). VARLEN: the first grid axis runs over (sequence, head);
-    n_q, n_k are the packed totals and CU_Q, CU_K the sequences' int32 offsets."""
+    n_q, n_k are the packed totals and CU_Q, CU_K the sequences' int32 offsets. KV_LENS (a KV
+    cache): CU_K holds each batch element's int32 key count, clamped to [0, n_k] (n_k: the
+    cache's rows); masks align to that count."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
@@ -338,6 +341,8 @@ def attn_fwd_kernel(
         k_base += seq_k.to(tl.int64) * stride_kn
         v_base += seq_k.to(tl.int64) * stride_vn
         o_base += seq_q.to(tl.int64) * stride_on
+    if KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(CU_K + b32), 0), n_k)
 
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
@@ -1185,6 +1190,7 @@ def attn_fwd_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
+    KV_LEN=None, KV_LENS: tl.constexpr = False,
 ):  # fmt: skip
     """One program: every query (n_q of them) of the kv_group query heads that share k/v head
     (b, hk), as the rows of one tile (row r: head hk * kv_group + r // n_q, query r % n_q),
@@ -1193,7 +1199,9 @@ def attn_fwd_decode_kernel(
     for the whole group. With SPLIT the split's normalized output and log-sum-exp (log2
     units; -inf where the split has no visible key) go to O_PART (B, H, S, n_q, HEAD_DIM)
     and LSE_PART (B, H, S, n_q) float32 for ``attn_fwd_combine_kernel``; else (one split)
-    O and L are written directly."""
+    O and L are written directly. KV_LENS (a KV cache): KV_LEN holds each batch element's
+    int32 key count, clamped to [0, n_k]; the split's keys end there, and with WINDOW they
+    start where that element's window does (key_lo is then 0)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b32 = pid // n_kv_heads
@@ -1210,6 +1218,9 @@ def attn_fwd_decode_kernel(
     q = tl.load(Q + row_off[:, None] + offs_d[None, :], mask=rows_ok[:, None] & d_ok, other=0.0)
     k_base = K + b * stride_kb + hk32.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + hk32.to(tl.int64) * stride_vh
+    if KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LEN + b32), 0), n_k)
+        key_hi = tl.minimum(key_hi, n_k)
 
     causal_off = n_k - n_q
     left_off = 0
@@ -1218,6 +1229,8 @@ def attn_fwd_decode_kernel(
         causal_off = causal_off + window_right
     lo = key_lo + split * keys_per_split
     hi = tl.minimum(lo + keys_per_split, key_hi)
+    if KV_LENS and WINDOW:  # no key before the first query's window: skip those tiles
+        lo = tl.maximum(lo, tl.maximum(left_off, 0) // BLOCK_N * BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

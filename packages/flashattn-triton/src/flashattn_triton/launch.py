@@ -178,6 +178,7 @@ def _gluon_fwd(*args) -> bool:
 
 # Repeated forward calls by call key (``launch_plans.call_key``): the replay and the shapes
 # of the float32 scratch buffers it writes besides o and lse (the decode splits' partials).
+# ``launch_kvcache`` keeps its calls here too: their keys hold four tensors, these three.
 _CALLS: dict[tuple, tuple] = keyed_cache()
 
 # Decode launches by launch-plan key: (tile config, splits, keys per split, first key).
@@ -204,18 +205,22 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
 
 def _decode(
     q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None,
-    call: tuple | None = None,
+    call: tuple | None = None, seqlens: torch.Tensor | None = None,
 ):  # fmt: skip
     """The forward by the split-KV decode kernels (few queries, many keys; ``forward``
     checked the shapes): the keys any query sees are split over programs, each (batch, k/v
     head) program takes the queries of all q heads that read that k/v head, and a combine
-    kernel merges the splits (one split: the decode kernel writes o and lse itself)."""
+    kernel merges the splits (one split: the decode kernel writes o and lse itself).
+    ``seqlens`` (``launch_kvcache``): each batch element's filled cache rows, read by the
+    kernel (KV_LENS); the splits then cover all of k's rows from key 0."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    key = _layout_key((q, k, v), "decode", causal, softmax_scale, feat) if q.is_cuda else None
+    inputs = (q, k, v) if seqlens is None else (q, k, v, seqlens)
+    kind = "decode" if seqlens is None else "kvcache_decode"
+    key = _layout_key(inputs, kind, causal, softmax_scale, feat) if q.is_cuda else None
     plan = _DECODE_PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = _decode_plan(q, k, feat)
+        plan = _decode_plan(q, k, feat if seqlens is None else None)
         if key is not None:
             if len(_DECODE_PLANS) >= 4096:
                 _DECODE_PLANS.clear()
@@ -242,7 +247,8 @@ def _decode(
             key_lo, n_k, keys_per_split,
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=kern_causal, WINDOW=window,
             DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            EVEN_N=n_k % cfg.block_n == 0, SPLIT=splits > 1,
+            EVEN_N=seqlens is None and n_k % cfg.block_n == 0, SPLIT=splits > 1,
+            **({} if seqlens is None else {"KV_LEN": seqlens, "KV_LENS": True}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:
@@ -252,6 +258,6 @@ def _decode(
                 HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(2, C.next_pow2(splits)),
             )  # fmt: skip
 
-    _launch_planned(key, (q, k, v), outputs, launch_jit)
+    _launch_planned(key, inputs, outputs, launch_jit)
     remember_call(_CALLS, call, key, tuple(t.shape for t in outputs[2:]))
     return o, lse

@@ -7,12 +7,15 @@
 - ``flashattn_triton::varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, causal, softmax_scale, window_left, window_right) -> (o, lse)`` and
   ``varlen_bwd(do, q, k, v, o, lse, <the same>) -> (dq, dk, dv)``
+- ``flashattn_triton::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale,
+  window_left, window_right) -> (o, lse)``: forward only
 
-Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch`` and
-``varlen_bwd_launch`` instead (``_launch_op``): the same schemas, launchers and fake
-implementations, registered without an autograd formula (the autograd.Functions of
-``autograd``, which dynamo traces, own the backward) and without custom_op's Python wrappers,
-so that a compiled call goes from the dispatcher straight to the launcher.
+Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch``,
+``varlen_bwd_launch`` and ``kvcache_fwd_launch`` instead (``_launch_op``): the same schemas,
+launchers and fake implementations, registered without an autograd formula (the
+autograd.Functions of ``autograd``, which dynamo traces, own the backward) and without
+custom_op's Python wrappers, so that a compiled call goes from the dispatcher straight to
+the launcher.
 
 All tensors are (B, H, N, d) (lse: (B, H, Nq) float32); k and v may have fewer heads than q
 (grouped-query attention), and dk, dv come back shaped like them. The varlen ops take
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, launch_varlen
+from . import launch, launch_kvcache, launch_varlen
 
 # The ops' namespace is the package's import name: a second copy of this package imported under
 # another name (benchmarks/ab_defaults.py compares two source trees in one process) then
@@ -170,6 +173,29 @@ def _varlen_backward(ctx, do, _dlse):
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::kvcache_fwd", mutates_args=())
+def kvcache_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Nq, d), caches (B, Hkv, S, d), int32 key counts (B,) -> o (B, H, Nq, d),
+    lse (B, H, Nq) float32. Forward only (no autograd formula: a KV cache serves inference)."""
+    return launch_kvcache.forward_kvcache(
+        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right
+    )
+
+
+@kvcache_fwd.register_fake
+def _kvcache_fwd_fake(q, k_cache, v_cache, *args):
+    return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
 # custom_op wraps each kernel in Python layers (an autograd kernel that redispatches, an
 # output aliasing check, a dynamo guard); a compiled graph pays them on every call
 # (benchmarks/host_cost.py --compiled). The graphs of our autograd.Functions need none of
@@ -192,3 +218,4 @@ fwd_launch = _launch_op("fwd", launch.forward, _attention_fwd_fake)
 bwd_launch = _launch_op("bwd", launch.backward, _attention_bwd_fake)
 varlen_fwd_launch = _launch_op("varlen_fwd", launch_varlen.forward_varlen, _varlen_fwd_fake)
 varlen_bwd_launch = _launch_op("varlen_bwd", launch_varlen.backward_varlen, _varlen_bwd_fake)
+kvcache_fwd_launch = _launch_op("kvcache_fwd", launch_kvcache.forward_kvcache, _kvcache_fwd_fake)

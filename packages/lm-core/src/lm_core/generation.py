@@ -7,10 +7,11 @@ Life of a `generate` call:
    flash-torch, flash-triton: all causal on equal lengths) and writes its keys and values at
    those positions of the cache.
 2. decode: each step feeds the B tokens just sampled, (B, 1), at position p. A block writes its
-   key and value at p and attends over the whole cache with a mask that hides positions > p:
-   one `F.scaled_dot_product_attention` with static shapes, whatever the model's backend, so
-   the step compiles once (`torch.compile(fullgraph=True, dynamic=False)`) and can be captured
-   in a CUDA graph and replayed for every token.
+   key and value at p and attends over the cache: with the "flash-triton" backend over its
+   first p + 1 rows (`flash_attention_kvcache`, the count computed on the device), else with
+   one `F.scaled_dot_product_attention` over all of it under a mask that hides positions > p.
+   Either way the shapes are static, so the step compiles once (`torch.compile(fullgraph=True,
+   dynamic=False)`) and can be captured in a CUDA graph and replayed for every token.
 3. sample: `sample_next` on the last logits (greedy at temperature 0, else top-k / top-p).
 
 The cache (`KVCache`) holds, per block, keys and values of shape (B, H, S, Dh), S = `max_len`
@@ -78,9 +79,11 @@ class LayerCache:
         """Store k, v (B, Hkv, T, Dh) at the step's positions, then attend: (B, H, T, Dh).
 
         Prefill: `attn_fn` (the model's backend, causal, with the sliding `window` if any)
-        over the new keys only. Decode: SDPA over the whole cache under the step's mask (key
-        position <= query position, and >= query position - window); fewer k/v heads than
-        query heads (grouped-query attention) are repeated for it.
+        over the new keys only. Decode: the backend's `kv_cache` function where it has one
+        (over the filled rows only, see `lm_core.attention`), else SDPA over the whole cache
+        under the step's mask (key position <= query position, and >= query position -
+        window); fewer k/v heads than query heads (grouped-query attention) are repeated for
+        it.
         """
         cache, i, step = self.step.cache, self.index, self.step
         if cache.k[i] is None:
@@ -90,6 +93,9 @@ class LayerCache:
         v_all.index_copy_(2, step.positions, v.to(v_all.dtype))
         if step.mask is None:
             return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
+        over_cache = getattr(attn_fn, "kv_cache", None)
+        if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
+            return over_cache(q, k_all, v_all, step.lengths(q.shape[0]), window)
         mask = step.mask  # (T, S)
         if window is not None:
             keys = torch.arange(mask.shape[-1], device=mask.device)  # (S,)
@@ -112,6 +118,12 @@ class CacheStep:
 
     def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
+
+    def lengths(self, batch: int) -> torch.Tensor:
+        """int32 (batch,): cache rows filled once the new tokens are stored (the last new
+        position + 1), on the device: computed from `positions` without a host sync."""
+        last = self.positions[-1:] + 1  # (1,)
+        return last.to(torch.int32).expand(batch).contiguous()
 
 
 def _decode_logits(
@@ -179,8 +191,9 @@ class Decoder:
     """Generation with a KV cache for one `TransformerLM`, reused across calls.
 
     max_len: cache positions (prompt + new tokens must fit), default the model's
-        context_length. Every decode step attends over all of them (masked), so a cache sized
-        to the work at hand (as gpt-fast does) decodes faster.
+        context_length. A decode step attends over all of them (masked; with "flash-triton"
+        over the filled ones only), so a cache sized to the work at hand (as gpt-fast does)
+        decodes faster.
     compile: `torch.compile` the decode step (fullgraph, static shapes; `compile_options` are
         passed on, e.g. {"backend": "aot_eager"} or {"mode": "max-autotune-no-cudagraphs"}).
         The prefill runs eagerly (prompt lengths vary).

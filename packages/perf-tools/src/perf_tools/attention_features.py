@@ -1,5 +1,5 @@
 """Speed of flashattn-triton's attention features against PyTorch SDPA:
-`python -m perf_tools.attention_features [gqa] [varlen] [window] [decode]`.
+`python -m perf_tools.attention_features [gqa] [varlen] [window] [decode] [kvcache]`.
 
   gqa     32 query heads, 8 k/v heads, d 128, causal, N 4096 (batch 4) and 16384 (batch 1):
           ours (k/v read per group, no expanded copy) vs SDPA with enable_gqa.
@@ -13,6 +13,11 @@
   decode  1 query against a cache, d 128, forward only: batch 8 x 32 heads with 8K and 64K
           keys, and batch 1 x 32 q / 8 k/v heads with 64K keys (few programs: split-KV's
           case); ours (split-KV) vs ours with the split path off vs SDPA.
+  kvcache 1 query per sequence against a preallocated cache of 16384 rows filled to a random
+          length per sequence, batch 8, 32 q / 8 k/v heads, d 128, forward only: ours
+          (flash_attention_kvcache, the lengths on the GPU) vs SDPA over the whole cache with
+          the unfilled rows masked (a static-shape decode step) vs SDPA on each sequence's
+          filled rows, one call per sequence.
 
 Every cell is a do_bench median (warm-up apart) of the eager call; forward+backward cells
 take the gradients of q, k, v for a fixed dO. TFLOP/s counts the useful work only: 4 d
@@ -39,7 +44,7 @@ import torch.nn.functional as F
 
 from perf_tools import _cli, report, timing
 
-CASES = ("gqa", "varlen", "window", "decode")
+CASES = ("gqa", "varlen", "window", "decode", "kvcache")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # (GPU sizes, CPU smoke sizes) per case.
@@ -59,6 +64,10 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "decode": (  # shapes: (batch, q heads, k/v heads, keys)
         {"shapes": [(8, 32, 32, 8192), (8, 32, 32, 65536), (1, 32, 8, 65536)], "d": 128},
         {"shapes": [(2, 4, 4, 64), (2, 4, 4, 128), (1, 4, 2, 128)], "d": 16},
+    ),
+    "kvcache": (
+        {"batch": 8, "heads": 32, "kv_heads": 8, "rows": 16384, "d": 128},
+        {"batch": 2, "heads": 4, "kv_heads": 2, "rows": 64, "d": 16},
     ),
 }
 
@@ -246,6 +255,39 @@ def decode_cells(shape: tuple[int, int, int, int], d: int, dtype, device, gen) -
     ]
 
 
+def kvcache_cells(size: dict, dtype, device, gen) -> tuple[list[Cell], list[int]]:
+    from flashattn_triton import flash_attention_kvcache
+
+    b, h, h_kv, rows, d = (size[n] for n in ("batch", "heads", "kv_heads", "rows", "d"))
+    lens = torch.randint(1, rows + 1, (b,), generator=gen).tolist()
+    q = _randn((b, h, 1, d), dtype, device, gen, grad=False)
+    k, v = (_randn((b, h_kv, rows, d), dtype, device, gen, grad=False) for _ in range(2))
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    filled = torch.arange(rows, device=device)[None, :] < seqlens[:, None]  # (B, S)
+    mask = filled[:, None, None, :]  # (B, 1, 1, S): the new query sees the filled rows
+    flops = 4.0 * d * h * sum(lens)
+
+    def ours() -> torch.Tensor:
+        return flash_attention_kvcache(q, k, v, seqlens, causal=True)
+
+    def sdpa_masked() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=h_kv != h)
+
+    def sdpa_per_sequence() -> list[torch.Tensor]:
+        return [
+            F.scaled_dot_product_attention(
+                q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], enable_gqa=h_kv != h
+            )
+            for i, n in enumerate(lens)
+        ]
+
+    return [
+        Cell("ours", ours, None, flops),
+        Cell("sdpa-masked-cache", sdpa_masked, None, flops, baseline=True),
+        Cell("sdpa-per-sequence", sdpa_per_sequence, None, flops),
+    ], lens
+
+
 def _measure(cell: Cell, device, warm: float, rep: float) -> dict[str, Any]:
     out: dict[str, Any] = {"provider": cell.provider, "status": "ok"}
     stage = "fwd"
@@ -318,6 +360,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         elif case == "window":
             cells = window_cells(size, dtype, device, gen, with_mask=not args.no_mask)
             shape = f"B{size['batch']} H{size['heads']} N{size['n']} W{size['window']} d{size['d']}"
+            rows += _run_case(case, cells, shape, args, device)
+        elif case == "kvcache":
+            cells, lens = kvcache_cells(size, dtype, device, gen)
+            shape = (
+                f"B{size['batch']} Hq{size['heads']} Hkv{size['kv_heads']} Nq1 "
+                f"S{size['rows']} filled {'+'.join(map(str, lens))} d{size['d']}"
+            )
             rows += _run_case(case, cells, shape, args, device)
         else:
             for b, h, h_kv, keys in size["shapes"]:

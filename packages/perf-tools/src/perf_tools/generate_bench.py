@@ -15,10 +15,14 @@ Providers:
                      default dynamic KV cache), greedy; skipped when transformers is missing
   hf-static          the same with cache_implementation="static" (transformers then compiles
                      the decode step itself on CUDA, mode="reduce-overhead")
-Ours and HF's caches both hold prompt + new tokens positions; weights in `--dtype` (bf16 on
-CUDA by default; lm_core keeps its RoPE tables in fp32). A cell that cannot run here (no CUDA,
-no transformers) or runs out of memory is a row with a note; any other failure is a row saying
-`error: ...` (traceback on stderr) and the command exits 1 at the end.
+`--attention sdpa flash-triton` times lm_core's providers with each attention backend (a row
+each; with flash-triton the decode step reads only the cache's filled rows through
+`flashattn_triton.flash_attention_kvcache`, with sdpa all of them under a mask); HF's rows
+are its SDPA. Ours and HF's caches both hold prompt + new tokens positions; weights in
+`--dtype` (bf16 on CUDA by default; lm_core keeps its RoPE tables in fp32). A cell that
+cannot run here (no CUDA, no transformers) or runs out of memory is a row with a note; any
+other failure is a row saying `error: ...` (traceback on stderr) and the command exits 1 at
+the end.
 
 Example (GPU):
   python -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 --csv decode.csv
@@ -46,11 +50,13 @@ from perf_tools.timing import is_oom, peak_memory_bytes, reset_peak_memory
 from perf_tools.timing import synchronize as sync
 
 PROVIDERS = ("eager", "compile", "cudagraph", "compile+cudagraph", "hf", "hf-static")
+ATTENTIONS = ("sdpa", "flash-triton", "naive", "flash-torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLUMNS = [
     "size",
     "batch",
     "provider",
+    "attention",
     "dtype",
     "prompt",
     "new_tokens",
@@ -132,10 +138,12 @@ def time_hf(hf_model: Any, provider: str, prompt: torch.Tensor, new_tokens: int,
     return (warmup, *_median_runs(run, repeats))
 
 
-def _row(size: str, batch: int, provider: str, args: argparse.Namespace) -> dict[str, Any]:
+def _row(
+    size: str, batch: int, provider: str, args: argparse.Namespace, attention: str = "sdpa"
+) -> dict[str, Any]:
     """A row with every column, the measured ones empty."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
-    row.update(size=size, batch=batch, provider=provider, dtype=args.dtype)
+    row.update(size=size, batch=batch, provider=provider, attention=attention, dtype=args.dtype)
     row.update(prompt=args.prompt_len, new_tokens=args.new_tokens)
     return row
 
@@ -179,15 +187,18 @@ def run_size(size: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     ours = [p for p in args.providers if not p.startswith("hf")]
     theirs = [p for p in args.providers if p.startswith("hf")]
-    if ours:
+    for attention in args.attention if ours else ():
         from lm_core.generation import cast_weights
 
         torch.manual_seed(0)
-        model = cast_weights(build_model(config, device), dtype).eval()
+        ours_config = resolve_config(
+            size, context_length=args.prompt_len + args.new_tokens, attention=attention
+        )
+        model = cast_weights(build_model(ours_config, device), dtype).eval()
         for batch in args.batch_sizes:
             prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), device=device)
             for provider in ours:
-                row = _row(size, batch, provider, args)
+                row = _row(size, batch, provider, args, attention)
                 fn = partial(time_ours, model, provider, prompt, args.new_tokens, args.repeats)
                 _measure(row, fn, device)
                 rows.append(row)
@@ -226,7 +237,8 @@ def _progress(row: dict[str, Any], args: argparse.Namespace) -> None:
     if args.quiet:
         return
     what = row.get("note") or f"{row['tokens_per_s']:,.0f} tokens/s"
-    print(f"  {row['size']} batch {row['batch']} {row['provider']}: {what}", flush=True)
+    name = f"{row['provider']} {row['attention']}"
+    print(f"  {row['size']} batch {row['batch']} {name}: {what}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -257,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"default: all ({', '.join(PROVIDERS)})",
     )
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        type=_cli.listed(_cli.choice(ATTENTIONS)),
+        default=None,
+        help=f"lm_core's attention backends for its rows (default: sdpa; {', '.join(ATTENTIONS)})",
+    )
     p.add_argument("--prompt-len", type=_cli.positive_int, default=128, help="prompt tokens")
     p.add_argument(
         "--new-tokens",
@@ -280,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.sizes = _cli.flatten(args.sizes) or ["small", "xl"]
     args.batch_sizes = _cli.flatten(args.batch_sizes) or [1, 16]
     args.providers = _cli.flatten(args.providers) or list(PROVIDERS)
+    args.attention = list(dict.fromkeys(_cli.flatten(args.attention) or ["sdpa"]))
     args.device = args.device or torch.device(_cli.default_device())
     if args.dtype is None:
         args.dtype = "bf16" if args.device.type == "cuda" else "fp32"

@@ -1,0 +1,117 @@
+"""Launcher of attention over a KV cache with a key count per batch element
+(``flash_attention_kvcache``): the dense kernels with KV_LENS set.
+
+k and v are the cache, (B, Hkv, S, d) with S rows allocated; batch element b attends to its
+first ``cache_seqlens[b]`` keys, and its masks align to that count (bottom-right, as the
+dense API's). The counts are read by the kernels, never by the host, so a call does not wait
+for the GPU and a CUDA graph can capture it with counts that change between replays. Few
+queries take the split-KV decode kernels (``launch._decode`` with the counts: splits over
+the S rows, those past an element's count end at once), more take the forward kernel with
+every bounds check on. Forward only:
+a KV cache serves inference. Repeated 16-bit calls are remembered by call key, as the dense
+launchers' are (``launch_plans``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import configs as C
+from ._device import kernels as _kernels
+from ._device import require_runnable
+from .features import PLAIN, feature_args, features
+from .launch import _CALLS, _decode
+from .launch_common import (
+    _check_grid,
+    _dot_precision,
+    _interpreter_bf16,
+    _run,
+    _strides,
+    _unit_last_stride,
+    out_like,
+    triton_cdiv,
+)
+from .launch_plans import (
+    _launch_planned,
+    _layout_key,
+    call_key,
+    remember_call,
+    replay_call,
+)
+
+
+def forward_kvcache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, H, Nq, d), the cache k, v (B, Hkv, S, d), seqlens int32 (B,) on q's device ->
+    o (B, H, Nq, d), lse (B, H, Nq) float32. Batch element b sees keys [0, seqlens[b])
+    (clamped to [0, S]); rows that see no key give o = 0, lse = -inf."""
+    inputs = (q, k, v, seqlens)
+    call = call_key(inputs, causal, softmax_scale, window_left, window_right)
+    if call is not None:
+        remembered = _CALLS.get(call)
+        if remembered is not None:
+            replay, scratch = remembered
+            o = out_like(q)
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
+            addresses = [t.data_ptr() for t in (*inputs, *buffers)]
+            if replay_call(_CALLS, call, replay, addresses, len(inputs)):
+                return o, lse
+        if not all(t.stride(-1) == 1 for t in (q, k, v)) or not seqlens.is_contiguous():
+            call = None  # the launches read copies: nothing to replay on the caller's tensors
+    require_runnable(q)
+    if _interpreter_bf16(q):
+        o32, lse = forward_kvcache(
+            q.float(), k.float(), v.float(), seqlens, causal, softmax_scale, window_left,
+            window_right,
+        )  # fmt: skip
+        return out_like(q).copy_(o32), lse
+    o = out_like(q)
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+    feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
+    if o.numel() == 0:
+        return o, lse
+    if n_k == 0:  # an empty cache: every row is empty
+        return o.zero_(), lse.fill_(float("-inf"))
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    seqlens = seqlens.contiguous()
+    inputs = (q, k, v, seqlens)
+    if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS and feat.group * n_q <= C.DECODE_MAX_ROWS:
+        return _decode(q, k, v, o, lse, feat.causal, softmax_scale, feat, call, seqlens)
+    block_d = C.block_d_for(d)
+
+    def launch_jit() -> None:
+        kern = _kernels()
+        args = {
+            "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
+            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
+            "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
+            "head_group": b * h, "GROUPED": False,
+            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+            **PLAIN, **feature_args(feat), "CU_K": seqlens, "KV_LENS": True,
+        }  # fmt: skip
+
+        def grid(cfg):
+            return (b * h, triton_cdiv(n_q, cfg.block_m))
+
+        _check_grid(triton_cdiv(n_q, 16), "query length", 16)
+        _run(
+            "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
+            ragged=True, features=True,
+        )  # fmt: skip
+
+    key = _layout_key(inputs, "kvcache_fwd", softmax_scale, feat) if q.is_cuda else None
+    _launch_planned(key, inputs, (o, lse), launch_jit)
+    remember_call(_CALLS, call, key, ())
+    return o, lse

@@ -1,0 +1,225 @@
+"""``flash_attention_kvcache``: attention of new queries over a KV cache whose filled length
+differs per sequence, on CPU: the PyTorch backend, and the Triton kernels in Triton's
+interpreter (float32, small tiles), both the split-KV decode kernels (few queries) and the
+forward kernel (more queries). Every case is checked against a float64 reference that slices
+each sequence's cache to its length and applies ``reference_features`` (masks written pair by
+pair): o and lse.
+
+Tolerance: float32 results against float64, 1e-5 relative (as the other feature tests); lse
+within 1e-5 absolute, -inf exactly for rows that see no key.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flashattn_testutil import reference_features, rel_err
+
+import flashattn_triton as fa
+from flashattn_triton import configs, launch, launch_kvcache
+
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available() or not launch.interpreting(),
+    reason="needs TRITON_INTERPRET=1 on a machine without a GPU (set by tests/conftest.py)",
+)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(configs, "OVERRIDES", {"fwd.fp32": configs.TileConfig(32, 16, 4, 2)})
+
+
+def _cache(b, h_q, h_kv, n_q, s, d=16):
+    q = torch.randn(b, h_q, n_q, d)
+    k = torch.randn(b, h_kv, s, d)
+    v = torch.randn(b, h_kv, s, d)
+    return q, k, v
+
+
+def _reference(q, k, v, lens, causal, window):
+    """Float64 o, lse: each sequence's cache cut to its length (clamped to [0, S])."""
+    with torch.enable_grad():  # reference_features also takes gradients
+        return _reference_in_grad_mode(q, k, v, lens, causal, window)
+
+
+def _reference_in_grad_mode(q, k, v, lens, causal, window):
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(lens):
+        n = max(0, min(n, k.shape[2]))
+        if n == 0:
+            continue
+        kb, vb = k[b, :, :n], v[b, :, :n]
+        ref = reference_features(q[b], kb, vb, torch.zeros_like(q[b]), causal, window)
+        o[b], lse[b] = ref["o"], ref["lse"]
+    return o, lse
+
+
+def _check(backend, shape, lens, causal, window):
+    q, k, v = _cache(*shape)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    with torch.no_grad():
+        o, lse = fa.flash_attention_kvcache(
+            q, k, v, seqlens, causal, window_size=window, return_lse=True, backend=backend
+        )
+    ref_o, ref_lse = _reference(q, k, v, lens, causal, window)
+    assert o.shape == q.shape
+    assert o.dtype == q.dtype
+    assert lse.shape == q.shape[:-1]
+    assert lse.dtype == torch.float32
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ref_o) < 1e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "rows without keys must have lse -inf"
+    assert torch.isneginf(lse[~fin]).all()
+    if fin.any():
+        assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < 1e-5
+
+
+# (batch, q heads, k/v heads, Nq, S), lengths per sequence, causal, window. Decode cases
+# (Nq <= 16) take the split-KV kernels once DECODE_MIN_KEYS allows (see the fixture below).
+DECODE = [
+    ((3, 4, 2, 1, 70), [70, 0, 33], True, (-1, -1)),  # GQA 2; an empty cache; ragged
+    ((2, 8, 1, 3, 90), [5, 90], True, (20, -1)),  # MQA, a window, a short cache
+    ((2, 4, 4, 16, 100), [100, 60], False, (10, 3)),  # a two-sided window
+    ((3, 2, 2, 4, 50), [1, 2, 3], True, (-1, -1)),  # fewer keys than queries: empty rows
+    ((2, 2, 1, 2, 64), [80, -5], False, (-1, -1)),  # out of range: clamped to [0, S]
+]
+DENSE = [
+    ((2, 2, 2, 40, 50), [50, 17], True, (-1, -1)),  # query tiles against ragged caches
+    ((3, 4, 2, 33, 37), [37, 1, 30], False, (-1, -1)),
+    ((2, 2, 1, 33, 64), [64, 40], True, (7, -1)),  # a window smaller than a tile
+    ((1, 8, 2, 20, 96), [0], True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize(("shape", "lens", "causal", "window"), DECODE + DENSE)
+def test_torch_backend(shape, lens, causal, window):
+    _check("torch", shape, lens, causal, window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("shape", "lens", "causal", "window"), DECODE)
+def test_triton_decode_kernels(shape, lens, causal, window, small_tiles, monkeypatch):
+    """Few queries: the split-KV kernels, splits over the cache's rows, each sequence's own
+    length and window start read in the kernel."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    splits = []
+    real = configs.decode_splits
+    monkeypatch.setattr(configs, "decode_splits", lambda *a: splits.append(real(*a)) or splits[-1])
+    _check("triton", shape, lens, causal, window)
+    assert splits, "the decode path did not run"
+    assert splits[0] > 1, "one split: the combine kernel did not run"
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("shape", "lens", "causal", "window"), DENSE + DECODE[:2])
+def test_triton_forward_kernel(shape, lens, causal, window, small_tiles, monkeypatch):
+    """More queries (or the decode path held off): the forward kernel with KV_LENS."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1 << 30)
+    _check("triton", shape, lens, causal, window)
+
+
+@needs_interpreter
+def test_one_int_length_and_strided_caches(small_tiles):
+    """An int length applies to every sequence; caches laid out (B, S, H, d) and passed
+    transposed (the layout flash-attn and most KV caches use) need no copy."""
+    q, k, v = _cache(2, 4, 2, 3, 40)
+    k_bshd, v_bshd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(
+            q, k_bshd.transpose(1, 2), v_bshd.transpose(1, 2), 25, True, backend="triton"
+        )
+    ref_o, _ = _reference(q, k, v, [25, 25], True, (-1, -1))
+    assert rel_err(got, ref_o) < 1e-5
+
+
+@needs_interpreter
+def test_equals_flash_attention_on_the_filled_part(small_tiles):
+    """Where every sequence has the same length n, the call is flash_attention on k[:, :, :n]."""
+    q, k, v = _cache(2, 4, 2, 5, 48)
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(q, k, v, 30, True, window_size=(9, -1), backend="triton")
+        want = fa.flash_attention(
+            q, k[:, :, :30], v[:, :, :30], True, window_size=(9, -1), backend="triton"
+        )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@needs_interpreter
+def test_lengths_are_read_at_launch_not_at_the_first_call(small_tiles, monkeypatch):
+    """The lengths are an input of the launch, not part of its plan: the same tensor, changed
+    in place between calls (as a decode loop or a CUDA graph does), gives the new result."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    q, k, v = _cache(2, 2, 1, 1, 40)
+    seqlens = torch.tensor([10, 20], dtype=torch.int32)
+    with torch.no_grad():
+        for n0, n1 in ((10, 20), (11, 21), (40, 3)):
+            seqlens.copy_(torch.tensor([n0, n1]))
+            got = fa.flash_attention_kvcache(q, k, v, seqlens, True, backend="triton")
+            ref_o, _ = _reference(q, k, v, [n0, n1], True, (-1, -1))
+            assert rel_err(got, ref_o) < 1e-5
+
+
+@needs_interpreter
+def test_torch_compile_fullgraph():
+    """The custom op keeps a compiled decode step in one graph."""
+
+    def step(q, k, v, seqlens):
+        return fa.flash_attention_kvcache(q, k, v, seqlens, True, backend="triton") * 2
+
+    q, k, v = _cache(2, 4, 2, 1, 24)
+    seqlens = torch.tensor([24, 9], dtype=torch.int32)
+    with torch.no_grad():
+        eager = step(q, k, v, seqlens)
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, seqlens)
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
+
+
+@needs_interpreter
+def test_custom_op_passes_opcheck():
+    q, k, v = _cache(2, 4, 2, 3, 20)
+    seqlens = torch.tensor([20, 7], dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.flashattn_triton.kvcache_fwd.default, (q, k, v, seqlens, True, 0.25, 3, 0)
+    )
+
+
+# ---- bad inputs: clear errors naming the argument, before any launch ----------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("a launcher ran before the error")
+
+    monkeypatch.setattr(launch_kvcache, "forward_kvcache", fail)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bad_inputs(backend, no_launch):
+    q, k, v = _cache(2, 4, 2, 1, 16)
+    ok = torch.tensor([3, 4], dtype=torch.int32)
+
+    def call(*args, **kwargs):
+        with torch.no_grad():
+            fa.flash_attention_kvcache(*args, backend=backend, **kwargs)
+
+    with pytest.raises(ValueError, match="k_cache must have shape"):
+        call(q, k[0], v, ok)
+    with pytest.raises(ValueError, match="q heads 4 and k/v heads 3"):
+        call(q, torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16), ok)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int32 tensor"):
+        call(q, k, v, ok.long())
+    with pytest.raises(ValueError, match=r"cache_seqlens must have shape \(batch,\) = \(2,\)"):
+        call(q, k, v, ok[:1])
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 16\]"):
+        call(q, k, v, 17)
+    with pytest.raises(TypeError, match="cache_seqlens must be an int or"):
+        call(q, k, v, 3.0)
+    with pytest.raises(ValueError, match="window_size values"):
+        call(q, k, v, ok, window_size=(-2, 0))
+    with pytest.raises(RuntimeError, match="computes no gradients"):
+        fa.flash_attention_kvcache(q.requires_grad_(), k, v, ok, backend=backend)
