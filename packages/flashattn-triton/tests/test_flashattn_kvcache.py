@@ -92,6 +92,7 @@ DENSE = [
     ((3, 4, 2, 33, 37), [37, 1, 30], False, (-1, -1)),
     ((2, 2, 1, 33, 64), [64, 40], True, (7, -1)),  # a window smaller than a tile
     ((1, 8, 2, 20, 96), [0], True, (-1, -1)),
+    ((2, 2, 1, 70, 90), [85, 40], True, (12, -1)),  # more queries than a torch-backend tile
 ]
 
 

@@ -260,30 +260,38 @@ def kvcache_attention_torch(
     causal: bool,
     softmax_scale: float,
     window: tuple[int, int],
+    q_tile: int = Q_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over a KV cache: q (B, Hq, Nq, d), k, v (B, Hkv, S, d), seqlens (B,) int;
     batch element b sees its first seqlens[b] keys (clamped to [0, S]), masks aligned to that
-    count -> o (B, Hq, Nq, d), lse (B, Hq, Nq). One masked softmax over all S keys (the mask
-    is built on the device: no host read of seqlens); float32 inside for half precision."""
+    count -> o (B, Hq, Nq, d), lse (B, Hq, Nq). A masked softmax over all S keys per tile of
+    ``q_tile`` queries (the mask is built on the device: no host read of seqlens; memory
+    bounded by one tile's scores); float32 inside for half precision."""
     b, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     cdt = _compute_dtype(q.dtype)
     lens = seqlens.to(device=q.device, dtype=torch.int64).clamp(0, n_k).view(b, 1, 1, 1, 1)
     qf = q.reshape(b, h_kv, h_q // h_kv, n_q, d).to(cdt) * softmax_scale  # (B, Hkv, G, Nq, d)
     kf = k.to(cdt)[:, :, None]  # (B, Hkv, 1, S, d): broadcast over the group
-    s = qf @ kf.transpose(-1, -2)  # (B, Hkv, G, Nq, S)
-    rows = torch.arange(n_q, device=q.device).view(1, 1, 1, n_q, 1)
+    vf = v.to(cdt)[:, :, None]
     cols = torch.arange(n_k, device=q.device).view(1, 1, 1, 1, n_k)
     left, right = window
     if causal:
         right = 0
-    keep = cols < lens
-    if left >= 0:
-        keep = keep & (cols >= rows + lens - n_q - left)
-    if right >= 0:
-        keep = keep & (cols <= rows + lens - n_q + right)
-    s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hkv, G, Nq); -inf for rows that see no key
-    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    o = torch.exp(s - lse_safe[..., None]) @ v.to(cdt)[:, :, None]  # (B, Hkv, G, Nq, d)
+    o = torch.empty(qf.shape, dtype=cdt, device=q.device)
+    lse = torch.empty(qf.shape[:-1], dtype=cdt, device=q.device)
+    for i0 in range(0, n_q, q_tile):
+        i1 = min(i0 + q_tile, n_q)
+        s = qf[..., i0:i1, :] @ kf.transpose(-1, -2)  # (B, Hkv, G, tile, S)
+        rows = torch.arange(i0, i1, device=q.device).view(1, 1, 1, i1 - i0, 1)
+        keep = cols < lens
+        if left >= 0:
+            keep = keep & (cols >= rows + lens - n_q - left)
+        if right >= 0:
+            keep = keep & (cols <= rows + lens - n_q + right)
+        s = s.masked_fill(~keep, float("-inf"))
+        tile_lse = torch.logsumexp(s, dim=-1)  # -inf for rows that see no key
+        lse_safe = torch.where(torch.isneginf(tile_lse), torch.zeros_like(tile_lse), tile_lse)
+        o[..., i0:i1, :] = torch.exp(s - lse_safe[..., None]) @ vf
+        lse[..., i0:i1] = tile_lse
     return o.to(q.dtype).reshape(q.shape), lse.reshape(b, h_q, n_q)
