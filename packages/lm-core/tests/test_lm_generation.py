@@ -132,6 +132,72 @@ def test_flash_triton_decodes_over_the_filled_cache_rows(monkeypatch):
     assert len(graphs) == 1
 
 
+@pytest.mark.parametrize(
+    "overrides", [{}, {"num_kv_heads": 2, "sliding_window": 4}], ids=["mha", "gqa-window"]
+)
+def test_prompts_of_different_lengths_decode_as_each_alone(backend, overrides):
+    """Right-padded prompts with `prompt_lengths`: every row stands at its own position (its
+    own RoPE angles, cache rows and mask, or flash_attention_kvcache length), so each row
+    generates what its prompt generates alone; the result puts each row's new tokens right
+    after its prompt and its padding after them."""
+    model = _model(6, attention=backend, **overrides)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [7, 3, 5, 1]
+    tokens = torch.randint(0, 256, (4, 7), generator=gen)  # the padding: random ids
+    out = model.generate(tokens, 9, temperature=0, prompt_lengths=lengths)
+    assert out.shape == (4, 7 + 9)
+    for b, n in enumerate(lengths):
+        alone = model.generate(tokens[b : b + 1, :n], 9, temperature=0)[0]  # (n + 9,)
+        assert torch.equal(out[b, : n + 9], alone), (b, n)
+        assert torch.equal(out[b, n + 9 :], tokens[b, n:])  # the padding, moved after
+    # streamed, with the lengths as a tensor: the same tokens
+    decoder = Decoder(model, max_len=16)
+    steps = list(decoder.stream(tokens, 9, temperature=0, prompt_lengths=torch.tensor(lengths)))
+    new = torch.stack(steps, 1)
+    for b, n in enumerate(lengths):
+        assert torch.equal(new[b], out[b, n : n + 9])
+
+
+def test_compiled_decode_with_prompts_of_different_lengths_is_one_graph():
+    model = _model(7)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    tokens = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(4))
+    lengths = [6, 2, 4]
+    expected = model.generate(tokens, 8, temperature=0, prompt_lengths=lengths)
+    torch._dynamo.reset()
+    try:
+        decoder = Decoder(model, compile=True, compile_options={"backend": capture})
+        got = decoder.generate(tokens, 8, temperature=0, prompt_lengths=lengths)
+        assert torch.equal(
+            decoder.generate(tokens, 8, temperature=0), model.generate(tokens, 8, temperature=0)
+        )
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, expected)
+    assert len(graphs) == 1
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [
+        ([3, 2], "expected 3 ints"),
+        ([3, 0, 2], "each must lie in 1..4"),
+        ([3, 5, 2], "each must lie in 1..4"),
+        ([3, 2.0, 1], "expected 3 ints"),
+        (torch.tensor([1.0, 2.0, 3.0]), "1-D integer tensor"),
+    ],
+)
+def test_bad_prompt_lengths_are_refused_by_name(lengths, match):
+    model = _model(8)
+    with pytest.raises(ValueError, match=f"prompt_lengths: .*{match}"):
+        model.generate(torch.zeros(3, 4, dtype=torch.long), 2, prompt_lengths=lengths)
+
+
 def test_same_seed_same_tokens_and_other_seeds_differ():
     model = _model(4)
     prompt = torch.randint(0, 256, (2, 4))

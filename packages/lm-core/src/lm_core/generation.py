@@ -5,7 +5,9 @@ Life of a `generate` call:
 1. prefill: the prompt (B, T) runs through the model once at positions 0..T-1; every block
    attends among the prompt's tokens with the model's own attention backend (naive, sdpa,
    flash-torch, flash-triton: all causal on equal lengths) and writes its keys and values at
-   those positions of the cache.
+   those positions of the cache. Prompts of different lengths come right-padded with
+   `prompt_lengths`; row b then continues at position prompt_lengths[b] (positions are
+   (B, T): a row each), and its padding in the cache is overwritten or masked.
 2. decode: each step feeds the B tokens just sampled, (B, 1), at position p. A block writes its
    key and value at p and attends over the cache: with the "flash-triton" backend over its
    first p + 1 rows (`flash_attention_kvcache`, the count computed on the device), else with
@@ -25,7 +27,7 @@ Shapes: B batch, T new tokens, S cache positions, H heads, Dh head dim, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -89,17 +91,19 @@ class LayerCache:
         if cache.k[i] is None:
             cache.allocate(i, k, v)
         k_all, v_all = cache.k[i], cache.v[i]  # (B, Hkv, S, Dh) each
-        k_all.index_copy_(2, step.positions, k.to(k_all.dtype))
-        v_all.index_copy_(2, step.positions, v.to(v_all.dtype))
+        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        # each row's keys at its own positions: (B, T, Hkv, Dh) into k_all[b, :, positions[b]]
+        k_all[rows, :, step.positions] = k.transpose(1, 2).to(k_all.dtype)
+        v_all[rows, :, step.positions] = v.transpose(1, 2).to(v_all.dtype)
         if step.mask is None:
             return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
         over_cache = getattr(attn_fn, "kv_cache", None)
         if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
-            return over_cache(q, k_all, v_all, step.lengths(q.shape[0]), window)
-        mask = step.mask  # (T, S)
+            return over_cache(q, k_all, v_all, step.lengths(), window)
+        mask = step.mask  # (B, 1, T, S)
         if window is not None:
             keys = torch.arange(mask.shape[-1], device=mask.device)  # (S,)
-            mask = mask & (keys[None, :] >= step.positions[:, None] - window)
+            mask = mask & (keys >= step.positions[..., None] - window)[:, None]
         group = q.shape[1] // k_all.shape[1]
         if group > 1:
             k_all = k_all.repeat_interleave(group, dim=1)  # (B, H, S, Dh)
@@ -108,8 +112,9 @@ class LayerCache:
 
 
 class CacheStep:
-    """One cached forward: the cache, the positions (T,) of the new tokens, and the mask
-    (T, S) bool of the keys each may see (None for a prefill from position 0)."""
+    """One cached forward: the cache, the positions (B, T) of the new tokens (a row each: the
+    rows of a batch may stand at different positions), and the mask (B, 1, T, S) bool of the
+    keys each may see (None for a prefill from position 0)."""
 
     def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
         self.cache = cache
@@ -119,20 +124,19 @@ class CacheStep:
     def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
 
-    def lengths(self, batch: int) -> torch.Tensor:
-        """int32 (batch,): cache rows filled once the new tokens are stored (the last new
-        position + 1), on the device: computed from `positions` without a host sync."""
-        last = self.positions[-1:] + 1  # (1,)
-        return last.to(torch.int32).expand(batch).contiguous()
+    def lengths(self) -> torch.Tensor:
+        """int32 (B,): each row's cache rows filled once the new tokens are stored (its last
+        new position + 1), on the device: computed from `positions` without a host sync."""
+        return (self.positions[:, -1] + 1).to(torch.int32)
 
 
 def _decode_logits(
     model: nn.Module, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Logits (B, V) of the last of `tokens` (B, T) fed at `positions` (T,) against the cache.
-    Static shapes for a fixed B and T: what `Decoder` compiles and captures."""
+    """Logits (B, V) of the last of `tokens` (B, T) fed at `positions` (B, T) against the
+    cache. Static shapes for a fixed B and T: what `Decoder` compiles and captures."""
     keys = torch.arange(cache.max_len, device=positions.device)  # (S,)
-    mask = keys[None, :] <= positions[:, None]  # (T, S): key position <= query position
+    mask = (keys <= positions[..., None])[:, None]  # (B, 1, T, S): key pos <= query pos
     h = model.hidden_states(tokens, kv_cache=CacheStep(cache, positions, mask))  # (B, T, D)
     return model.lm_head(h[:, -1])  # (B, V)
 
@@ -229,42 +233,59 @@ class Decoder:
             options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
             self.step_fn = torch.compile(_decode_logits, **options)
         self.cache = KVCache(self.config.num_layers, self.max_len)
-        self.position = 0  # next position to write
+        self._next: list[int] = []  # each row's next position to write (host ints)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
-        self._pos = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
+        self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self._graph: Any = None
         self._graph_logits: torch.Tensor | None = None
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run the prompt tokens (B, T) from position 0; logits (B, V) of its last token."""
+    def prefill(
+        self, tokens: torch.Tensor, prompt_lengths: Sequence[int] | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run the prompt tokens (B, T) from position 0; logits (B, V) of each row's last
+        prompt token. `prompt_lengths`: row b's prompt is its first prompt_lengths[b] tokens
+        (right-padded rows; default all T): its next token goes to that position, and the
+        padding left in the cache beyond it is overwritten or masked, never attended to."""
         b, t = tokens.shape
+        checked = check_prompt_lengths(prompt_lengths, b, t)
+        lengths = [t] * b if checked is None else checked
         if self.cache.batch_size != b:
             self.cache = KVCache(self.config.num_layers, self.max_len)
             self._token = torch.zeros(b, 1, dtype=torch.long, device=self.device)
+            self._pos = torch.zeros(b, 1, dtype=torch.long, device=self.device)
             self._graph = None
-        positions = torch.arange(t, device=self.device)
+        positions = torch.arange(t, device=self.device).expand(b, t)  # (B, T)
         step = CacheStep(self.cache, positions, mask=None)
         h = self.model.hidden_states(tokens, kv_cache=step)  # (B, T, D)
-        self.position = t
-        return self.model.lm_head(h[:, -1])  # (B, V)
+        self._next = lengths
+        if prompt_lengths is None:
+            self._pos.fill_(t)
+            return self.model.lm_head(h[:, -1])  # (B, V)
+        last = torch.tensor(lengths, device=self.device)  # (B,): the next positions
+        self._pos.copy_(last[:, None])
+        return self.model.lm_head(h[torch.arange(b, device=self.device), last - 1])  # (B, V)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed tokens (B,) at the next position; logits (B, V) for the one after."""
-        if self.position >= self.cache.max_len:
+        """Feed tokens (B,) at each row's next position; logits (B, V) for the one after."""
+        if not self._next:
+            raise RuntimeError("step: call prefill first")
+        if max(self._next) >= self.cache.max_len:
             raise ValueError(
                 f"the cache is full: all max_len={self.cache.max_len} positions are used"
             )
         self._token.copy_(tokens.view(-1, 1))
-        self._pos.fill_(self.position)
-        self.position += 1
+        self._next = [n + 1 for n in self._next]
         if not self.cuda_graph:
-            return self.step_fn(self.model, self.cache, self._token, self._pos)
-        if self._graph is None:
-            self._capture()
-        self._graph.replay()
-        return self._graph_logits.clone()
+            logits = self.step_fn(self.model, self.cache, self._token, self._pos)
+        else:
+            if self._graph is None:
+                self._capture()
+            self._graph.replay()
+            logits = self._graph_logits.clone()
+        self._pos.add_(1)  # the next positions, on the device (no host-to-device copy)
+        return logits
 
     def _capture(self) -> None:
         """Warm up on a side stream (compilation, cuBLAS workspaces), then capture one step.
@@ -290,12 +311,13 @@ class Decoder:
         top_p: float | None = None,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        prompt_lengths: Sequence[int] | torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each step's new tokens (B,) as they are sampled (see `generate`)."""
-        self._check(tokens, max_new_tokens, generator)
+        lengths = self._check(tokens, max_new_tokens, generator, prompt_lengths)
         check_sampling(temperature, top_k, top_p, eos_id, self.config.vocab_size)
         with torch.no_grad():
-            logits = self.prefill(tokens)
+            logits = self.prefill(tokens, lengths)
             finished = None  # (B,) bool: rows that produced eos_id (they repeat it)
             for i in range(max_new_tokens):
                 nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
@@ -318,20 +340,35 @@ class Decoder:
         top_p: float | None = None,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        prompt_lengths: Sequence[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The prompt tokens (B, T) continued by up to `max_new_tokens`: (B, T + n) int64.
 
         Stops early once every row has produced `eos_id` (rows that finished earlier are
-        padded with it). Greedy at temperature 0.
+        padded with it). Greedy at temperature 0. `prompt_lengths` (B ints in 1..T): prompts
+        of different lengths, right-padded to T; row b of the result is its prompt, its n new
+        tokens, then the T - prompt_lengths[b] padding tokens it came with.
         """
         steps = list(
-            self.stream(tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
-        )
-        return torch.cat([tokens.long(), *(s[:, None] for s in steps)], dim=1)
+            self.stream(
+                tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator,
+                prompt_lengths,
+            )
+        )  # fmt: skip
+        out = torch.cat([tokens.long(), *(s[:, None] for s in steps)], dim=1)  # (B, T + n)
+        lengths = check_prompt_lengths(prompt_lengths, *tokens.shape)  # checked by stream
+        if lengths is None:
+            return out
+        return out.gather(1, _after_prompts(lengths, tokens.shape[1], len(steps)).to(out.device))
 
     def _check(
-        self, tokens: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None
-    ) -> None:
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        generator: torch.Generator | None,
+        prompt_lengths: Sequence[int] | torch.Tensor | None = None,
+    ) -> list[int] | None:
+        """Errors naming the argument; the prompt lengths as ints (None: all T)."""
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.shape[1] < 1:
             shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
             raise ValueError(f"tokens: expected a (batch, seq >= 1) tensor, got {shape}")
@@ -356,6 +393,7 @@ class Decoder:
             raise ValueError(
                 f"generator: on {generator.device}, but sampling runs on {self.device}"
             )
+        return check_prompt_lengths(prompt_lengths, *tokens.shape)
 
 
 def generate(
@@ -367,6 +405,7 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
+    prompt_lengths: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager decoding with a KV cache sized to the prompt and `max_new_tokens` (see `Decoder`;
     a length beyond context_length is refused there, naming max_new_tokens)."""
@@ -376,8 +415,44 @@ def generate(
         if 1 <= needed <= model.config.context_length:
             max_len = needed
     return Decoder(model, max_len=max_len).generate(
-        tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator
+        tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator, prompt_lengths
     )
+
+
+def check_prompt_lengths(
+    prompt_lengths: Sequence[int] | torch.Tensor | None, batch: int, seq: int
+) -> list[int] | None:
+    """`prompt_lengths` as B ints in 1..T (a tensor is read once, on the host); None stays."""
+    if prompt_lengths is None:
+        return None
+    if isinstance(prompt_lengths, torch.Tensor):
+        if prompt_lengths.dim() != 1 or prompt_lengths.is_floating_point():
+            raise ValueError(
+                f"prompt_lengths: expected a 1-D integer tensor, got {prompt_lengths.dtype} "
+                f"of shape {tuple(prompt_lengths.shape)}"
+            )
+        prompt_lengths = prompt_lengths.tolist()
+    lengths = list(prompt_lengths)
+    if len(lengths) != batch or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in lengths
+    ):
+        raise ValueError(f"prompt_lengths: expected {batch} ints (one per row), got {lengths!r}")
+    bad = [n for n in lengths if not 1 <= n <= seq]
+    if bad:
+        raise ValueError(
+            f"prompt_lengths: each must lie in 1..{seq} (the prompts' width), got {bad[0]}"
+        )
+    return lengths
+
+
+def _after_prompts(lengths: list[int], seq: int, new: int) -> torch.Tensor:
+    """(B, T + n) gather index into [prompts | new tokens] putting row b's new tokens right
+    after its first lengths[b] tokens, its padding after them."""
+    index = []
+    for n in lengths:
+        row = list(range(n)) + [seq + i for i in range(new)] + list(range(n, seq))
+        index.append(row)
+    return torch.tensor(index, dtype=torch.long)
 
 
 def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -35,7 +35,7 @@ Shapes: B batch, T sequence, D d_model, H heads, Hkv k/v heads, Dh head dim, F d
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -166,14 +166,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate x of shape (B, T, ..., Dh) by position along dim 1; same shape and dtype.
 
-        Positions are 0..T-1, or `positions` (T,) int64 (decoding with a KV cache).
-        Computed in fp32 (the tables' dtype) and rounded once to x's dtype.
+        Positions are 0..T-1, or `positions` int64 (decoding with a KV cache): (T,) shared by
+        the batch, or (B, T), a row each. Computed in fp32 (the tables' dtype) and rounded
+        once to x's dtype.
         """
         seq = x.shape[1]
         extra = x.dim() - 3  # dims between T and Dh, e.g. (2, H) for stacked q/k
         rows = slice(seq) if positions is None else positions
-        cos = self.cos[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
-        sin = self.sin[rows].view(seq, *([1] * extra), -1)  # (T, 1.., Dh/2)
+        lead = (seq,) if positions is None or positions.dim() == 1 else tuple(positions.shape)
+        cos = self.cos[rows].view(*lead, *([1] * extra), -1)  # ([B,] T, 1.., Dh/2)
+        sin = self.sin[rows].view(*lead, *([1] * extra), -1)  # ([B,] T, 1.., Dh/2)
         return rotate_pairs(x, cos, sin)
 
 
@@ -474,16 +476,22 @@ class TransformerLM(nn.Module):
         top_p: float | None = None,
         eos_id: int | None = None,
         generator: torch.Generator | None = None,
+        prompt_lengths: Sequence[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Continue prompts `tokens` (B, T) by up to `max_new_tokens`: (B, T + n) int64.
 
         Prefills the prompt once, then decodes one token per step from a KV cache sized to
         `context_length` (T + max_new_tokens must fit). temperature 0 is greedy; top_k /
         top_p restrict sampling; generation stops once every row has produced `eos_id`;
-        `generator` makes sampling reproducible. For a compiled or CUDA-graph decode step,
-        or token-by-token streaming, use `lm_core.generation.Decoder`.
+        `generator` makes sampling reproducible. `prompt_lengths`: prompts of different
+        lengths right-padded to T (see `lm_core.generation.Decoder.generate`). For a
+        compiled or CUDA-graph decode step, or token-by-token streaming, use
+        `lm_core.generation.Decoder`.
         """
-        return generate(self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator)
+        return generate(
+            self, tokens, max_new_tokens, temperature, top_k, top_p, eos_id, generator,
+            prompt_lengths,
+        )  # fmt: skip
 
     def run_blocks(
         self,
