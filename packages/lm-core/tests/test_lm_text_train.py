@@ -188,6 +188,21 @@ def test_generate_cli_checks_the_tokenizer_and_room(corpus, tmp_path, capsys):
     )
     out = capsys.readouterr().out.split("--- sample 1 ---\n")
     assert out[0].removeprefix("--- sample 0 ---\n") == out[1]
+    # two prompts of different lengths in one batch: each continues as it does alone
+    greedy = ["--checkpoint", ckpt, "--tokenizer", tok, "--temperature", "0"]
+    greedy += ["--max-new-tokens", "8", "--ignore-eot"]
+    alone = []
+    for text in ("The", "A longer prompt, with more tokens in it"):
+        assert generate_cli.main([*greedy, "--prompt", text]) == 0
+        alone.append(capsys.readouterr().out.rstrip("\n"))
+    both = ["--prompt", "The", "--prompt", "A longer prompt, with more tokens in it"]
+    assert generate_cli.main([*greedy, *both]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("--- prompt 0, sample 0 ---\n")
+    first, second = printed.removeprefix("--- prompt 0, sample 0 ---\n").split(
+        "\n--- prompt 1, sample 0 ---\n"
+    )
+    assert [first, second.rstrip("\n")] == alone
 
 
 def _bin(path: Path, vocab: int, eot: int, dtype: str = "uint16") -> Path:

@@ -4,7 +4,9 @@ Example:
     python -m lm_core.generate --checkpoint runs/tiny/checkpoint.pt --tokenizer tokenizer.json \\
         --prompt "Once upon a time" --max-new-tokens 200 --temperature 0.8 --top-p 0.95 --seed 0
 
-The model is rebuilt from the config stored in the checkpoint; `--tokenizer` defaults to the one
+`--prompt` may be given several times: the prompts, of any lengths, run as one batch
+(right-padded, `prompt_lengths`), each `--num-samples` times. The model is rebuilt from the
+config stored in the checkpoint; `--tokenizer` defaults to the one
 the run was given (`lm_core.train --tokenizer`). Generation stops at the end-of-text token unless
 `--ignore-eot`. The same seed gives the same text on the same device and software. Needs
 `pip install 'lm-core[text]'`.
@@ -39,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--checkpoint", type=Path, required=True, help="checkpoint.pt of a run")
     p.add_argument("--tokenizer", type=Path, help="tokenizer JSON [the run's --tokenizer]")
-    p.add_argument("--prompt", default="", help="text to continue [empty: a new document]")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        help="text to continue; repeat for a batch of prompts [none: a new document]",
+    )
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -153,27 +159,30 @@ def run(args: argparse.Namespace) -> int:
     config = model.config
     tokenizer = load_tokenizer(args, run, config.vocab_size)
     eot = None if args.ignore_eot else tokenizer.eot_id
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.require_eot()]
-    room = config.context_length - len(prompt)
+    texts = args.prompt or [""]
+    prompts = [tokenizer.encode(t) if t else [tokenizer.require_eot()] for t in texts]
+    width = max(len(p) for p in prompts)
+    room = config.context_length - width
     if args.max_new_tokens > room:
         raise ValueError(
-            f"--max-new-tokens: the prompt ({len(prompt)} tokens) leaves room for {room} "
+            f"--max-new-tokens: the longest prompt ({width} tokens) leaves room for {room} "
             f"in the model's context_length {config.context_length}"
         )
     decoder = Decoder(
-        model,
-        max_len=len(prompt) + args.max_new_tokens,
-        compile=args.compile,
+        model, max_len=width + args.max_new_tokens, compile=args.compile,
         cuda_graph=args.cuda_graph,
-    )
-    tokens = torch.tensor([prompt] * args.num_samples, dtype=torch.long, device=args.device)
+    )  # fmt: skip
+    rows = [p + [0] * (width - len(p)) for p in prompts for _ in range(args.num_samples)]
+    lengths = [len(p) for p in prompts for _ in range(args.num_samples)]
+    tokens = torch.tensor(rows, dtype=torch.long, device=args.device)
+    ragged = None if len(set(lengths)) == 1 else lengths
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
     sampling = (args.temperature, args.top_k, args.top_p, eot, generator)
     t0 = time.perf_counter()
     n = 0
-    if args.num_samples == 1:
+    if len(rows) == 1:
         out = _TextStream(tokenizer)
-        sys.stdout.write(args.prompt)
+        sys.stdout.write(texts[0])
         for step in decoder.stream(tokens, args.max_new_tokens, *sampling):
             n += 1
             if eot is not None and int(step[0]) == eot:
@@ -181,15 +190,19 @@ def run(args: argparse.Namespace) -> int:
             out.add(int(step[0]))
         out.finish()
     else:
-        rows = decoder.generate(tokens, args.max_new_tokens, *sampling)[:, len(prompt) :]
-        n = rows.shape[1]
-        for i, row in enumerate(rows.tolist()):
-            ids = row[: row.index(eot)] if eot is not None and eot in row else row
-            print(f"--- sample {i} ---\n{args.prompt}{tokenizer.decode(ids)}")
+        out_rows = decoder.generate(tokens, args.max_new_tokens, *sampling, ragged).tolist()
+        n = len(out_rows[0]) - width
+        for i, (row, length) in enumerate(zip(out_rows, lengths)):
+            new = row[length : length + n]
+            ids = new[: new.index(eot)] if eot is not None and eot in new else new
+            prompt_i, sample = divmod(i, args.num_samples)
+            head = f"--- sample {sample} ---" if len(texts) == 1 else (
+                f"--- prompt {prompt_i}, sample {sample} ---"
+            )  # fmt: skip
+            print(f"{head}\n{texts[prompt_i]}{tokenizer.decode(ids)}")
     seconds = time.perf_counter() - t0
     print(
-        f"[{n} steps x {args.num_samples} in {seconds:.2f} s: "
-        f"{n * args.num_samples / seconds:.1f} tokens/s]",
+        f"[{n} steps x {len(rows)} in {seconds:.2f} s: {n * len(rows) / seconds:.1f} tokens/s]",
         file=sys.stderr,
     )
     return 0
