@@ -91,12 +91,14 @@ class LayerCache:
         if cache.k[i] is None:
             cache.allocate(i, k, v)
         k_all, v_all = cache.k[i], cache.v[i]  # (B, Hkv, S, Dh) each
+        if step.mask is None:  # prefill: every row at positions 0..T-1
+            k_all.index_copy_(2, step.positions[0], k.to(k_all.dtype))
+            v_all.index_copy_(2, step.positions[0], v.to(v_all.dtype))
+            return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
         rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
         # each row's keys at its own positions: (B, T, Hkv, Dh) into k_all[b, :, positions[b]]
         k_all[rows, :, step.positions] = k.transpose(1, 2).to(k_all.dtype)
         v_all[rows, :, step.positions] = v.transpose(1, 2).to(v_all.dtype)
-        if step.mask is None:
-            return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
         over_cache = getattr(attn_fn, "kv_cache", None)
         if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
             return over_cache(q, k_all, v_all, step.lengths(), window)
