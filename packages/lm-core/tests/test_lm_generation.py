@@ -16,6 +16,17 @@ def _model(seed: int = 0, **overrides) -> TransformerLM:
     return TransformerLM(get_config("tiny", **overrides))
 
 
+def _graph_counter():
+    """(graphs, backend): a torch.compile backend that keeps each graph it is given."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, capture
+
+
 def _greedy_by_rerunning(model, prompt, n):
     """Reference: the full prefix through the plain forward at every step; logits too."""
     seq, logits = prompt, []
@@ -77,11 +88,7 @@ def test_compiled_decode_step_is_one_graph_without_breaks():
     """fullgraph=True fails on any graph break; a capturing backend counts the graphs: one
     for every step, position and prompt (static shapes). Inductor itself: the gpu tests."""
     model = _model(3)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, capture = _graph_counter()
 
     torch._dynamo.reset()
     try:
@@ -117,11 +124,7 @@ def test_flash_triton_decodes_over_the_filled_cache_rows(monkeypatch):
     assert calls[0].tolist() == [6, 6]  # prompt 5 + the first new token
     assert calls[-1].tolist() == [16, 16]
     monkeypatch.setattr(fa, "flash_attention_kvcache", real)  # the spy would break the graph
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, capture = _graph_counter()
 
     torch._dynamo.reset()
     try:
@@ -160,11 +163,7 @@ def test_prompts_of_different_lengths_decode_as_each_alone(backend, overrides):
 
 def test_compiled_decode_with_prompts_of_different_lengths_is_one_graph():
     model = _model(7)
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
+    graphs, capture = _graph_counter()
 
     tokens = torch.randint(0, 256, (3, 6), generator=torch.Generator().manual_seed(4))
     lengths = [6, 2, 4]

@@ -96,15 +96,9 @@ def forward(
     bound the keys each query sees (-1: unbounded; see ``flash_attention``)."""
     call = call_key((q, k, v), causal, softmax_scale, window_left, window_right)
     if call is not None:
-        remembered = _CALLS.get(call)
-        if remembered is not None:
-            replay, scratch = remembered
-            o = torch.empty_like(q)
-            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-            buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
-            addresses = [t.data_ptr() for t in (q, k, v, *buffers)]
-            if replay_call(_CALLS, call, replay, addresses, 3):
-                return o, lse
+        replayed = replay_forward(call, (q, k, v))
+        if replayed is not None:
+            return replayed
         if not all(t.stride(-1) == 1 for t in (q, k, v)):
             call = None  # the launches read copies: nothing to replay on the caller's tensors
     require_runnable(q)
@@ -139,15 +133,7 @@ def forward(
                 return
         kern = _kernels()
         block_d = C.block_d_for(d)
-        args = {
-            "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
-            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
-            "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
-            **head_group_args(k, b * h, n_k, block_d),
-            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
-            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
-            **PLAIN, **feature_args(feat),
-        }  # fmt: skip
+        args = fwd_args(q, k, v, o, lse, causal, softmax_scale, feat, block_d)
 
         def grid(cfg):
             return (b * h, triton_cdiv(n_q, cfg.block_m))
@@ -167,6 +153,47 @@ def forward(
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
     remember_call(_CALLS, call, key, ())
     return o, lse
+
+
+def fwd_args(
+    q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None, block_d: int,
+    grouped: bool = True,
+) -> dict:  # fmt: skip
+    """``attn_fwd_kernel``'s arguments for dense (B, H, N, d) tensors, the tiles apart: heads
+    launched in L2-sized groups (``grouped``) or in the plain order."""
+    b, h, n_q, d = q.shape
+    n_k = k.shape[2]
+    if grouped:
+        order = head_group_args(k, b * h, n_k, block_d)
+    else:
+        order = {"head_group": b * h, "GROUPED": False}
+    return {
+        "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
+        **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
+        "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * _kernels().LOG2E,
+        **order, "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
+        "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
+        **PLAIN, **feature_args(feat),
+    }  # fmt: skip
+
+
+def replay_forward(
+    call: tuple, tensors: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(o, lse) of a remembered forward call (``_CALLS``) replayed on ``tensors`` (q first,
+    its inputs in launch order), or None where there is none or it cannot replay."""
+    remembered = _CALLS.get(call)
+    if remembered is None:
+        return None
+    replay, scratch = remembered
+    q = tensors[0]
+    o = torch.empty_like(q)
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
+    addresses = [t.data_ptr() for t in (*tensors, *buffers)]
+    if replay_call(_CALLS, call, replay, addresses, len(tensors)):
+        return o, lse
+    return None
 
 
 def _gluon_fwd(*args) -> bool:

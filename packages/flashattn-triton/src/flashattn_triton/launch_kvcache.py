@@ -7,9 +7,8 @@ dense API's). The counts are read by the kernels, never by the host, so a call d
 for the GPU and a CUDA graph can capture it with counts that change between replays. Few
 queries take the split-KV decode kernels (``launch._decode`` with the counts: splits over
 the S rows, those past an element's count end at once), more take the forward kernel with
-every bounds check on. Forward only:
-a KV cache serves inference. Repeated 16-bit calls are remembered by call key, as the dense
-launchers' are (``launch_plans``).
+every bounds check on. Forward only: a KV cache serves inference. Repeated 16-bit calls are
+remembered by call key in ``launch``'s cache, as the dense launchers' are (``launch_plans``).
 """
 
 from __future__ import annotations
@@ -19,14 +18,12 @@ import torch
 from . import configs as C
 from ._device import kernels as _kernels
 from ._device import require_runnable
-from .features import PLAIN, feature_args, features
-from .launch import _CALLS, _decode
+from .features import features
+from .launch import _CALLS, _decode, fwd_args, replay_forward
 from .launch_common import (
     _check_grid,
-    _dot_precision,
     _interpreter_bf16,
     _run,
-    _strides,
     _unit_last_stride,
     out_like,
     triton_cdiv,
@@ -36,7 +33,6 @@ from .launch_plans import (
     _layout_key,
     call_key,
     remember_call,
-    replay_call,
 )
 
 
@@ -56,15 +52,9 @@ def forward_kvcache(
     inputs = (q, k, v, seqlens)
     call = call_key(inputs, causal, softmax_scale, window_left, window_right)
     if call is not None:
-        remembered = _CALLS.get(call)
-        if remembered is not None:
-            replay, scratch = remembered
-            o = out_like(q)
-            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-            buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
-            addresses = [t.data_ptr() for t in (*inputs, *buffers)]
-            if replay_call(_CALLS, call, replay, addresses, len(inputs)):
-                return o, lse
+        replayed = replay_forward(call, inputs)
+        if replayed is not None:
+            return replayed
         if not all(t.stride(-1) == 1 for t in (q, k, v)) or not seqlens.is_contiguous():
             call = None  # the launches read copies: nothing to replay on the caller's tensors
     require_runnable(q)
@@ -91,23 +81,15 @@ def forward_kvcache(
     block_d = C.block_d_for(d)
 
     def launch_jit() -> None:
-        kern = _kernels()
-        args = {
-            "Q": q, "K": k, "V": v, "Out": o, "LSE": lse,
-            **_strides("q", q), **_strides("k", k), **_strides("v", v), **_strides("o", o),
-            "n_heads": h, "n_q": n_q, "n_k": n_k, "qk_scale": softmax_scale * kern.LOG2E,
-            "head_group": b * h, "GROUPED": False,
-            "SEQ_BUCKET": C.seq_bucket(max(n_q, n_k)), "HEAD_DIM": d, "BLOCK_D": block_d,
-            "CAUSAL": causal, "DOT_PRECISION": _dot_precision(q.dtype),
-            **PLAIN, **feature_args(feat), "CU_K": seqlens, "KV_LENS": True,
-        }  # fmt: skip
+        args = fwd_args(q, k, v, o, lse, causal, softmax_scale, feat, block_d, grouped=False)
+        args.update(CU_K=seqlens, KV_LENS=True)  # each element's length: the kernel reads it
 
         def grid(cfg):
             return (b * h, triton_cdiv(n_q, cfg.block_m))
 
         _check_grid(triton_cdiv(n_q, 16), "query length", 16)
         _run(
-            "fwd", kern.attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
+            "fwd", _kernels().attn_fwd_kernel, grid, args, n_q, n_k, block_d, q.element_size(),
             ragged=True, features=True,
         )  # fmt: skip
 

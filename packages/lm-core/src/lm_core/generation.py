@@ -95,7 +95,7 @@ class LayerCache:
             k_all.index_copy_(2, step.positions[0], k.to(k_all.dtype))
             v_all.index_copy_(2, step.positions[0], v.to(v_all.dtype))
             return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+        rows = step.rows()  # (B, 1)
         # each row's keys at its own positions: (B, T, Hkv, Dh) into k_all[b, :, positions[b]]
         k_all[rows, :, step.positions] = k.transpose(1, 2).to(k_all.dtype)
         v_all[rows, :, step.positions] = v.transpose(1, 2).to(v_all.dtype)
@@ -122,14 +122,27 @@ class CacheStep:
         self.cache = cache
         self.positions = positions
         self.mask = mask
+        self._lengths: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None
 
     def layer(self, index: int) -> LayerCache:
         return LayerCache(self, index)
 
+    def rows(self) -> torch.Tensor:
+        """(B, 1) row indices for the per-row cache writes, made once per step."""
+        if self._rows is None:
+            self._rows = torch.arange(self.positions.shape[0], device=self.positions.device)[
+                :, None
+            ]
+        return self._rows
+
     def lengths(self) -> torch.Tensor:
         """int32 (B,): each row's cache rows filled once the new tokens are stored (its last
-        new position + 1), on the device: computed from `positions` without a host sync."""
-        return (self.positions[:, -1] + 1).to(torch.int32)
+        new position + 1), on the device: computed from `positions` without a host sync,
+        once per step for all the layers."""
+        if self._lengths is None:
+            self._lengths = (self.positions[:, -1] + 1).to(torch.int32)
+        return self._lengths
 
 
 def _decode_logits(
@@ -235,7 +248,7 @@ class Decoder:
             options = {"fullgraph": True, "dynamic": False, **(compile_options or {})}
             self.step_fn = torch.compile(_decode_logits, **options)
         self.cache = KVCache(self.config.num_layers, self.max_len)
-        self._next: list[int] = []  # each row's next position to write (host ints)
+        self._furthest = -1  # the furthest row's next position (-1: no prefill yet)
         self._token = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self._pos = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # (B, 1)
         self._graph: Any = None
@@ -260,7 +273,7 @@ class Decoder:
         positions = torch.arange(t, device=self.device).expand(b, t)  # (B, T)
         step = CacheStep(self.cache, positions, mask=None)
         h = self.model.hidden_states(tokens, kv_cache=step)  # (B, T, D)
-        self._next = lengths
+        self._furthest = max(lengths)
         if prompt_lengths is None:
             self._pos.fill_(t)
             return self.model.lm_head(h[:, -1])  # (B, V)
@@ -271,14 +284,14 @@ class Decoder:
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens (B,) at each row's next position; logits (B, V) for the one after."""
-        if not self._next:
+        if self._furthest < 0:
             raise RuntimeError("step: call prefill first")
-        if max(self._next) >= self.cache.max_len:
+        if self._furthest >= self.cache.max_len:
             raise ValueError(
                 f"the cache is full: all max_len={self.cache.max_len} positions are used"
             )
         self._token.copy_(tokens.view(-1, 1))
-        self._next = [n + 1 for n in self._next]
+        self._furthest += 1
         if not self.cuda_graph:
             logits = self.step_fn(self.model, self.cache, self._token, self._pos)
         else:
