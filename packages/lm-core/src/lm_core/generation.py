@@ -91,7 +91,7 @@ class LayerCache:
         if cache.k[i] is None:
             cache.allocate(i, k, v)
         k_all, v_all = cache.k[i], cache.v[i]  # (B, Hkv, S, Dh) each
-        if step.mask is None:  # prefill: every row at positions 0..T-1
+        if step.prefill:  # every row at positions 0..T-1
             k_all.index_copy_(2, step.positions[0], k.to(k_all.dtype))
             v_all.index_copy_(2, step.positions[0], v.to(v_all.dtype))
             return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
@@ -102,10 +102,7 @@ class LayerCache:
         over_cache = getattr(attn_fn, "kv_cache", None)
         if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
             return over_cache(q, k_all, v_all, step.lengths(), window)
-        mask = step.mask  # (B, 1, T, S)
-        if window is not None:
-            keys = torch.arange(mask.shape[-1], device=mask.device)  # (S,)
-            mask = mask & (keys >= step.positions[..., None] - window)[:, None]
+        mask = step.mask(window)  # (B, 1, T, S)
         group = q.shape[1] // k_all.shape[1]
         if group > 1:
             k_all = k_all.repeat_interleave(group, dim=1)  # (B, H, S, Dh)
@@ -115,13 +112,14 @@ class LayerCache:
 
 class CacheStep:
     """One cached forward: the cache, the positions (B, T) of the new tokens (a row each: the
-    rows of a batch may stand at different positions), and the mask (B, 1, T, S) bool of the
-    keys each may see (None for a prefill from position 0)."""
+    rows of a batch may stand at different positions), and whether it is a prefill from
+    position 0 (the new keys are all the keys) or a decode step over the cache."""
 
-    def __init__(self, cache: KVCache, positions: torch.Tensor, mask: torch.Tensor | None) -> None:
+    def __init__(self, cache: KVCache, positions: torch.Tensor, prefill: bool) -> None:
         self.cache = cache
         self.positions = positions
-        self.mask = mask
+        self.prefill = prefill
+        self._masks: dict[int | None, torch.Tensor] = {}
         self._lengths: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
 
@@ -135,6 +133,17 @@ class CacheStep:
                 :, None
             ]
         return self._rows
+
+    def mask(self, window: int | None = None) -> torch.Tensor:
+        """(B, 1, T, S) bool: the cache rows each new token may see (key position <= its
+        position, and >= its position - `window`), for the backends without a `kv_cache`
+        function; made once per step, and only by those."""
+        if window not in self._masks:
+            keys = torch.arange(self.cache.max_len, device=self.positions.device)  # (S,)
+            pos = self.positions[..., None]  # (B, T, 1)
+            seen = keys <= pos if window is None else (keys <= pos) & (keys >= pos - window)
+            self._masks[window] = seen[:, None]
+        return self._masks[window]
 
     def lengths(self) -> torch.Tensor:
         """int32 (B,): each row's cache rows filled once the new tokens are stored (its last
@@ -150,9 +159,7 @@ def _decode_logits(
 ) -> torch.Tensor:
     """Logits (B, V) of the last of `tokens` (B, T) fed at `positions` (B, T) against the
     cache. Static shapes for a fixed B and T: what `Decoder` compiles and captures."""
-    keys = torch.arange(cache.max_len, device=positions.device)  # (S,)
-    mask = (keys <= positions[..., None])[:, None]  # (B, 1, T, S): key pos <= query pos
-    h = model.hidden_states(tokens, kv_cache=CacheStep(cache, positions, mask))  # (B, T, D)
+    h = model.hidden_states(tokens, kv_cache=CacheStep(cache, positions, prefill=False))
     return model.lm_head(h[:, -1])  # (B, V)
 
 
@@ -271,7 +278,7 @@ class Decoder:
             self._pos = torch.zeros(b, 1, dtype=torch.long, device=self.device)
             self._graph = None
         positions = torch.arange(t, device=self.device).expand(b, t)  # (B, T)
-        step = CacheStep(self.cache, positions, mask=None)
+        step = CacheStep(self.cache, positions, prefill=True)
         h = self.model.hidden_states(tokens, kv_cache=step)  # (B, T, D)
         self._furthest = max(lengths)
         if prompt_lengths is None:
