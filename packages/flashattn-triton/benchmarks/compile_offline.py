@@ -188,7 +188,7 @@ class _Capture:
 
 def capture_launches(
     shape, n_k, dtype, causal, scheme, tma=True, kv_heads=None, window=(-1, -1), varlen=0,
-    kvcache=False,
+    kvcache=False, append=0,
 ):  # fmt: skip
     """Run the launchers on meta tensors; return the kernel launches they would make.
 
@@ -197,7 +197,7 @@ def capture_launches(
     ``kv_heads``, ``window``: grouped-query heads and a sliding window; ``varlen``: that
     many packed sequences of at most N tokens (B*N tokens in all), through
     ``launch_varlen``; ``kvcache``: a forward over a cache of n_k rows with a key count per
-    sequence, through ``launch_kvcache``."""
+    sequence, through ``launch_kvcache``, storing ``append`` new rows first where nonzero."""
     from flashattn_triton import (
         kernels,
         launch,
@@ -213,7 +213,7 @@ def capture_launches(
         LOG2E = kernels.LOG2E
 
     for name in dir(kernels):
-        if name.startswith("attn_"):
+        if name.startswith(("attn_", "kv_")):
             setattr(K, name, _Capture(getattr(kernels, name), log))
 
     def packed_rows(lse2, delta):  # meta tensors have no addresses to compare
@@ -253,7 +253,8 @@ def capture_launches(
     k = torch.empty((b, h_kv, n_k, d), dtype=dtype, device="meta")
     if kvcache:
         seqlens = torch.empty((b,), dtype=torch.int32, device="meta")
-        launch_kvcache.forward_kvcache(q, k, k, seqlens, causal, d**-0.5, *window)
+        new = [torch.empty((b, h_kv, append, d), dtype=dtype, device="meta")] * 2 if append else ()
+        launch_kvcache.forward_kvcache(q, k, k, seqlens, causal, d**-0.5, *window, *new)
         return log
     o, lse = launch.forward(q, k, k, causal, d**-0.5, *window)
     if o.shape[2] > 16:  # a decode-sized forward runs no backward here
@@ -309,6 +310,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", default="-1,-1", help="window_size left,right (-1: unbounded)")
     ap.add_argument("--varlen", type=int, default=0, help="B packed sequences of up to N tokens")
     ap.add_argument("--kvcache", action="store_true", help="a forward over a KV cache of --nk rows")
+    ap.add_argument("--append", type=int, default=0, help="with --kvcache: new rows stored first")
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
@@ -320,6 +322,7 @@ def main(argv=None) -> int:
     log = capture_launches(
         shape, a.nk or shape[2], DTYPES[a.dtype], a.causal, a.bwd, tma=not a.pointers,
         kv_heads=a.kv_heads, window=window, varlen=a.varlen, kvcache=a.kvcache,
+        append=a.append,
     )  # fmt: skip
     features = ("USE_TMA", "REG_A", "GQA", "WINDOW", "VARLEN", "SPLIT", "KV_LENS")
     for fn, _grid, bound, w, s, maxnreg in log:

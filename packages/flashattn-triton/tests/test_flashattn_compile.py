@@ -23,7 +23,11 @@ def _compile(*sets: str) -> dict[str, str]:
         args += ["--set", item]
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("attn_")}
+    return {
+        line.split()[0]: line
+        for line in out.stdout.splitlines()
+        if line.startswith(("attn_", "kv_"))
+    }
 
 
 def _field(line: str, pattern: str) -> int:
@@ -57,7 +61,11 @@ def _compile_features(*argv: str) -> dict[str, str]:
         [sys.executable, str(BENCH), *argv], capture_output=True, text=True, env=env, timeout=600
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    return {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("attn_")}
+    return {
+        line.split()[0]: line
+        for line in out.stdout.splitlines()
+        if line.startswith(("attn_", "kv_"))
+    }
 
 
 @pytest.mark.timeout(600)
@@ -85,6 +93,8 @@ def test_feature_kernels_compile_for_hopper():
     step = _compile_features("--shape", "8,32,4,128", *cache)
     assert "'KV_LENS': True" in step["attn_fwd_decode_kernel"], step
     assert "'SPLIT': True" in step["attn_fwd_decode_kernel"]
-    chunk = _compile_features("--shape", "2,32,300,128", *cache)
+    # ... and a chunk of 300 new rows stored by the call first (k=, v=)
+    chunk = _compile_features("--shape", "2,32,300,128", *cache, "--append", "300")
     assert "'KV_LENS': True" in chunk["attn_fwd_kernel"], chunk
     assert " local 0" in chunk["attn_fwd_kernel"], chunk  # no register spills
+    assert " local 0" in chunk["kv_append_kernel"], chunk

@@ -382,3 +382,39 @@ def test_kvcache_decode_step_in_a_cuda_graph():
             graph.replay()
             want = fa.flash_attention_kvcache(q, k, v, seqlens, True)
             torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_new", [1, 300])
+def test_kvcache_append_in_a_cuda_graph(n_new):
+    """New rows passed with the call (k=, v=) are stored at each sequence's length and
+    attended: the same result and cache, bit for bit, as storing them first and counting
+    them in the lengths; and a captured step replays with the lengths advanced in place."""
+    g = _gen(9)
+    b, h_q, h_kv, s, d = 4, 32, 8, 4096, 128
+    q = _randn(b, h_q, n_new, d, dtype=torch.bfloat16, g=g)
+    k = _randn(b, h_kv, s, d, dtype=torch.bfloat16, g=g)
+    v = _randn(b, h_kv, s, d, dtype=torch.bfloat16, g=g)
+    k_new = _randn(b, h_kv, n_new, d, dtype=torch.bfloat16, g=g)
+    v_new = _randn(b, h_kv, n_new, d, dtype=torch.bfloat16, g=g)
+    lens = [0, 1000, s - n_new, 7]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    k_ref, v_ref = k.clone(), v.clone()
+    for i, n in enumerate(lens):
+        k_ref[i, :, n : n + n_new], v_ref[i, :, n : n + n_new] = k_new[i], v_new[i]
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=k_new, v=v_new)
+        want = fa.flash_attention_kvcache(q, k_ref, v_ref, seqlens + n_new, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(k, k_ref)
+    assert torch.equal(v, v_ref)
+    with torch.no_grad():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=k_new, v=v_new)
+        seqlens.copy_(torch.tensor([5, 2000, 100, 9]))
+        graph.replay()
+        for i, n in enumerate([5, 2000, 100, 9]):
+            k_ref[i, :, n : n + n_new], v_ref[i, :, n : n + n_new] = k_new[i], v_new[i]
+        want = fa.flash_attention_kvcache(q, k_ref, v_ref, seqlens + n_new, True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert torch.equal(k, k_ref)

@@ -188,6 +188,169 @@ def test_custom_op_passes_opcheck():
     )
 
 
+# ---- new rows stored by the call (k=, v=) -------------------------------------------------
+
+
+def _appended(k, v, k_new, v_new, lens):
+    """The caches after storing k_new, v_new from row lens[b] on, rows past S dropped."""
+    k, v = k.clone(), v.clone()
+    for b, n in enumerate(lens):
+        n = max(0, min(n, k.shape[2]))
+        rows = min(k_new.shape[2], k.shape[2] - n)
+        k[b, :, n : n + rows] = k_new[b, :, :rows]
+        v[b, :, n : n + rows] = v_new[b, :, :rows]
+    return k, v
+
+
+def _check_append(backend, shape, lens, n_new, causal, window):
+    q, k, v = _cache(*shape)
+    b, _, h_kv, _, _ = shape
+    k_new, v_new = torch.randn(b, h_kv, n_new, 16), torch.randn(b, h_kv, n_new, 16)
+    want_k, want_v = _appended(k, v, k_new, v_new, lens)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    with torch.no_grad():
+        o, lse = fa.flash_attention_kvcache(
+            q, k, v, seqlens, causal, window_size=window, return_lse=True, k=k_new, v=v_new,
+            backend=backend,
+        )  # fmt: skip
+    assert torch.equal(k, want_k), "the cache rows stored"
+    assert torch.equal(v, want_v), "the cache rows stored"
+    assert seqlens.tolist() == lens, "cache_seqlens is the caller's to advance"
+    seen = [max(n, 0) + n_new for n in lens]  # a negative length counts as 0
+    ref_o, ref_lse = _reference(q, want_k, want_v, seen, causal, window)
+    assert rel_err(o, ref_o) < 1e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if fin.any():
+        assert (lse[fin].double() - ref_lse[fin]).abs().max().item() < 1e-5
+
+
+# (batch, q heads, k/v heads, Nq, S), lengths before the call, new rows, causal, window.
+APPEND = [
+    ((3, 4, 2, 1, 70), [69, 0, 33], 1, True, (-1, -1)),  # decode: one new row each, GQA
+    ((2, 8, 1, 3, 90), [5, 87], 3, True, (20, -1)),  # MQA, a window, the cache filled up
+    ((2, 2, 2, 2, 64), [63, 60], 5, False, (-1, -1)),  # rows past S dropped, counts clamped
+    ((2, 2, 1, 4, 50), [-3, 20], 4, True, (-1, -1)),  # a negative length counts as 0
+]
+APPEND_DENSE = [
+    ((2, 2, 2, 40, 90), [10, 50], 40, True, (-1, -1)),  # a chunk of 40 queries and rows
+    ((2, 4, 2, 33, 80), [0, 47], 33, True, (9, -1)),
+]
+
+
+@pytest.mark.parametrize(("shape", "lens", "n_new", "causal", "window"), APPEND + APPEND_DENSE)
+def test_append_torch_backend(shape, lens, n_new, causal, window):
+    _check_append("torch", shape, lens, n_new, causal, window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("shape", "lens", "n_new", "causal", "window"), APPEND)
+def test_append_triton_decode_kernels(shape, lens, n_new, causal, window, small_tiles, monkeypatch):
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    _check_append("triton", shape, lens, n_new, causal, window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("shape", "lens", "n_new", "causal", "window"), APPEND_DENSE + APPEND[1:2])
+def test_append_triton_forward_kernel(shape, lens, n_new, causal, window, small_tiles, monkeypatch):
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1 << 30)
+    _check_append("triton", shape, lens, n_new, causal, window)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_into_strided_caches_from_strided_rows(backend, small_tiles):
+    """(B, S, H, d) caches passed transposed take the rows in place; new rows laid out
+    (B, T, H, d) (as a model's qkv projection gives them) are read where they are; an int
+    length works as a tensor of it."""
+    q, k, v = _cache(2, 4, 2, 1, 30)
+    k_bshd, v_bshd = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    k_new = torch.randn(2, 1, 2, 16).transpose(1, 2)  # (B, Hkv, 1, d), strided
+    v_new = torch.randn(2, 1, 2, 16).transpose(1, 2)
+    want_k, want_v = _appended(k, v, k_new, v_new, [12, 12])
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(
+            q, k_bshd.transpose(1, 2), v_bshd.transpose(1, 2), 12, True, k=k_new, v=v_new,
+            backend=backend,
+        )  # fmt: skip
+    assert torch.equal(k_bshd.transpose(1, 2), want_k)
+    assert torch.equal(v_bshd.transpose(1, 2), want_v)
+    ref_o, _ = _reference(q, want_k, want_v, [13, 13], True, (-1, -1))
+    assert rel_err(got, ref_o) < 1e-5
+
+
+@needs_interpreter
+def test_append_decode_loop_matches_writing_the_cache_first(small_tiles, monkeypatch):
+    """A decode loop that passes each step's row and advances the lengths in place (the same
+    tensors every step: replayed launches) gives what writing the row first gives."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    _, k, v = _cache(2, 4, 2, 1, 24)
+    k_ref, v_ref = k.clone(), v.clone()
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    q = torch.empty(2, 4, 1, 16)
+    k_new, v_new = torch.empty(2, 2, 1, 16), torch.empty(2, 2, 1, 16)
+    with torch.no_grad():
+        for _ in range(4):
+            for t in (q, k_new, v_new):
+                t.copy_(torch.randn(t.shape))
+            got = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=k_new, v=v_new)
+            lens = seqlens.tolist()
+            k_ref, v_ref = _appended(k_ref, v_ref, k_new, v_new, lens)
+            seqlens += 1
+            want = fa.flash_attention_kvcache(q, k_ref, v_ref, seqlens, True, backend="torch")
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(k, k_ref)
+    assert torch.equal(v, v_ref)
+
+
+@needs_interpreter
+def test_append_no_query_still_stores_the_rows():
+    _, k, v = _cache(2, 2, 2, 1, 20)
+    k_new, v_new = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    want_k, want_v = _appended(k, v, k_new, v_new, [4, 18])
+    with torch.no_grad():
+        o = fa.flash_attention_kvcache(
+            torch.randn(2, 2, 0, 16), k, v, torch.tensor([4, 18], dtype=torch.int32), True,
+            k=k_new, v=v_new, backend="triton",
+        )  # fmt: skip
+    assert o.shape == (2, 2, 0, 16)
+    assert torch.equal(k, want_k)
+    assert torch.equal(v, want_v)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_append_torch_compile_fullgraph_stores_in_place(compile_backend):
+    """Compiled in one graph, the call still stores into the caller's caches."""
+
+    def step(q, k, v, seqlens, k_new, v_new):
+        o = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=k_new, v=v_new, backend="triton")
+        return o * 2
+
+    q, k, v = _cache(2, 4, 2, 1, 24)
+    k_new, v_new = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
+    seqlens = torch.tensor([23, 9], dtype=torch.int32)
+    k2, v2 = k.clone(), v.clone()
+    compiled = torch.compile(step, fullgraph=True, backend=compile_backend)
+    with torch.no_grad():
+        eager = step(q, k, v, seqlens, k_new, v_new)
+        got = compiled(q, k2, v2, seqlens, k_new, v_new)
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
+    assert torch.equal(k2, k)
+    assert torch.equal(v2, v)
+
+
+@needs_interpreter
+def test_append_custom_op_passes_opcheck():
+    q, k, v = _cache(2, 4, 2, 3, 20)
+    seqlens = torch.tensor([10, 7], dtype=torch.int32)
+    k_new, v_new = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    torch.library.opcheck(
+        torch.ops.flashattn_triton.kvcache_append_fwd.default,
+        (q, k, v, seqlens, k_new, v_new, True, 0.25, 3, 0),
+    )
+
+
 # ---- bad inputs: clear errors naming the argument, before any launch ----------------------
 
 
@@ -222,5 +385,22 @@ def test_bad_inputs(backend, no_launch):
         call(q, k, v, 3.0)
     with pytest.raises(ValueError, match="window_size values"):
         call(q, k, v, ok, window_size=(-2, 0))
+    new = torch.randn(2, 2, 1, 16)
+    with pytest.raises(
+        ValueError, match=r"k and v \(the new rows to store\) must be given together"
+    ):
+        call(q, k, v, ok, k=new)
+    with pytest.raises(ValueError, match=r"v must match v_cache in batch, heads and head_dim"):
+        call(q, k, v, ok, k=new, v=torch.randn(2, 1, 1, 16))
+    with pytest.raises(TypeError, match="k must have k_cache's dtype"):
+        call(q, k, v, ok, k=new.double(), v=new)
+    with pytest.raises(ValueError, match="the same number of new rows, got 1 and 2"):
+        call(q, k, v, ok, k=new, v=torch.randn(2, 2, 2, 16))
+    with pytest.raises(ValueError, match="k_cache must have a unit last stride"):
+        call(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, ok, k=new, v=new)
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ new rows = 16 \+ 1 exceeds"):
+        call(q, k, v, 16, k=new, v=new)
+    with pytest.raises(RuntimeError, match="computes no gradients"):
+        fa.flash_attention_kvcache(q, k, v, ok, k=new.requires_grad_(), v=new, backend=backend)
     with pytest.raises(RuntimeError, match="computes no gradients"):
         fa.flash_attention_kvcache(q.requires_grad_(), k, v, ok, backend=backend)

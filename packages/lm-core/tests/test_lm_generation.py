@@ -104,15 +104,17 @@ def test_compiled_decode_step_is_one_graph_without_breaks():
 
 def test_flash_triton_decodes_over_the_filled_cache_rows(monkeypatch):
     """With the flash-triton backend the decode step runs `flash_attention_kvcache` over the
-    cache's filled rows (the lengths computed on the device), GQA and windows included, and
-    generates the tokens of re-running the prefix; compiled, the step stays one graph."""
+    cache's filled rows (the lengths computed on the device), storing the step's keys and
+    values in the same call, GQA and windows included, and generates the tokens of
+    re-running the prefix; compiled, the step stays one graph."""
     fa = pytest.importorskip("flashattn_triton")
     calls = []
     real = fa.flash_attention_kvcache
 
-    def spy(q, k, v, lengths, *args, **kwargs):
+    def spy(q, k_cache, v_cache, lengths, *args, **kwargs):
+        assert kwargs["k"].shape == kwargs["v"].shape == (2, 2, 1, k_cache.shape[-1])
         calls.append(lengths.clone())
-        return real(q, k, v, lengths, *args, **kwargs)
+        return real(q, k_cache, v_cache, lengths, *args, **kwargs)
 
     monkeypatch.setattr(fa, "flash_attention_kvcache", spy)
     model = _model(5, attention="flash-triton", num_kv_heads=2, sliding_window=6)
@@ -121,8 +123,8 @@ def test_flash_triton_decodes_over_the_filled_cache_rows(monkeypatch):
     assert torch.equal(Decoder(model).generate(prompt, 12, temperature=0), expected)
     layers = model.config.num_layers
     assert len(calls) == 11 * layers  # every decode step of every layer (not the prefill)
-    assert calls[0].tolist() == [6, 6]  # prompt 5 + the first new token
-    assert calls[-1].tolist() == [16, 16]
+    assert calls[0].tolist() == [5, 5]  # the prompt's rows; the first new token goes next
+    assert calls[-1].tolist() == [15, 15]
     monkeypatch.setattr(fa, "flash_attention_kvcache", real)  # the spy would break the graph
     graphs, capture = _graph_counter()
 

@@ -24,6 +24,7 @@ def test_smoke_run_every_case(tmp_path):
         ("window", "sdpa-full-causal"), ("window", "sdpa-window-mask"),
         ("decode", "ours-split-kv"), ("decode", "ours-no-split"), ("decode", "sdpa"),
         ("kvcache", "ours"), ("kvcache", "sdpa-masked-cache"), ("kvcache", "sdpa-per-sequence"),
+        ("kvcache", "ours-storing-the-token"), ("kvcache", "sdpa-index_put-then-masked"),
     }  # fmt: skip
     assert all(r["status"] == "ok" for r in rows), rows
     for r in rows:
@@ -43,10 +44,15 @@ def test_kvcache_case_matches_sdpa_per_sequence():
     size = af.SIZES["kvcache"][1]
     cells, lens = af.kvcache_cells(size, torch.float32, torch.device("cpu"), torch.Generator())
     assert len(lens) == size["batch"]
-    ours, masked, per_seq = (c.fwd for c in cells)
+    ours, masked, per_seq, ours_storing, sdpa_storing = (c.fwd for c in cells)
     with torch.no_grad():
         torch.testing.assert_close(ours(), masked(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours(), torch.cat(per_seq()), rtol=1e-5, atol=1e-5)
+        # the storing steps write the same token into the same row and attend over it: equal
+        # to each other and to the masked SDPA over the cache they wrote
+        stored = ours_storing()
+        torch.testing.assert_close(stored, sdpa_storing(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stored, masked(), rtol=1e-5, atol=1e-5)
 
 
 def test_useful_flops_count_visible_pairs():

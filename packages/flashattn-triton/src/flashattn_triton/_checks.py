@@ -283,3 +283,57 @@ def check_kvcache(
         raise ValueError(
             f"cache_seqlens must lie in [0, {n_k}] (the cache's length), got {cache_seqlens}"
         )
+
+
+def check_kv_append(
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | int,
+) -> None:
+    """Check the new rows ``k``, ``v`` (B, Hkv, n_new, d) that ``flash_attention_kvcache``
+    stores into the caches (checked already): both or neither, the caches' batch, heads,
+    head dims, dtype and device, one count of new rows; caches written in place need a unit
+    last stride; an int ``cache_seqlens`` leaves room for the new rows."""
+    if k is None and v is None:
+        return
+    if k is None or v is None:
+        raise ValueError("k and v (the new rows to store) must be given together")
+    for name, new, cache, cache_name in (
+        ("k", k, k_cache, "k_cache"),
+        ("v", v, v_cache, "v_cache"),
+    ):
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(new).__name__}")
+        if new.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape (batch, kv_heads, new_seq, head_dim), got shape "
+                f"{tuple(new.shape)}"
+            )
+        want = (cache.shape[0], cache.shape[1], cache.shape[3])
+        if (new.shape[0], new.shape[1], new.shape[3]) != want:
+            raise ValueError(
+                f"{name} must match {cache_name} in batch, heads and head_dim {want}, got shape "
+                f"{tuple(new.shape)}"
+            )
+        if new.dtype != cache.dtype:
+            raise TypeError(f"{name} must have {cache_name}'s dtype {cache.dtype}, got {new.dtype}")
+        if new.device != cache.device:
+            raise ValueError(
+                f"{name} must be on {cache_name}'s device {cache.device}, got {new.device}"
+            )
+        if cache.stride(-1) != 1:
+            raise ValueError(
+                f"{cache_name} must have a unit last stride to take new rows in place, got "
+                f"strides {cache.stride()}"
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must hold the same number of new rows, got {k.shape[2]} and {v.shape[2]}"
+        )
+    if isinstance(cache_seqlens, int) and cache_seqlens + k.shape[2] > k_cache.shape[2]:
+        raise ValueError(
+            f"cache_seqlens + new rows = {cache_seqlens} + {k.shape[2]} exceeds the cache's "
+            f"length {k_cache.shape[2]}"
+        )

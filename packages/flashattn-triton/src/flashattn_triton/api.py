@@ -9,6 +9,7 @@ from . import launch_kvcache, ops
 from ._checks import (
     MAX_HEAD_DIM,
     TRITON_DTYPES,
+    check_kv_append,
     check_kvcache,
     check_offsets,
     check_qkv,
@@ -23,6 +24,7 @@ from .autograd import (
     WindowedFlashAttention,
     forward_without_grad,
 )
+from .launch_common import append_kv_torch
 from .torch_impl import (
     FlashAttention2Torch,
     TorchAttention,
@@ -190,10 +192,13 @@ def flash_attention_kvcache(
     window_size: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
     *,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of new queries over a KV cache whose filled length differs per sequence
-    (flash-attn's ``flash_attn_with_kvcache`` without the in-place append).
+    (flash-attn's ``flash_attn_with_kvcache``, rotary embeddings, paged caches and
+    ``cache_batch_idx`` apart).
 
     q (B, Hq, Nq, d); k_cache, v_cache (B, Hkv, S, d) with S rows allocated (Hkv divides Hq,
     grouped-query heads as in :func:`flash_attention`; any strides with a unit last stride,
@@ -201,9 +206,16 @@ def flash_attention_kvcache(
     sequence are filled, an int32 (B,) tensor on q's device or one int for all. Sequence b
     attends to its keys [0, cache_seqlens[b]), and ``causal`` / ``window_size`` align to that
     length as :func:`flash_attention` aligns to Nk: the queries are the last Nq positions
-    (query i sees key j <= i + cache_seqlens[b] - Nq). Write the new tokens' keys and values
-    into the cache first. Returns o (B, Hq, Nq, d), with ``return_lse`` also lse (B, Hq, Nq)
-    float32.
+    (query i sees key j <= i + cache_seqlens[b] - Nq). Returns o (B, Hq, Nq, d), with
+    ``return_lse`` also lse (B, Hq, Nq) float32.
+
+    ``k``, ``v`` (B, Hkv, n_new, d), the new tokens' keys and values, are stored into the
+    caches in place at rows cache_seqlens[b] .. cache_seqlens[b] + n_new - 1 (by the same call:
+    one small kernel before the attention), and sequence b then attends to its first
+    cache_seqlens[b] + n_new keys. ``cache_seqlens`` itself is not changed: advance it
+    yourself. Rows that would land past S are dropped (an int ``cache_seqlens`` is checked to
+    leave room; a tensor's values are not read on the host). Without ``k`` and ``v``, write
+    the new keys and values into the cache first and count them in ``cache_seqlens``.
 
     The lengths are read on the device only, so a call never waits for the GPU and a CUDA
     graph replays it with lengths that change between replays (S, not the lengths, sets the
@@ -212,24 +224,31 @@ def flash_attention_kvcache(
     require grad under grad mode are refused.
     """
     check_kvcache(q, k_cache, v_cache, cache_seqlens, causal)
+    check_kv_append(k, v, k_cache, v_cache, cache_seqlens)
     left, right = _check_window_and_lse(window_size, return_lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+    tensors = (q, k_cache, v_cache) if k is None else (q, k_cache, v_cache, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError(
             "flash_attention_kvcache computes no gradients (a KV cache serves inference): "
             "call it under torch.no_grad() or torch.inference_mode(), or detach q, k_cache, "
-            "v_cache"
+            "v_cache, k and v"
         )
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if resolve_backend(backend, q) == "triton":
         check_triton_dtype_and_dim(q)
         args = (q, k_cache, v_cache, cache_seqlens, causal, scale, left, right)
-        if _compiling():
+        if k is not None and _compiling():
+            o, lse = ops.kvcache_append_fwd_launch(*args[:4], k, v, *args[4:])
+        elif _compiling():
             o, lse = ops.kvcache_fwd_launch(*args)
         else:
-            o, lse = launch_kvcache.forward_kvcache(*args)
+            o, lse = launch_kvcache.forward_kvcache(*args, k, v)
     else:
+        if k is not None:
+            append_kv_torch(k, v, k_cache, v_cache, cache_seqlens)
+            cache_seqlens = cache_seqlens.clamp(0, k_cache.shape[2]) + k.shape[2]
         o, lse = kvcache_attention_torch(
             q, k_cache, v_cache, cache_seqlens, causal, scale, (left, right)
         )

@@ -299,6 +299,7 @@ def attn_fwd_kernel(
     WINDOW: tl.constexpr,
     VARLEN: tl.constexpr,
     KV_LENS: tl.constexpr = False,
+    KV_ADD=None,
 ):
     """One program: one query tile of one (batch, head). Writes O tile and L (natural log).
 
@@ -306,8 +307,9 @@ def attn_fwd_kernel(
     ``_grouped_program``. GQA: k/v head h // kv_group. WINDOW: window_left / window_right
     bound the keys (module docstring). VARLEN: the first grid axis runs over (sequence, head);
     n_q, n_k are the packed totals and CU_Q, CU_K the sequences' int32 offsets. KV_LENS (a KV
-    cache): CU_K holds each batch element's int32 key count, clamped to [0, n_k] (n_k: the
-    cache's rows); masks align to that count."""
+    cache): CU_K holds each batch element's int32 key count, plus KV_ADD (the keys appended
+    by ``kv_append_kernel`` just before), clamped to [0, n_k] (n_k: the cache's rows); masks
+    align to that count."""
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
@@ -342,7 +344,7 @@ def attn_fwd_kernel(
         v_base += seq_k.to(tl.int64) * stride_vn
         o_base += seq_q.to(tl.int64) * stride_on
     if KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(CU_K + b32), 0), n_k)
+        n_k = tl.minimum(tl.maximum(tl.load(CU_K + b32), 0) + KV_ADD, n_k)
 
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
@@ -1190,7 +1192,7 @@ def attn_fwd_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr,
-    KV_LEN=None, KV_LENS: tl.constexpr = False,
+    KV_LEN=None, KV_LENS: tl.constexpr = False, KV_ADD=None,
 ):  # fmt: skip
     """One program: every query (n_q of them) of the kv_group query heads that share k/v head
     (b, hk), as the rows of one tile (row r: head hk * kv_group + r // n_q, query r % n_q),
@@ -1200,8 +1202,9 @@ def attn_fwd_decode_kernel(
     units; -inf where the split has no visible key) go to O_PART (B, H, S, n_q, HEAD_DIM)
     and LSE_PART (B, H, S, n_q) float32 for ``attn_fwd_combine_kernel``; else (one split)
     O and L are written directly. KV_LENS (a KV cache): KV_LEN holds each batch element's
-    int32 key count, clamped to [0, n_k]; the split's keys end there, and with WINDOW they
-    start where that element's window does (key_lo is then 0)."""
+    int32 key count, plus KV_ADD (keys appended just before), clamped to [0, n_k]; the
+    split's keys end there, and with WINDOW they start where that element's window does
+    (key_lo is then 0)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b32 = pid // n_kv_heads
@@ -1219,7 +1222,7 @@ def attn_fwd_decode_kernel(
     k_base = K + b * stride_kb + hk32.to(tl.int64) * stride_kh
     v_base = V + b * stride_vb + hk32.to(tl.int64) * stride_vh
     if KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LEN + b32), 0), n_k)
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LEN + b32), 0) + KV_ADD, n_k)
         key_hi = tl.minimum(key_hi, n_k)
 
     causal_off = n_k - n_q
@@ -1285,3 +1288,38 @@ def attn_fwd_combine_kernel(
     out = Out + b * stride_ob + h * stride_oh + i * stride_on + offs_d
     tl.store(out, o.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
     tl.store(LSE + row, (m_sub + tl.math.log2(total)) * _LN2)
+
+
+@triton.jit
+def kv_append_kernel(
+    K_NEW, V_NEW, K_CACHE, V_CACHE, KV_LEN,
+    stride_knb, stride_knh, stride_knn,
+    stride_vnb, stride_vnh, stride_vnn,
+    stride_kcb, stride_kch, stride_kcn,
+    stride_vcb, stride_vch, stride_vcn,
+    n_kv_heads, n_new, n_cache,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_N new rows of one (batch, k/v head) of K_NEW and V_NEW (B, Hkv,
+    n_new, d) stored into the caches (B, Hkv, n_cache, d) from row KV_LEN[b] (the batch
+    element's int32 key count, clamped to [0, n_cache]) on; rows that would land at or past
+    n_cache are dropped. The attention kernels launched next read KV_LEN + n_new."""
+    pid = tl.program_id(0)
+    b32 = pid // n_kv_heads
+    b = b32.to(tl.int64)
+    hk = (pid % n_kv_heads).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    start = tl.minimum(tl.maximum(tl.load(KV_LEN + b32), 0), n_cache)
+    dest = (start + offs_n).to(tl.int64)
+    read = (offs_n[:, None] < n_new) & (offs_d[None, :] < HEAD_DIM)
+    write = read & (dest[:, None] < n_cache)
+    src = offs_n.to(tl.int64)[:, None]
+    k = tl.load(K_NEW + b * stride_knb + hk * stride_knh + src * stride_knn + offs_d[None, :],
+                mask=read)  # fmt: skip
+    k_dst = K_CACHE + b * stride_kcb + hk * stride_kch + dest[:, None] * stride_kcn
+    tl.store(k_dst + offs_d[None, :], k, mask=write)
+    v = tl.load(V_NEW + b * stride_vnb + hk * stride_vnh + src * stride_vnn + offs_d[None, :],
+                mask=read)  # fmt: skip
+    v_dst = V_CACHE + b * stride_vcb + hk * stride_vch + dest[:, None] * stride_vcn
+    tl.store(v_dst + offs_d[None, :], v, mask=write)

@@ -51,6 +51,7 @@ from .launch_common import (
     _small_grid,
     _strides,
     _unit_last_stride,
+    append_kv,
     out_like,
     triton_cdiv,
 )
@@ -233,16 +234,19 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
 def _decode(
     q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None,
     call: tuple | None = None, seqlens: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] = (),
 ):  # fmt: skip
     """The forward by the split-KV decode kernels (few queries, many keys; ``forward``
     checked the shapes): the keys any query sees are split over programs, each (batch, k/v
     head) program takes the queries of all q heads that read that k/v head, and a combine
     kernel merges the splits (one split: the decode kernel writes o and lse itself).
     ``seqlens`` (``launch_kvcache``): each batch element's filled cache rows, read by the
-    kernel (KV_LENS); the splits then cover all of k's rows from key 0."""
+    kernel (KV_LENS); the splits then cover all of k's rows from key 0. ``new_kv``: new rows
+    (k, v) stored into the cache from row seqlens[b] on first (``append_kv``), each element
+    then seeing seqlens[b] + their count."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    inputs = (q, k, v) if seqlens is None else (q, k, v, seqlens)
+    inputs = (q, k, v) if seqlens is None else (q, k, v, seqlens, *new_kv)
     kind = "decode" if seqlens is None else "kvcache_decode"
     key = _layout_key(inputs, kind, causal, softmax_scale, feat) if q.is_cuda else None
     plan = _DECODE_PLANS.get(key) if key is not None else None
@@ -253,6 +257,7 @@ def _decode(
                 _DECODE_PLANS.clear()
             _DECODE_PLANS[key] = plan
     cfg, splits, keys_per_split, key_lo = plan
+    added = new_kv[0].shape[2] if new_kv else 0
     if splits > 1:
         o_part = torch.empty((b, h, splits, n_q, d), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((b, h, splits, n_q), dtype=torch.float32, device=q.device)
@@ -265,6 +270,8 @@ def _decode(
         kern = _kernels()
         block_d = C.block_d_for(d)
         kern_causal, window = (causal, False) if feat is None else (feat.causal, feat.window)
+        if new_kv:
+            append_kv(*new_kv, k, v, seqlens)
         fastlaunch.launch(
             kern.attn_fwd_decode_kernel, (b * h_kv, splits),
             q, k, v, o, lse, o_part, lse_part,
@@ -275,7 +282,7 @@ def _decode(
             HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=kern_causal, WINDOW=window,
             DOT_PRECISION=_dot_precision(q.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             EVEN_N=seqlens is None and n_k % cfg.block_n == 0, SPLIT=splits > 1,
-            **({} if seqlens is None else {"KV_LEN": seqlens, "KV_LENS": True}),
+            **({} if seqlens is None else {"KV_LEN": seqlens, "KV_LENS": True, "KV_ADD": added}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if splits > 1:

@@ -8,10 +8,13 @@
   max_seqlen_k, causal, softmax_scale, window_left, window_right) -> (o, lse)`` and
   ``varlen_bwd(do, q, k, v, o, lse, <the same>) -> (dq, dk, dv)``
 - ``flashattn_triton::kvcache_fwd(q, k_cache, v_cache, cache_seqlens, causal, softmax_scale,
-  window_left, window_right) -> (o, lse)``: forward only
+  window_left, window_right) -> (o, lse)``: forward only; ``kvcache_append_fwd(q, k_cache,
+  v_cache, cache_seqlens, k, v, <the same>)`` first stores k, v into the caches (it mutates
+  them, declared so that compile orders it and keeps the caches in place)
 
 Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch``,
-``varlen_bwd_launch`` and ``kvcache_fwd_launch`` instead (``_launch_op``): the same schemas,
+``varlen_bwd_launch``, ``kvcache_fwd_launch`` and ``kvcache_append_fwd_launch`` instead
+(``_launch_op``): the same schemas,
 launchers and fake implementations, registered without an autograd formula (the
 autograd.Functions of ``autograd``, which dynamo traces, own the backward) and without
 custom_op's Python wrappers, so that a compiled call goes from the dispatcher straight to
@@ -196,6 +199,42 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, *args):
     return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::kvcache_append_fwd", mutates_args=("k_cache", "v_cache"))
+def kvcache_append_fwd(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kvcache_fwd`` after storing k, v (B, Hkv, n_new, d) into the caches from row
+    cache_seqlens[b] on; element b then sees cache_seqlens[b] + n_new keys."""
+    return launch_kvcache.forward_kvcache(
+        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right,
+        k, v,
+    )  # fmt: skip
+
+
+@kvcache_append_fwd.register_fake
+def _kvcache_append_fwd_fake(q, k_cache, v_cache, *args):
+    return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _kvcache_append_launcher(
+    q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window_left, window_right
+):  # fmt: skip
+    """``forward_kvcache`` in the op's argument order (the new rows after the lengths)."""
+    return launch_kvcache.forward_kvcache(
+        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right,
+        k, v,
+    )  # fmt: skip
+
+
 # custom_op wraps each kernel in Python layers (an autograd kernel that redispatches, an
 # output aliasing check, a dynamo guard); a compiled graph pays them on every call
 # (benchmarks/host_cost.py --compiled). The graphs of our autograd.Functions need none of
@@ -219,3 +258,6 @@ bwd_launch = _launch_op("bwd", launch.backward, _attention_bwd_fake)
 varlen_fwd_launch = _launch_op("varlen_fwd", launch_varlen.forward_varlen, _varlen_fwd_fake)
 varlen_bwd_launch = _launch_op("varlen_bwd", launch_varlen.backward_varlen, _varlen_bwd_fake)
 kvcache_fwd_launch = _launch_op("kvcache_fwd", launch_kvcache.forward_kvcache, _kvcache_fwd_fake)
+kvcache_append_fwd_launch = _launch_op(
+    "kvcache_append_fwd", _kvcache_append_launcher, _kvcache_append_fwd_fake
+)

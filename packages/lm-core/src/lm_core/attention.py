@@ -18,10 +18,11 @@ a query sees only keys of its own document. `max_seqlen`: the longest document (
 | "flash-triton" | `flashattn_triton.flash_attention` / `flash_attention_varlen`    |
 |                | (Triton FlashAttention-2: windows skip tiles, no masks built)    |
 
-A backend may carry a `kv_cache(q, k_cache, v_cache, lengths, window=None)` attribute: the
-decode step of `lm_core.generation` over a whole preallocated cache whose first `lengths`
-rows are filled ("flash-triton": `flash_attention_kvcache`); without it the step runs SDPA
-over the whole cache under a mask.
+A backend may carry a `kv_cache(q, k_cache, v_cache, starts, k, v, window=None)` attribute:
+the decode step of `lm_core.generation` over a whole preallocated cache whose first `starts`
+rows are filled, storing the step's keys and values k, v there first ("flash-triton":
+`flash_attention_kvcache`, one call); without it the step writes the cache and runs SDPA
+over all of it under a mask.
 
 The flash backends import `flashattn_triton` lazily, when a model is built with them; without
 it installed they raise ImportError saying `pip install lm-core[flash]`.
@@ -208,13 +209,14 @@ def _load_flash_triton() -> AttentionFn:
             return flash_attention(q, k, v, causal=True, window_size=(window, 0))
         return flash_attention(q, k, v, causal=True)
 
-    def flash_triton_kv_cache(q, k_cache, v_cache, lengths, window=None) -> torch.Tensor:
-        """A decode step over the whole cache (B, Hkv, S, d) of which the first `lengths`
-        (int32 (B,), on the device) rows are filled: `flash_attention_kvcache`, causal,
-        aligned to those rows. Only they are read, and no k/v head is repeated."""
+    def flash_triton_kv_cache(q, k_cache, v_cache, starts, k, v, window=None) -> torch.Tensor:
+        """A decode step over the whole cache (B, Hkv, S, d) of which the first `starts`
+        (int32 (B,), on the device) rows are filled: `flash_attention_kvcache` stores the
+        step's k, v (B, Hkv, T, d) at rows starts[b].. and attends, causal, over the
+        starts[b] + T filled rows. Only they are read, and no k/v head is repeated."""
         window_size = (-1, -1) if window is None else (window, 0)
         return fa.flash_attention_kvcache(
-            q, k_cache, v_cache, lengths, True, window_size=window_size
+            q, k_cache, v_cache, starts, True, window_size=window_size, k=k, v=v
         )
 
     flash_triton_attention.kv_cache = flash_triton_kv_cache

@@ -9,9 +9,10 @@ Life of a `generate` call:
    `prompt_lengths`; row b then continues at position prompt_lengths[b] (positions are
    (B, T): a row each), and its padding in the cache is overwritten or masked.
 2. decode: each step feeds the B tokens just sampled, (B, 1), at position p. A block writes its
-   key and value at p and attends over the cache: with the "flash-triton" backend over its
-   first p + 1 rows (`flash_attention_kvcache`, the count computed on the device), else with
-   one `F.scaled_dot_product_attention` over all of it under a mask that hides positions > p.
+   key and value at p and attends over the cache: with the "flash-triton" backend one
+   `flash_attention_kvcache` call does both, over its first p + 1 rows (the count computed on
+   the device), else an `index_put` per tensor and one `F.scaled_dot_product_attention` over
+   all of it under a mask that hides positions > p.
    Either way the shapes are static, so the step compiles once (`torch.compile(fullgraph=True,
    dynamic=False)`) and can be captured in a CUDA graph and replayed for every token.
 3. sample: `sample_next` on the last logits (greedy at temperature 0, else top-k / top-p).
@@ -95,13 +96,15 @@ class LayerCache:
             k_all.index_copy_(2, step.positions[0], k.to(k_all.dtype))
             v_all.index_copy_(2, step.positions[0], v.to(v_all.dtype))
             return attn_fn(q, k, v) if window is None else attn_fn(q, k, v, window)
+        over_cache = getattr(attn_fn, "kv_cache", None)
+        if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
+            # stores each row's keys from its first new position on, and attends, in one call
+            k, v = k.to(k_all.dtype), v.to(v_all.dtype)
+            return over_cache(q, k_all, v_all, step.starts(), k, v, window)
         rows = step.rows()  # (B, 1)
         # each row's keys at its own positions: (B, T, Hkv, Dh) into k_all[b, :, positions[b]]
         k_all[rows, :, step.positions] = k.transpose(1, 2).to(k_all.dtype)
         v_all[rows, :, step.positions] = v.transpose(1, 2).to(v_all.dtype)
-        over_cache = getattr(attn_fn, "kv_cache", None)
-        if over_cache is not None and not (torch.is_grad_enabled() and q.requires_grad):
-            return over_cache(q, k_all, v_all, step.lengths(), window)
         mask = step.mask(window)  # (B, 1, T, S)
         group = q.shape[1] // k_all.shape[1]
         if group > 1:
@@ -120,7 +123,7 @@ class CacheStep:
         self.positions = positions
         self.prefill = prefill
         self._masks: dict[int | None, torch.Tensor] = {}
-        self._lengths: torch.Tensor | None = None
+        self._starts: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None
 
     def layer(self, index: int) -> LayerCache:
@@ -145,13 +148,13 @@ class CacheStep:
             self._masks[window] = seen[:, None]
         return self._masks[window]
 
-    def lengths(self) -> torch.Tensor:
-        """int32 (B,): each row's cache rows filled once the new tokens are stored (its last
-        new position + 1), on the device: computed from `positions` without a host sync,
-        once per step for all the layers."""
-        if self._lengths is None:
-            self._lengths = (self.positions[:, -1] + 1).to(torch.int32)
-        return self._lengths
+    def starts(self) -> torch.Tensor:
+        """int32 (B,): each row's first new position, i.e. its cache rows filled before this
+        step (a row's new positions are consecutive), on the device: computed from
+        `positions` without a host sync, once per step for all the layers."""
+        if self._starts is None:
+            self._starts = self.positions[:, 0].to(torch.int32)
+        return self._starts
 
 
 def _decode_logits(

@@ -17,7 +17,9 @@
           length per sequence, batch 8, 32 q / 8 k/v heads, d 128, forward only: ours
           (flash_attention_kvcache, the lengths on the GPU) vs SDPA over the whole cache with
           the unfilled rows masked (a static-shape decode step) vs SDPA on each sequence's
-          filled rows, one call per sequence.
+          filled rows, one call per sequence; and the whole step of a decode loop, the new
+          token's key and value stored at each sequence's length then attended: ours in one
+          call (k=, v=) vs an index_put into the cache and the masked SDPA.
 
 Every cell is a do_bench median (warm-up apart) of the eager call; forward+backward cells
 take the gradients of q, k, v for a fixed dO. TFLOP/s counts the useful work only: 4 d
@@ -281,10 +283,27 @@ def kvcache_cells(size: dict, dtype, device, gen) -> tuple[list[Cell], list[int]
             for i, n in enumerate(lens)
         ]
 
+    # A decode step that also stores its token's key and value (row lens[b] - 1, so that the
+    # attended rows are the same as above); every call rewrites the same rows.
+    k_new, v_new = (_randn((b, h_kv, 1, d), dtype, device, gen, grad=False) for _ in range(2))
+    before = seqlens - 1
+    batch_rows = torch.arange(b, device=device)[:, None]  # (B, 1)
+    new_rows = before.long()[:, None]  # (B, 1)
+
+    def ours_storing() -> torch.Tensor:
+        return flash_attention_kvcache(q, k, v, before, causal=True, k=k_new, v=v_new)
+
+    def sdpa_storing() -> torch.Tensor:
+        k[batch_rows, :, new_rows] = k_new.transpose(1, 2)
+        v[batch_rows, :, new_rows] = v_new.transpose(1, 2)
+        return sdpa_masked()
+
     return [
         Cell("ours", ours, None, flops),
         Cell("sdpa-masked-cache", sdpa_masked, None, flops, baseline=True),
         Cell("sdpa-per-sequence", sdpa_per_sequence, None, flops),
+        Cell("ours-storing-the-token", ours_storing, None, flops),
+        Cell("sdpa-index_put-then-masked", sdpa_storing, None, flops),
     ], lens
 
 
