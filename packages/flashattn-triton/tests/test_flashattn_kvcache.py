@@ -116,6 +116,45 @@ def test_triton_decode_kernels(shape, lens, causal, window, small_tiles, monkeyp
 
 
 @needs_interpreter
+@pytest.mark.parametrize("window", [(-1, -1), (40, -1)])
+def test_decode_splits_share_each_sequences_own_keys(window, small_tiles, monkeypatch):
+    """The split-KV programs divide each sequence's visible keys (its length, from its window
+    start), not the cache's S rows: a sequence filled to a fraction of S still gives every
+    split keys to read (a finite partial log-sum-exp), so the GPU stays as full as the split
+    count assumes."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    monkeypatch.setattr(configs, "decode_splits", lambda *a: 4)
+    parts, tiles = [], []
+    real = launch.fastlaunch.launch
+
+    def spy(kernel, grid, *args, **kwargs):
+        name = getattr(kernel, "__name__", str(kernel))
+        if "combine" in name:
+            parts.append(args[1].clone())  # LSE_PART (B, H, splits, n_q)
+        elif "decode" in name:
+            tiles.append(kwargs["BLOCK_N"])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(launch.fastlaunch, "launch", spy)
+    q, k, v = _cache(3, 2, 2, 1, 512)
+    lens = [100, 512, 70]
+    with torch.no_grad():
+        o = fa.flash_attention_kvcache(
+            q, k, v, torch.tensor(lens, dtype=torch.int32), True, window_size=window,
+            backend="triton",
+        )  # fmt: skip
+    ref_o, _ = _reference(q, k, v, lens, True, window)
+    assert rel_err(o, ref_o) < 1e-5
+    (lse_part,), (block_n,) = parts, tiles
+    busy = torch.isfinite(lse_part).all(dim=(1, 3)).sum(dim=1).tolist()  # per sequence
+    # visible keys: from the first query's window start (in whole tiles) to the length
+    first = [0 if window[0] < 0 else max(n - 1 - window[0], 0) // block_n * block_n for n in lens]
+    want = [min(4, -(-(n - f) // block_n)) for n, f in zip(lens, first)]
+    assert busy == want, (busy, want, block_n)
+    assert sum(busy) > 4 + 2  # more than the 1 + 4 + 1 of splits cut over the 512 rows
+
+
+@needs_interpreter
 @pytest.mark.parametrize(("shape", "lens", "causal", "window"), DENSE + DECODE[:2])
 def test_triton_forward_kernel(shape, lens, causal, window, small_tiles, monkeypatch):
     """More queries (or the decode path held off): the forward kernel with KV_LENS."""

@@ -1203,8 +1203,8 @@ def attn_fwd_decode_kernel(
     and LSE_PART (B, H, S, n_q) float32 for ``attn_fwd_combine_kernel``; else (one split)
     O and L are written directly. KV_LENS (a KV cache): KV_LEN holds each batch element's
     int32 key count, plus KV_ADD (keys appended just before), clamped to [0, n_k]; the
-    split's keys end there, and with WINDOW they start where that element's window does
-    (key_lo is then 0)."""
+    splits then share that element's keys, from its window start (WINDOW) to that count,
+    in whole tiles (key_lo, key_hi and keys_per_split unused)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b32 = pid // n_kv_heads
@@ -1223,17 +1223,25 @@ def attn_fwd_decode_kernel(
     v_base = V + b * stride_vb + hk32.to(tl.int64) * stride_vh
     if KV_LENS:
         n_k = tl.minimum(tl.maximum(tl.load(KV_LEN + b32), 0) + KV_ADD, n_k)
-        key_hi = tl.minimum(key_hi, n_k)
 
     causal_off = n_k - n_q
     left_off = 0
     if WINDOW:
         left_off = causal_off - window_left
         causal_off = causal_off + window_right
-    lo = key_lo + split * keys_per_split
-    hi = tl.minimum(lo + keys_per_split, key_hi)
-    if KV_LENS and WINDOW:  # no key before the first query's window: skip those tiles
-        lo = tl.maximum(lo, tl.maximum(left_off, 0) // BLOCK_N * BLOCK_N)
+    if KV_LENS:
+        # The splits share this sequence's visible keys (from the first query's window start
+        # to its length), not the cache's allocation: a short sequence keeps every split busy.
+        first = 0
+        if WINDOW:
+            first = tl.maximum(left_off, 0) // BLOCK_N * BLOCK_N
+        tiles = tl.cdiv(n_k - first, BLOCK_N)
+        per_split = tl.cdiv(tiles, tl.num_programs(1)) * BLOCK_N
+        lo = first + split * per_split
+        hi = tl.minimum(lo + per_split, n_k)
+    else:
+        lo = key_lo + split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, key_hi)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

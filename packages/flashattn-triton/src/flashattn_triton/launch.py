@@ -241,7 +241,8 @@ def _decode(
     head) program takes the queries of all q heads that read that k/v head, and a combine
     kernel merges the splits (one split: the decode kernel writes o and lse itself).
     ``seqlens`` (``launch_kvcache``): each batch element's filled cache rows, read by the
-    kernel (KV_LENS); the splits then cover all of k's rows from key 0. ``new_kv``: new rows
+    kernel (KV_LENS), whose splits share each element's visible keys (the plan's split count
+    is sized over k's rows, its key range unused). ``new_kv``: new rows
     (k, v) stored into the cache from row seqlens[b] on first (``append_kv``), each element
     then seeing seqlens[b] + their count."""
     b, h, n_q, d = q.shape

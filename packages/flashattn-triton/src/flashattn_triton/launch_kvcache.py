@@ -5,8 +5,9 @@ k and v are the cache, (B, Hkv, S, d) with S rows allocated; batch element b att
 first ``cache_seqlens[b]`` keys, and its masks align to that count (bottom-right, as the
 dense API's). The counts are read by the kernels, never by the host, so a call does not wait
 for the GPU and a CUDA graph can capture it with counts that change between replays. Few
-queries take the split-KV decode kernels (``launch._decode`` with the counts: splits over
-the S rows, those past an element's count end at once), more take the forward kernel with
+queries take the split-KV decode kernels (``launch._decode`` with the counts: the split
+count is chosen over the S rows, and each element's splits share its own visible keys, in
+the kernel), more take the forward kernel with
 every bounds check on. Forward only: a KV cache serves inference. Repeated 16-bit calls are
 remembered by call key in ``launch``'s cache, as the dense launchers' are (``launch_plans``).
 
