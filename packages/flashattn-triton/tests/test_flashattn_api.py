@@ -50,26 +50,31 @@ def test_bad_inputs_raise_clear_errors(make, exc, match, backend):
 
 def test_quick_input_check_accepts_only_what_the_detailed_one_does():
     """``check_qkv`` first tries one expression for the common call (``_plain_qkv``): it
-    must accept plain inputs and nothing the detailed checks would refuse."""
+    must accept plain and grouped-query inputs, and nothing the detailed checks refuse."""
     from flashattn_triton import _checks
 
-    q, k, v = _qkv(2, 3, 10, 16)
+    q, k, v = _qkv(2, 6, 10, 16)
     plain = [(q, k, v, True), (q, k, v, False), (q[0], k[0], v[0], False),
-             (q, k[:, :, :7], v[:, :, :7], True)]  # fmt: skip
+             (q, k[:, :, :7], v[:, :, :7], True), (q, k[:, :1], v[:, :1], True),
+             (q, k[:, :3, :5], v[:, :3, :5], False), (q[0], k[0, :2], v[0, :2], True),
+             (q[0, 0], k[0, 0, :5], v[0, 0, :5], True)]  # fmt: skip
     other = [
         (q, k, v, 1), (q, k.double(), v, True), (q, k, v.to("meta"), True),
         (q, k[..., :8], v, True), (q, k[:1], v[:1], True), (q, k, v[:, :, :5], True),
         (q.long(), k.long(), v.long(), True), (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], True),
-        ([1.0], k, v, True), (q, k[:, :1], v[:, :1], True),
+        ([1.0], k, v, True), (q, k[:, :4], v[:, :4], True), (q, k[:, :1], v[:, :2], True),
+        (q, k[:, :0], v[:, :0], True), (q, k[:1, :1], v[:1, :1], True),
+        (q, k[:, :2], v[:, :2], 0),
     ]  # fmt: skip
-    variants = plain + other
     accepted = []
-    for args in variants:
+    for args in plain + other:
         if _checks._plain_qkv(*args):
             _checks._check_qkv_in_detail(*args)  # must not raise
             accepted.append(args)
-    assert accepted == plain  # grouped-query heads take the detailed path
-    _checks.check_qkv(q, k[:, :1], v[:, :1], True)  # and pass it
+        else:
+            with pytest.raises((TypeError, ValueError)):
+                _checks._check_qkv_in_detail(*args)
+    assert accepted == plain
 
 
 def test_bad_flags():

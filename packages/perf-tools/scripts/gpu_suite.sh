@@ -234,7 +234,7 @@ if want features; then  # flashattn-triton's features and decode, d = 64's parts
     "$WORK/decode_split_rules.json"
   run d64_parts $PY "$FA/results/current/scripts/d64_fwd_bwd_parts.py" "$WORK/d64_parts.json"
   run generate_attention $PY -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 \
-    --providers compile+cudagraph cudagraph --attention sdpa flash-triton --quiet \
+    --providers compile+cudagraph cudagraph eager --attention sdpa flash-triton --quiet \
     --csv "$WORK/generate_attention.csv"
 fi
 if want xlstep; then  # the xl step of BENCHMARKS 1.2d / 3.3 and lm_core's kernel A/Bs

@@ -22,11 +22,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 
 
 def _plain_qkv(q, k, v, causal) -> bool:
-    """The common valid call (one dtype, device and leading shape) in one expression: every
-    call pays for the checks, and this costs about half of ``_check_qkv_in_detail`` (4.0
-    against 7.3 us, medians of nine interleaved rounds on a 2-core CPU host; per-round
-    ratios 0.48-0.66). False sends the call to that function, which accepts grouped-query
-    heads and names what is wrong otherwise."""
+    """The common valid call (one dtype and device; one leading shape, or grouped-query
+    heads: k and v alike with a divisor of q's heads, dim -3) in one expression: every call
+    pays for the checks, and this costs about half of ``_check_qkv_in_detail`` (4.0 against
+    7.3 us, medians of nine interleaved rounds on a 2-core CPU host; per-round ratios
+    0.48-0.66). Grouped-query heads took the detailed path until they were added here: 7.16
+    against 3.01 us per call, and a decode step's ``check_kvcache`` 8.85 against 3.81 us
+    (``benchmarks/check_cost.py``, the same host and method). False sends the call to that
+    function, which names what is wrong."""
     try:
         qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
         return (
@@ -38,7 +41,16 @@ def _plain_qkv(q, k, v, causal) -> bool:
             and v.dtype == dt
             and dt.is_floating_point
             and len(qs) == len(ks) == len(vs) >= 2
-            and qs[:-2] == ks[:-2] == vs[:-2]
+            and (
+                qs[:-2] == ks[:-2] == vs[:-2]
+                or (
+                    ks[:-2] == vs[:-2]
+                    and len(qs) >= 3
+                    and qs[:-3] == ks[:-3]
+                    and ks[-3] > 0
+                    and qs[-3] % ks[-3] == 0
+                )
+            )
             and ks[-2] == vs[-2]
             and qs[-1] == ks[-1] == vs[-1] >= 1
             and q.device == k.device == v.device
@@ -249,6 +261,15 @@ def check_kvcache(
 ) -> None:
     """Check q (B, Hq, Nq, d), the caches (B, Hkv, S, d) and ``cache_seqlens``: an int in
     [0, S], or an int32 (B,) tensor on q's device (its values are not read: no host sync)."""
+    if (
+        type(cache_seqlens) is torch.Tensor
+        and _plain_qkv(q, k_cache, v_cache, causal)
+        and len(q.shape) == 4
+        and cache_seqlens.dtype == torch.int32
+        and cache_seqlens.shape == (q.shape[0],)
+        and cache_seqlens.device == q.device
+    ):
+        return  # the common valid call, in one expression (each decode step pays for it)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -298,6 +319,24 @@ def check_kv_append(
     last stride; an int ``cache_seqlens`` leaves room for the new rows."""
     if k is None and v is None:
         return
+    try:  # the common valid call, in one expression (each decode step pays for it)
+        ks, vs, kc, vc = k.shape, v.shape, k_cache.shape, v_cache.shape
+        if (
+            type(cache_seqlens) is torch.Tensor
+            and len(ks) == len(vs) == 4
+            and ks[:2] == kc[:2] == vs[:2] == vc[:2]
+            and ks[2] == vs[2]
+            and ks[3] == kc[3]
+            and vs[3] == vc[3]
+            and k.dtype == k_cache.dtype
+            and v.dtype == v_cache.dtype
+            and k.device == k_cache.device == v.device == v_cache.device
+            and k_cache.stride(-1) == 1
+            and v_cache.stride(-1) == 1
+        ):
+            return
+    except AttributeError:  # not tensors: the checks below say which argument
+        pass
     if k is None or v is None:
         raise ValueError("k and v (the new rows to store) must be given together")
     for name, new, cache, cache_name in (
