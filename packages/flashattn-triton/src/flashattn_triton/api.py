@@ -24,10 +24,10 @@ from .autograd import (
     WindowedFlashAttention,
     forward_without_grad,
 )
-from .launch_common import append_kv_torch
 from .torch_impl import (
     FlashAttention2Torch,
     TorchAttention,
+    append_kv_torch,
     kvcache_attention_torch,
     varlen_attention_torch,
 )

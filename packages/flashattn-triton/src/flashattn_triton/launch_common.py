@@ -296,28 +296,6 @@ def append_kv(
     )  # fmt: skip
 
 
-def append_kv_torch(
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seqlens: torch.Tensor,
-) -> None:
-    """``append_kv`` in PyTorch, without reading the lengths on the host: every cache row
-    takes its new row where one lands there (a pass over the whole cache, as the PyTorch
-    attention over it is)."""
-    n_new, s = k_new.shape[2], k_cache.shape[2]
-    if n_new == 0 or s == 0:
-        return
-    start = seqlens.to(device=k_cache.device, dtype=torch.int64).clamp(0, s)[:, None]  # (B, 1)
-    src = torch.arange(s, device=k_cache.device) - start  # (B, S): new row landing at each row
-    lands = ((src >= 0) & (src < n_new))[:, None, :, None]  # (B, 1, S, 1)
-    index = src.clamp(0, n_new - 1)[:, None, :, None]  # (B, 1, S, 1)
-    for new, cache in ((k_new, k_cache), (v_new, v_cache)):
-        moved = new.to(cache.dtype).gather(2, index.expand(*new.shape[:2], s, new.shape[3]))
-        cache.copy_(torch.where(lands, moved, cache))
-
-
 def _interpreter_bf16(t: torch.Tensor) -> bool:
     """Triton's interpreter multiplies bfloat16 matrices wrongly (seen with triton 3.6 and
     3.9): there, run bfloat16 inputs through the float32 kernels and round the results."""

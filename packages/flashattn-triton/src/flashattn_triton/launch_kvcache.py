@@ -31,7 +31,6 @@ from .launch_common import (
     _run,
     _unit_last_stride,
     append_kv,
-    append_kv_torch,
     out_like,
     triton_cdiv,
 )
@@ -41,6 +40,7 @@ from .launch_plans import (
     call_key,
     remember_call,
 )
+from .torch_impl import append_kv_torch
 
 
 def forward_kvcache(
