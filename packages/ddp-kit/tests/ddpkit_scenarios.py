@@ -117,15 +117,18 @@ class Case:
     expect_buckets: int | str | None = None  # int, or "per-param"
 
 
-def make_wrapper(kind: str, model: nn.Module, bucket_mb: float, find_unused: bool) -> nn.Module:
+def make_wrapper(
+    kind: str, model: nn.Module, bucket_mb: float, find_unused: bool, **options
+) -> nn.Module:
+    kw = {"find_unused_parameters": find_unused, **options}
     if kind == "naive":
-        return ddp_kit.NaiveDDP(model, find_unused_parameters=find_unused)
+        return ddp_kit.NaiveDDP(model, **kw)
     if kind == "flat":
-        return ddp_kit.FlatDDP(model, find_unused_parameters=find_unused)
+        return ddp_kit.FlatDDP(model, **kw)
     if kind == "individual":
-        return ddp_kit.DDPIndividualParameters(model, find_unused_parameters=find_unused)
+        return ddp_kit.DDPIndividualParameters(model, **kw)
     if kind == "bucketed":
-        return ddp_kit.DDPBucketed(model, bucket_mb, find_unused_parameters=find_unused)
+        return ddp_kit.DDPBucketed(model, bucket_mb, **kw)
     raise ValueError(kind)
 
 
@@ -368,6 +371,62 @@ def run_correctness(rank: int, world: int, backend: str, names: list[str]) -> di
     for i, name in enumerate(names):
         results[name] = run_case(cases[name], rank, world, device, seed=i + 1)
     return results
+
+
+def run_reduce_dtype(rank: int, world: int, backend: str) -> dict[str, list[str]]:
+    """Worker: every wrapper with `reduce_dtype=torch.bfloat16` on a model with float32 and
+    float64 gradients and a parameter no rank uses. Each averaged gradient must be what
+    bf16 communication gives: the ranks' local gradients rounded to bf16, divided by the
+    world size and summed in bf16 (bit for bit on gloo with 2 ranks, where that sum has one
+    rounding; within bf16 rounding on NCCL), cast back to the parameter's dtype; and at least
+    one must differ from the exact float average (the compression took place)."""
+    device = worker_device(backend, rank)
+    out: dict[str, list[str]] = {}
+    for kind in WRAPPERS:
+        fails: list[str] = []
+        torch.manual_seed(11)
+        model = ToyNet(double=True, unused=True).to(device)
+        ddp = make_wrapper(kind, model, 25.0, False, reduce_dtype=torch.bfloat16)
+        local = ToyNet(double=True, unused=True).to(device)  # this rank's plain backward
+        local.load_state_dict(model.state_dict())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
+        compressed = False
+        for step in range(2):
+            x, y = _batch(Case(kind, {}), step, world, device, seed=5)
+            xs, ys = x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]  # (4, 6), (4, 3)
+            opt.zero_grad()
+            local_opt.zero_grad()
+            F.mse_loss(ddp(xs), ys).backward()
+            ddp.finish_gradient_synchronization()
+            F.mse_loss(local(xs), ys).backward()
+            for (name, p), lp in zip(model.named_parameters(), local.parameters()):
+                if lp.grad is None:
+                    if p.grad is not None:
+                        fails.append(f"step {step}: {name} has a gradient no rank produced")
+                    continue
+                parts = [torch.empty_like(lp.grad) for _ in range(world)]
+                dist.all_gather(parts, lp.grad.contiguous())
+                want = torch.zeros_like(lp.grad, dtype=torch.bfloat16)
+                for g in parts:
+                    want = want + g.to(torch.bfloat16) / world
+                want = want.to(p.dtype)
+                exact = torch.stack(parts).mean(0)
+                compressed |= not torch.equal(p.grad, exact)
+                same = torch.equal(p.grad, want) if backend == "gloo" else torch.allclose(
+                    p.grad, want, rtol=2 ** -7, atol=1e-6
+                )  # fmt: skip
+                if not same:
+                    err = (p.grad - want).abs().max().item()
+                    fails.append(f"step {step}: grad of {name} is {err:.2e} from bf16 averaging")
+            opt.step()
+            local.load_state_dict(model.state_dict())  # follow the averaged run
+        if not compressed:
+            fails.append("every gradient equals the exact average: nothing travelled in bf16")
+        fails += _compare_across_ranks(model, world)
+        ddp.close()
+        out[kind] = fails
+    return out
 
 
 # ----- error cases -------------------------------------------------------------------------

@@ -44,6 +44,13 @@ def test_bucket_size_must_be_a_number(bad: object) -> None:
 
 
 @pytest.mark.parametrize("cls", WRAPPER_CLASSES, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bad", [torch.int32, torch.bool, "bf16", 16])
+def test_reduce_dtype_must_be_a_floating_dtype(cls: type, bad: object) -> None:
+    with pytest.raises(TypeError, match=f"{cls.__name__}: reduce_dtype: expected None"):
+        cls(ToyNet(), reduce_dtype=bad)
+
+
+@pytest.mark.parametrize("cls", WRAPPER_CLASSES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
     ("bad", "exc"),
     [

@@ -156,6 +156,8 @@ def test_token_files_and_bf16(tmp_path):
         (["--steps", "0"], "--steps"),
         (["--batch-size", "-1"], "--batch-size"),
         (["--bucket-size-mb", "0"], "--bucket-size-mb"),
+        (["--ddp-reduce-dtype", "bf16"], "--ddp-reduce-dtype"),
+        (["--ddp", "flat", "--ddp-reduce-dtype", "int8"], "--ddp-reduce-dtype"),
         (["--steps", "10", "--warmup-steps", "20"], "--warmup-steps"),
         (["--beta2", "1.0"], "--beta2"),
         (["--grad-clip", "-1"], "--grad-clip"),

@@ -72,6 +72,24 @@ def test_every_scheme_has_a_row_with_positive_times(tmp_path, capsys):
     assert "all-reduce fit" in out
 
 
+def test_reduce_dtype_sends_half_the_bytes(tmp_path, capsys):
+    """--reduce-dtype bf16: every wrapper runs with it, the model prices half the bytes, and
+    torch DDP (whose compress hooks need NCCL) is left out on gloo with a note."""
+    out_json = tmp_path / "d.json"
+    argv = [*FAST, "--wrappers", "flat", "bucketed", "torch", "--reduce-dtype", "bf16"]
+    assert ddp.main([*argv, "--no-probe", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert [r["wrapper"] for r in data["rows"]] == ["none", "flat", "bucketed", "bucketed", "none"]
+    assert all(r["status"] == "ok" for r in data["rows"])
+    assert data["meta"]["model"]["reduce_dtype"] == "bf16"
+    captured = capsys.readouterr()
+    assert "left out on gloo" in captured.err
+    assert "sent in bf16" in captured.out
+    info = {"grad_bytes": 4 * ddp.MIB, "world": 2, "size": "t", "batch_per_rank": 1}
+    lines = ddp.summary_lines({**info, "context": 1, "reduce_dtype": "bf16"})
+    assert "sent in bf16: 2.0 MiB per step" in lines
+
+
 def test_handout_model_matches_the_closed_form():
     s, o, w = 8e9, 30e-6, 300e9
     for n in (1, 4, 32, 300):

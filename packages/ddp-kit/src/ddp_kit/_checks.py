@@ -60,6 +60,18 @@ def validate_bucket_size(bucket_size_mb: object) -> float:
     return value
 
 
+def validate_reduce_dtype(reduce_dtype: object, owner: str) -> torch.dtype | None:
+    """`reduce_dtype` (None or a floating-point torch.dtype), or a TypeError naming it."""
+    if reduce_dtype is None:
+        return None
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+        raise TypeError(
+            f"{owner}: reduce_dtype: expected None (each gradient's own dtype) or a "
+            f"floating-point torch.dtype such as torch.bfloat16, got {reduce_dtype!r}"
+        )
+    return reduce_dtype
+
+
 def is_nccl(group: ProcessGroup) -> bool:
     """True when the group's backend (or its CUDA half, for 'cpu:gloo,cuda:nccl') is NCCL."""
     return "nccl" in str(dist.get_backend(group)).lower()

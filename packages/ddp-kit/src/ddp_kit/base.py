@@ -49,6 +49,7 @@ from ddp_kit._checks import (
     is_nccl,
     module_tensors,
     resolve_group,
+    validate_reduce_dtype,
 )
 from ddp_kit._comm import Comm, _DistError, check_timeout
 from ddp_kit._join import JoinState, WrapperJoinHook, divide_flag
@@ -82,6 +83,12 @@ class DataParallelBase(nn.Module, Joinable):
             or a `datetime.timedelta` makes a collective that some rank does not join raise
             `ddp_kit.CollectiveError` (naming it and this rank) after that long. On NCCL an
             explicit timeout makes every wait block the host until the collective is done.
+        reduce_dtype: the dtype gradients travel in (torch DDP's `bf16_compress_hook` /
+            `fp16_compress_hook`): None (default) sends each in its own dtype; e.g.
+            torch.bfloat16 sends float32 gradients at half the bytes, each bucket cast into a
+            buffer of that dtype kept beside it, divided by the world size before a summing
+            collective (so float16 sums stay in range), and cast back into `.grad` after.
+            Changes the numerics: the average is rounded to `reduce_dtype`.
     """
 
     _overlap: bool = True  # send buckets from the hooks (True) or after backward (False)
@@ -93,6 +100,7 @@ class DataParallelBase(nn.Module, Joinable):
         process_group: ProcessGroup | None = None,
         find_unused_parameters: bool = False,
         timeout: float | datetime.timedelta | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -104,6 +112,7 @@ class DataParallelBase(nn.Module, Joinable):
                 f"{owner}: find_unused_parameters: expected a bool, got {find_unused_parameters!r}"
             )
         limit = check_timeout(timeout, owner)
+        self.reduce_dtype = validate_reduce_dtype(reduce_dtype, owner)
         ref = _OWNERS.get(module)
         previous = ref() if ref is not None else None
         if previous is not None and not previous._closed:
@@ -244,7 +253,10 @@ class DataParallelBase(nn.Module, Joinable):
             divisor = self._divisor()
             for bucket in self._launched:
                 bucket.handle.wait()
-                if not self._averages_in_collective(bucket) and self.world_size > 1:
+                if bucket.wire is not None:  # travelled in reduce_dtype: back into .grad
+                    bucket.reduced.view(-1).copy_(bucket.wire)
+                averaged = self._averages_in_collective(bucket) or bucket.predivided
+                if not averaged and self.world_size > 1:
                     bucket.reduced.div_(divisor)
             self._assign_missing()
         finally:
@@ -350,10 +362,17 @@ class DataParallelBase(nn.Module, Joinable):
         tensor = bucket.tensor_for_reduction()
         if bucket.flags is not None:  # sent last: every other bucket's `missing` is final
             self._write_usage_flags(bucket.flags)
-        op = dist.ReduceOp.AVG if self._averages_in_collective(bucket) else dist.ReduceOp.SUM
+        averages = self._averages_in_collective(bucket)
+        op = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
         bucket.reduced = tensor
+        sent = tensor
+        if self.reduce_dtype is not None and tensor.dtype != self.reduce_dtype:
+            sent = bucket.wire_copy(tensor, self.reduce_dtype)
+            if not averages and not self._counts_ranks() and self.world_size > 1:
+                sent.div_(self.world_size)  # a sum of N low-precision terms stays in range
+                bucket.predivided = True
         bucket.handle = self._comm.all_reduce(
-            tensor, op, ("all_reduce of gradient bucket %d of %d", (bucket.index, self.num_buckets))
+            sent, op, ("all_reduce of gradient bucket %d of %d", (bucket.index, self.num_buckets))
         )
         self._launched.append(bucket)
 

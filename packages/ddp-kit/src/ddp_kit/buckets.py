@@ -112,7 +112,12 @@ class GradBucket:
         self.pending = len(params)
         self.launched = False
         self.handle: Any = None  # the launched collective (ddp_kit._comm.Pending)
-        self.reduced: torch.Tensor | None = None  # the tensor the collective works on
+        self.reduced: torch.Tensor | None = None  # the gradients the collective averages
+        # with a reduce_dtype: the (numel,) copy that travels, kept from step to step, and
+        # whether it was divided by the world size before a summing collective
+        self.wire: torch.Tensor | None = None
+        self._wire_buffer: torch.Tensor | None = None
+        self.predivided = False
         self.missing: list[int] = []
         self._zeros: torch.Tensor | None = None  # stand-in for a single missing gradient
 
@@ -176,6 +181,15 @@ class GradBucket:
             self._zeros.zero_()
         return self._zeros
 
+    def wire_copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`tensor` (this step's `tensor_for_reduction()`) cast into this bucket's flat buffer
+        of `dtype`, allocated at the first use; it becomes `wire` for this step."""
+        buf = self._wire_buffer
+        if buf is None or buf.dtype != dtype or buf.numel() != tensor.numel():
+            buf = self._wire_buffer = torch.empty(tensor.numel(), dtype=dtype, device=self.device)
+        self.wire = buf.copy_(tensor.reshape(-1))
+        return self.wire
+
     def assign_missing(self, used_anywhere: Sequence[bool]) -> None:
         """After the reduction: give parameters that had no local gradient the reduced value
         where some rank had one (`used_anywhere[pos]`); the rest keep `.grad = None`."""
@@ -197,4 +211,6 @@ class GradBucket:
         self.launched = False
         self.handle = None
         self.reduced = None
+        self.wire = None
+        self.predivided = False
         self.missing = []

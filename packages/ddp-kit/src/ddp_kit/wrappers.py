@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from ddp_kit._checks import ProcessGroup, validate_bucket_size
@@ -77,7 +78,8 @@ class DDPBucketed(DataParallelBase):
     is allocated once, and gradients are views into it (no copy back after the reduction).
 
     Args:
-        module, process_group, find_unused_parameters, timeout: see `DataParallelBase`.
+        module, process_group, find_unused_parameters, timeout, reduce_dtype: see
+            `DataParallelBase`.
         bucket_size_mb: cap per bucket in MiB (2**20 bytes), a positive finite number.
     """
 
@@ -91,6 +93,7 @@ class DDPBucketed(DataParallelBase):
         process_group: ProcessGroup | None = None,
         find_unused_parameters: bool = False,
         timeout: float | datetime.timedelta | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.bucket_size_mb = validate_bucket_size(bucket_size_mb)
         super().__init__(
@@ -98,6 +101,7 @@ class DDPBucketed(DataParallelBase):
             process_group=process_group,
             find_unused_parameters=find_unused_parameters,
             timeout=timeout,
+            reduce_dtype=reduce_dtype,
         )
 
     def _plan(self, infos: Sequence[ParamInfo]) -> list[list[int]]:

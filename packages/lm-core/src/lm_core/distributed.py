@@ -175,6 +175,9 @@ def teardown_distributed(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
+_REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def wrap_model(
     model: nn.Module,
     ddp: str,
@@ -182,6 +185,7 @@ def wrap_model(
     *,
     compile: bool = False,
     bucket_size_mb: float = 25.0,
+    reduce_dtype: str = "none",
     fsdp: str = "none",
     bf16: bool = False,
 ) -> ParallelModel:
@@ -197,7 +201,9 @@ def wrap_model(
     - fsdp "torch" (`fully_shard` per block, then the root; bf16 parameters and fp32
       gradient reduction with `bf16`): each block compiled in place first (torch skips its
       FSDP hooks when tracing), as torchtitan does.
-    Activation checkpointing, when wanted, is applied to `model` before this.
+    Activation checkpointing, when wanted, is applied to `model` before this. `reduce_dtype`
+    ("bf16", "fp16"; "none": each gradient's dtype): what the `ddp` wrapper sends gradients
+    in (ddp_kit's `reduce_dtype`, torch DDP's compress hook).
     """
     if ddp not in DDP_CHOICES:
         raise ValueError(f"--ddp: expected one of {list(DDP_CHOICES)}, got {ddp!r}")
@@ -229,15 +235,23 @@ def wrap_model(
         wrapped = DistributedDataParallel(
             model, device_ids=device_ids, bucket_cap_mb=bucket_size_mb
         )
+        if reduce_dtype != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hooks = {
+                "bf16": default_hooks.bf16_compress_hook,
+                "fp16": default_hooks.fp16_compress_hook,
+            }
+            wrapped.register_comm_hook(None, hooks[reduce_dtype])
         module = torch.compile(wrapped) if compile else wrapped
         return ParallelModel(module, nothing, wrapped.no_sync, env.rank)
     ddp_kit = optional_import("ddp_kit", "ddp")
     cls = getattr(ddp_kit, _DDP_KIT_CLASSES[ddp])
     inner = torch.compile(model) if compile else model
+    options = {"reduce_dtype": _REDUCE_DTYPES[reduce_dtype]}
     if ddp == "bucketed":
-        wrapped = cls(inner, bucket_size_mb=bucket_size_mb)
-    else:
-        wrapped = cls(inner)
+        options["bucket_size_mb"] = bucket_size_mb
+    wrapped = cls(inner, **options)
     return ParallelModel(
         wrapped, wrapped.finish_gradient_synchronization, wrapped.no_sync, env.rank
     )

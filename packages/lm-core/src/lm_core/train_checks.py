@@ -241,6 +241,12 @@ def _check_parallel(c: TrainConfig, n: KeyNames) -> None:
                 "data.pack_documents",
                 f"{n('data.pack_documents')} is not supported with {n('parallel.tp')} yet",
             )
+    if p.reduce_dtype != "none" and p.ddp == "none":
+        raise ConfigError(
+            "parallel.reduce_dtype",
+            f"{n('parallel.reduce_dtype')} sets the dtype a {n('parallel.ddp')} wrapper sends "
+            "gradients in: it needs one",
+        )
     if p.zero and p.ddp == "none":
         raise ConfigError(
             "parallel.zero",

@@ -176,6 +176,12 @@ class ParallelOptions:
 
     ddp: DdpKind = _opt("none", "gradient synchronization wrapper")
     bucket_size_mb: float = _opt(25.0, "bucket size of --ddp bucketed / torch")
+    reduce_dtype: Literal["none", "bf16", "fp16"] = _opt(
+        "none",
+        "gradients sent by --ddp in this dtype (half the bytes; the average is rounded to it): "
+        "ddp_kit's reduce_dtype, torch DDP's compress hook (NCCL only)",
+        flag="--ddp-reduce-dtype",
+    )
     zero: bool = _opt(False, "shard optimizer state (zero_shard)")
     fsdp: FsdpKind = _opt(
         "none",

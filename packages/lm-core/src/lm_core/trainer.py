@@ -487,6 +487,7 @@ def _wrap(model: TransformerLM, config: TrainConfig, env: DistEnv) -> ParallelMo
         env,
         compile=t.compile,
         bucket_size_mb=p.bucket_size_mb,
+        reduce_dtype=p.reduce_dtype,
         fsdp=p.fsdp,
         bf16=t.bf16,
     )

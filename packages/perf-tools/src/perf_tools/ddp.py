@@ -47,6 +47,7 @@ Examples:
   python -m perf_tools.ddp                          # GPU: xl, 2 ranks, all schemes, 4 buckets
   python -m perf_tools.ddp --size tiny --nprocs 2 --context 32 --csv ddp.csv --plot ddp.png
   python -m perf_tools.ddp --size xl --nprocs 4 --wrappers bucketed torch --bucket-sizes-mb 100
+  python -m perf_tools.ddp --wrappers bucketed torch --bucket-sizes-mb 25 --reduce-dtype bf16
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ import argparse
 import math
 import os
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -71,6 +73,7 @@ WRAPPERS = ("naive", "flat", "individual", "bucketed", "torch")
 GPU_BUCKETS_MB = (1.0, 10.0, 100.0, 1000.0)
 CPU_BUCKETS_MB = (0.01, 0.1, 1.0)
 GPU_PROBE_MB = (0.0625, 1.0, 8.0, 64.0, 256.0)
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_PROBE_MB = (0.0625, 0.25, 1.0)
 COLUMNS = [
     "wrapper",
@@ -165,6 +168,7 @@ class Options:
     backend: str
     seed: int = 0
     quiet: bool = False
+    reduce_dtype: str | None = None  # "bf16" / "fp16": gradients sent in that dtype
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -205,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="all-reduce sizes (MiB) to fit o and w (default: 0.0625 1 8 64 256 on GPU, "
         "0.0625 0.25 1 on CPU)",
     )
+    p.add_argument(
+        "--reduce-dtype",
+        type=_cli.choice(tuple(REDUCE_DTYPES)),
+        help="send gradients in this dtype: ddp_kit's reduce_dtype, torch DDP's bf16 / fp16 "
+        "compress hook (default: each gradient's own dtype)",
+    )
     p.add_argument("--no-probe", action="store_true", help="skip the probe and the model")
     p.add_argument("--warmup", type=_cli.nonneg_int, help="warm-up steps (default 3 / 2)")
     p.add_argument("--iters", type=_cli.positive_int, default=5, help="timed steps (default 5)")
@@ -243,19 +253,28 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, O
     )
     if probe and len(probe) < 2:
         parser.error("argument --probe-sizes-mb: the fit needs at least two sizes")
+    wrappers = _cli.flatten(args.wrappers) or list(WRAPPERS)
+    if args.reduce_dtype and backend != "nccl" and "torch" in wrappers:
+        wrappers.remove("torch")
+        print(
+            "perf_tools.ddp: torch DDP's bf16 / fp16 compress hooks need NCCL; its row is left "
+            "out on gloo",
+            file=sys.stderr,
+        )
     opts = Options(
         size=size,
         context=args.context or (512 if on_gpu else 32),
         batch=args.batch,
         warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 2),
         iters=args.iters,
-        wrappers=_cli.flatten(args.wrappers) or list(WRAPPERS),
+        wrappers=wrappers,
         bucket_sizes_mb=_cli.flatten(args.bucket_sizes_mb)
         or list(GPU_BUCKETS_MB if on_gpu else CPU_BUCKETS_MB),
         probe_sizes_mb=probe,
         backend=backend,
         seed=args.seed,
         quiet=args.quiet,
+        reduce_dtype=args.reduce_dtype,
     )
     return args, opts
 
@@ -299,30 +318,48 @@ def _probe(opts: Options, device: torch.device) -> dict[str, float]:
 
 
 def _wrap(
-    kind: str, bucket_mb: float | None, model: nn.Module, device: torch.device
-) -> tuple[nn.Module, Callable[[], None] | None, list[int] | None, bool]:
-    """(runner, finish, bucket byte sizes in launch order, overlaps backward)."""
+    kind: str,
+    bucket_mb: float | None,
+    model: nn.Module,
+    device: torch.device,
+    reduce_dtype: str | None = None,
+) -> tuple[nn.Module, Callable[[], None] | None, list[float] | None, bool]:
+    """(runner, finish, bytes each bucket sends in launch order, overlaps backward)."""
     import ddp_kit
 
     if kind == "none":
         return model, None, [], False
+    dtype = REDUCE_DTYPES.get(reduce_dtype) if reduce_dtype else None
+    # bytes on the wire: a bucket sent in reduce_dtype carries that dtype's element size
+    shrink = 1.0 if dtype is None else dtype.itemsize / 4.0  # the models' gradients are fp32
     if kind == "torch":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
         runner = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+        if dtype is not None:
+            hook = {
+                torch.bfloat16: default_hooks.bf16_compress_hook,
+                torch.float16: default_hooks.fp16_compress_hook,
+            }[dtype]
+            runner.register_comm_hook(None, hook)
         # Modelled as our bucketing at the same cap (torch's first bucket is smaller).
         infos = [ddp_kit.buckets.ParamInfo.of(n, p) for n, p in model.named_parameters()]
         plan = ddp_kit.plan_buckets(infos, bucket_mb * MIB)
-        return runner, None, [sum(infos[i].nbytes for i in b) for b in plan], True
+        return runner, None, [shrink * sum(infos[i].nbytes for i in b) for b in plan], True
     cls = {
         "naive": ddp_kit.NaiveDDP,
         "flat": ddp_kit.FlatDDP,
         "individual": ddp_kit.DDPIndividualParameters,
     }.get(kind)
-    wrapper = cls(model) if cls is not None else ddp_kit.DDPBucketed(model, bucket_mb)
+    if cls is not None:
+        wrapper = cls(model, reduce_dtype=dtype)
+    else:
+        wrapper = ddp_kit.DDPBucketed(model, bucket_mb, reduce_dtype=dtype)
     overlap = kind in ("individual", "bucketed")
-    return wrapper, wrapper.finish_gradient_synchronization, wrapper.bucket_sizes_bytes(), overlap
+    sizes = [shrink * b for b in wrapper.bucket_sizes_bytes()]
+    return wrapper, wrapper.finish_gradient_synchronization, sizes, overlap
 
 
 def _measure(
@@ -408,7 +445,7 @@ def _run_scheme(
     plan: dict[str, Any],
 ) -> dict[str, Any]:
     """One scheme's measured columns; `plan` receives its bucket sizes, overlap and wrapper."""
-    runner, finish, buckets, overlap = _wrap(kind, bucket_mb, model, device)
+    runner, finish, buckets, overlap = _wrap(kind, bucket_mb, model, device, opts.reduce_dtype)
     plan.update(buckets=buckets, overlap=overlap, runner=runner)
     measured = _measure(opts, runner, model, optimizer, batch, finish, device, warmup)
     return {"n_buckets": len(buckets), **measured}
@@ -473,6 +510,7 @@ def run_worker(rank: int, world: int, opts: Options) -> dict[str, Any]:
         "size": opts.size,
         "context": opts.context,
         "batch_per_rank": opts.batch,
+        "reduce_dtype": opts.reduce_dtype,
     }
     return {"rows": rows, "info": info} if rank == 0 else {}
 
@@ -496,6 +534,10 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
         f"gradients: {s / MIB:,.1f} MiB per rank, {info['world']} ranks, {info['size']} "
         f"model, {info['batch_per_rank']} x {info['context']} tokens/rank"
     ]
+    sent = info.get("reduce_dtype")
+    if sent:  # the model's s is what travels
+        s = s * REDUCE_DTYPES[sent].itemsize / 4.0
+        lines.append(f"sent in {sent}: {s / MIB:,.1f} MiB per step")
     probe = info.get("probe")
     if probe:
         o, w = probe["o_s"], probe["w_Bps"]
