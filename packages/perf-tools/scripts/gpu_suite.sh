@@ -299,6 +299,8 @@ if want allreduce; then
 fi
 if want ddp; then
   run ddp $PY -m perf_tools.ddp --quiet --csv "$WORK/ddp.csv" --json "$WORK/ddp.json" --plot "$WORK/ddp.png"
+  run ddp_bf16 $PY -m perf_tools.ddp --wrappers flat bucketed torch --bucket-sizes-mb 25 100 \
+    --reduce-dtype bf16 --quiet --csv "$WORK/ddp_bf16.csv" --json "$WORK/ddp_bf16.json"
 fi
 if want zero; then
   run zero $PY -m perf_tools.zero --quiet --csv "$WORK/zero.csv" --json "$WORK/zero.json" --plot "$WORK/zero.png"
