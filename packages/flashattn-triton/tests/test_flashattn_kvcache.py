@@ -332,7 +332,9 @@ def test_append_decode_loop_matches_writing_the_cache_first(small_tiles, monkeyp
         for _ in range(4):
             for t in (q, k_new, v_new):
                 t.copy_(torch.randn(t.shape))
-            got = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=k_new, v=v_new)
+            got = fa.flash_attention_kvcache(
+                q, k, v, seqlens, True, k=k_new, v=v_new, backend="triton"
+            )
             lens = seqlens.tolist()
             k_ref, v_ref = _appended(k_ref, v_ref, k_new, v_new, lens)
             seqlens += 1
@@ -340,6 +342,27 @@ def test_append_decode_loop_matches_writing_the_cache_first(small_tiles, monkeyp
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(k, k_ref)
     assert torch.equal(v, v_ref)
+
+
+@needs_interpreter
+def test_append_in_bfloat16_matches_the_torch_backend(small_tiles, monkeypatch):
+    """bfloat16 under the interpreter takes its float32 detour: the rows still land in the
+    caller's caches, and a negative length counts as 0 there too."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    q, k, v = (t.bfloat16() for t in _cache(2, 4, 2, 2, 40))
+    k_new, v_new = torch.randn(2, 2, 2, 16).bfloat16(), torch.randn(2, 2, 2, 16).bfloat16()
+    seqlens = torch.tensor([-4, 30], dtype=torch.int32)
+    got_k, got_v, want_k, want_v = k.clone(), v.clone(), k.clone(), v.clone()
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(
+            q, got_k, got_v, seqlens, True, k=k_new, v=v_new, backend="triton"
+        )
+        want = fa.flash_attention_kvcache(
+            q, want_k, want_v, seqlens, True, k=k_new, v=v_new, backend="torch"
+        )
+    assert torch.equal(got_k, want_k)
+    assert torch.equal(got_v, want_v)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @needs_interpreter

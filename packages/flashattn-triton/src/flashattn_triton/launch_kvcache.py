@@ -74,7 +74,7 @@ def forward_kvcache(
         lens = seqlens
         if new_kv:
             append_kv_torch(*new_kv, k, v, seqlens)
-            lens = (seqlens + k_new.shape[2]).to(torch.int32)
+            lens = (seqlens.clamp(0, k.shape[2]) + k_new.shape[2]).to(torch.int32)
         o32, lse = forward_kvcache(
             q.float(), k.float(), v.float(), lens, causal, softmax_scale, window_left,
             window_right,
