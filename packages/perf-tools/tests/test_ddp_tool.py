@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from perf_tools import _dist, ddp
+from perf_tools import _dist, ddp, ddp_model
 
 FAST = [
     "--size",
@@ -94,27 +94,29 @@ def test_handout_model_matches_the_closed_form():
     s, o, w = 8e9, 30e-6, 300e9
     for n in (1, 4, 32, 300):
         equal = [s / n] * n
-        assert ddp.handout_overhead_s(equal, o, w, overlap=True) == pytest.approx(
+        assert ddp_model.handout_overhead_s(equal, o, w, overlap=True) == pytest.approx(
             s / (n * w) + n * o
         )
-        assert ddp.handout_overhead_s(equal, o, w, overlap=False) == pytest.approx(n * o + s / w)
+        assert ddp_model.handout_overhead_s(equal, o, w, overlap=False) == pytest.approx(
+            n * o + s / w
+        )
 
 
 def test_optimal_bucket_minimizes_the_model():
     s, o, w = 8e9, 30e-6, 300e9
-    b_star = ddp.optimal_bucket_bytes(s, o, w)
+    b_star = ddp_model.optimal_bucket_bytes(s, o, w)
     n_star = s / b_star
     best = min(range(1, 5000), key=lambda n: s / (n * w) + n * o)
     assert abs(best - n_star) <= 1
-    assert ddp.min_overhead_s(s, o, w) == pytest.approx(s / (n_star * w) + n_star * o)
+    assert ddp_model.min_overhead_s(s, o, w) == pytest.approx(s / (n_star * w) + n_star * o)
 
 
 def test_pipeline_model_limits():
     s, o, w = 1e9, 1e-5, 100e9  # 10 ms to send everything
     buckets = [s / 10] * 10
-    hidden = ddp.pipeline_overhead_s(buckets, o, w, backward_s=1.0, overlap=True)
+    hidden = ddp_model.pipeline_overhead_s(buckets, o, w, backward_s=1.0, overlap=True)
     assert hidden == pytest.approx(o + s / 10 / w)  # long backward: only the last bucket shows
-    exposed = ddp.pipeline_overhead_s(buckets, o, w, backward_s=1e-4, overlap=True)
+    exposed = ddp_model.pipeline_overhead_s(buckets, o, w, backward_s=1e-4, overlap=True)
     assert exposed == pytest.approx(10 * o + s / w - 1e-4 * (1 - 1 / 10), rel=1e-6)
 
 
