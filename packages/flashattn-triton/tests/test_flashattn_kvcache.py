@@ -366,6 +366,22 @@ def test_append_in_bfloat16_matches_the_torch_backend(small_tiles, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_append_of_no_rows_is_a_plain_call(backend, small_tiles, monkeypatch):
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    q, k, v = _cache(2, 4, 2, 1, 30)
+    seqlens = torch.tensor([7, 30], dtype=torch.int32)
+    empty = torch.empty(2, 2, 0, 16)
+    before = (k.clone(), v.clone())
+    with torch.no_grad():
+        got = fa.flash_attention_kvcache(q, k, v, seqlens, True, k=empty, v=empty, backend=backend)
+        want = fa.flash_attention_kvcache(q, k, v, seqlens, True, backend=backend)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(k, before[0])
+    assert torch.equal(v, before[1])
+
+
+@needs_interpreter
 def test_append_no_query_still_stores_the_rows():
     _, k, v = _cache(2, 2, 2, 1, 20)
     k_new, v_new = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)

@@ -60,7 +60,8 @@ def forward_kvcache(
     (clamped to [0, S]); rows that see no key give o = 0, lse = -inf. With k_new, v_new
     (B, Hkv, n_new, d) the cache first takes them at rows seqlens[b] .. + n_new (rows past
     S dropped), in place, and element b sees seqlens[b] + n_new keys."""
-    new_kv = () if k_new is None else (k_new, v_new)
+    # no new row (None, or none given) is no store: the call key and plan hold no new rows
+    new_kv = () if k_new is None or k_new.shape[2] == 0 else (k_new, v_new)
     inputs = (q, k, v, seqlens, *new_kv)
     call = call_key(inputs, causal, softmax_scale, window_left, window_right)
     if call is not None:
@@ -93,8 +94,6 @@ def forward_kvcache(
         return o.zero_(), lse.fill_(float("-inf"))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     new_kv = tuple(_unit_last_stride(t) for t in new_kv)
-    if new_kv and new_kv[0].shape[2] == 0:
-        new_kv = ()
     seqlens = seqlens.contiguous()
     inputs = (q, k, v, seqlens, *new_kv)
     if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS and feat.group * n_q <= C.DECODE_MAX_ROWS:
