@@ -131,11 +131,16 @@ def test_gluon_forward_never_applies_off_gpu():
 
 
 def test_gluon_forward_defaults():
-    """Only the measured head dim; 128-row programs of two 64-row warpgroups."""
-    assert set(gluon_fwd.DEFAULTS) == {128}
+    """The measured head dims: d = 128 with 128-row programs of two 64-row warpgroups; d = 64
+    with three (192 rows, 160 registers per math thread, which compiles without spills) from
+    16K keys only."""
+    assert set(gluon_fwd.DEFAULTS) == {64, 128}
     cfg = gluon_fwd.DEFAULTS[128]
     assert cfg["block_m"] == 128
     assert cfg["min_keys"] >= 1
+    d64 = gluon_fwd.DEFAULTS[64]
+    assert (d64["block_m"], d64["consumer_regs"]) == (192, 160)
+    assert d64["min_keys"] == 16384
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -168,6 +173,10 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
     assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
+    long_q = torch.zeros(1, 2, 16384, 64, dtype=torch.bfloat16)  # d = 64 from its min_keys
+    assert gluon_fwd.try_fwd(long_q, long_q, long_q, long_q, lse, True, 0.1)
+    assert launches[-1]["block_m"] == 192
+    assert launches[-1]["consumer_regs"] == 160
     set_options(head_group="auto", tile_configs="fwd=128,64,4,2")  # explicit Triton tiles
     assert not gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     set_options(tile_configs="dq=128,64,8,3")  # other kinds leave the forward alone

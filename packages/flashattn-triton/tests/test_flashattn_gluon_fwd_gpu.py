@@ -34,10 +34,10 @@ def gluon_forward(monkeypatch):
 
     monkeypatch.setattr(gluon_fwd, "launch_fwd", spy)
 
-    def allow(min_keys: int | None) -> list[tuple]:
+    def allow(min_keys: int | None, head_dim: int = 128) -> list[tuple]:
         if min_keys is not None:
-            cfg = {**gluon_fwd.DEFAULTS[128], "min_keys": min_keys}
-            monkeypatch.setitem(gluon_fwd.DEFAULTS, 128, cfg)
+            cfg = {**gluon_fwd.DEFAULTS[head_dim], "min_keys": min_keys}
+            monkeypatch.setitem(gluon_fwd.DEFAULTS, head_dim, cfg)
         launch.clear_plans()
         return launches
 
@@ -45,12 +45,12 @@ def gluon_forward(monkeypatch):
     launch.clear_plans()
 
 
-def _tensors(b, h, h_kv, n_q, n_k, dtype, seed):
+def _tensors(b, h, h_kv, n_q, n_k, dtype, seed, d=128):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, h, n_q, 128, device=DEV, generator=g).to(dtype)
-    k = torch.randn(b, h_kv, n_k, 128, device=DEV, generator=g).to(dtype)
-    v = torch.randn(b, h_kv, n_k, 128, device=DEV, generator=g).to(dtype)
-    do = torch.randn(b, h, n_q, 128, device=DEV, generator=g).to(dtype)
+    q = torch.randn(b, h, n_q, d, device=DEV, generator=g).to(dtype)
+    k = torch.randn(b, h_kv, n_k, d, device=DEV, generator=g).to(dtype)
+    v = torch.randn(b, h_kv, n_k, d, device=DEV, generator=g).to(dtype)
+    do = torch.randn(b, h, n_q, d, device=DEV, generator=g).to(dtype)
     return q, k, v, do
 
 
@@ -106,6 +106,25 @@ def test_gluon_forward(b, h, h_kv, n_q, n_k, causal, dtype, gluon_forward):
     _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
     assert launches
     assert all(s == (tuple(q.shape), tuple(k.shape)) for s in launches)
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "h_kv", "n_q", "n_k", "causal"),
+    [
+        (2, 3, 3, 1000, 1000, True),  # ragged: 5.2 programs of 192 rows
+        (1, 2, 2, 777, 777, False),
+        (1, 2, 2, 300, 500, True),  # bottom-right causal, Nq < Nk
+        (2, 8, 2, 700, 700, True),  # grouped-query heads
+        (1, 2, 2, 193, 64, False),  # one row past a program; one key tile
+    ],
+)
+def test_gluon_forward_d64_three_warpgroups(b, h, h_kv, n_q, n_k, causal, gluon_forward):
+    """d = 64: the three-warpgroup program (192 query rows), its threshold lowered so that
+    small shapes take it."""
+    launches = gluon_forward(0, head_dim=64)
+    q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q + n_k, d=64)
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
+    assert launches
 
 
 def test_gluon_forward_on_strided_views(gluon_forward):

@@ -40,10 +40,19 @@ from .options import get_options
 # its start, the first loads, is not hidden behind another program's work).
 # Query rows per math warpgroup (a program has block_m // WG_ROWS of them).
 WG_ROWS = 64
+# d = 64: three math warpgroups of 64 rows (192-row programs, 160 registers each, as
+# FlashAttention-3), from 16K keys: 1 x 16 x 16384 non-causal 2.30 against 2.52 ms for the
+# Triton forward (cuDNN 2.39), causal 1.19 against 1.26 (cuDNN 1.26); at 8K keys and below
+# the Triton forward is as fast or faster (H200, forward alone; raw
+# benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json).
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
         "min_keys": 2048,
+    },
+    64: {
+        "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
+        "consumer_regs": 160, "min_keys": 16384,
     },
 }  # fmt: skip
 
