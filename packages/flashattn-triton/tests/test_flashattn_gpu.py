@@ -22,6 +22,7 @@ from flashattn_triton import (
     FlashAttention2Triton,
     flash_attention,
     gluon_bwd,
+    gluon_fwd,
     launch,
     launch_backward,
 )
@@ -117,10 +118,12 @@ def test_backward_schemes(scheme, monkeypatch, set_options):
 ])  # fmt: skip
 def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch, set_options):
     """The default (auto) backward's Triton schemes: fused on small causal grids, split
-    elsewhere; both within the accuracy bounds. The one-pass Gluon kernel, which takes
-    long rows on Hopper, is held off (its rule: test_flashattn_onepass_gpu.py)."""
+    elsewhere; both within the accuracy bounds. The Gluon kernels that take long rows on
+    Hopper are held off: the one-pass backward (its rule: test_flashattn_onepass_gpu.py)
+    and the d = 64 forward from 16K keys (test_flashattn_gluon_fwd_gpu.py)."""
     set_options(backward="auto")
     monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1 << 40)
+    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**gluon_fwd.DEFAULTS[64], "min_keys": 1 << 40})
     seen = set()
     run = launch._run
 
