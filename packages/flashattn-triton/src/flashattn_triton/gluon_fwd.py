@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import fastlaunch
-from ._device import head_group_args
+from ._device import head_group_args, sm_count
 from .configs import parse_overrides
 from .gluon_dkdv import GL_DTYPES, HAVE_GLUON, LOG2E, _desc, launch_order, run_guarded
 from .gluon_dkdv import applies as _applies
@@ -44,7 +44,10 @@ WG_ROWS = 64
 # FlashAttention-3), from 16K keys: 1 x 16 x 16384 non-causal 2.30 against 2.52 ms for the
 # Triton forward (cuDNN 2.39), causal 1.19 against 1.26 (cuDNN 1.26); at 8K keys and below
 # the Triton forward is as fast or faster (H200, forward alone; raw
-# benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json).
+# benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json). Those wins were on
+# grids of 10 waves of programs (16 heads); ``min_waves`` keeps it to grids of 8 or more,
+# where smaller ones (a few heads, one program per SM here) keep the Triton forward, whose
+# small-grid tiles run two programs per SM.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
@@ -52,7 +55,7 @@ DEFAULTS: dict[int, dict] = {
     },
     64: {
         "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
-        "consumer_regs": 160, "min_keys": 16384,
+        "consumer_regs": 160, "min_keys": 16384, "min_waves": 8,
     },
 }  # fmt: skip
 
@@ -414,7 +417,8 @@ def launch_fwd(
 def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     """Run the Gluon forward where it applies: the Gluon kernels apply
     (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
-    ``DEFAULTS`` and at least its ``min_keys`` keys, and no forward tiles are asked for
+    ``DEFAULTS`` and at least its ``min_keys`` keys (and, where it has ``min_waves``, a grid
+    of that many waves of one program per SM), and no forward tiles are asked for
     (``Options.tile_configs`` with a ``fwd`` entry, or ``autotune``). False if the caller
     should run the Triton forward (also after a failed first compile,
     ``gluon_dkdv.run_guarded``)."""
@@ -425,8 +429,11 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     opts = get_options()
     if opts.autotune or "fwd" in parse_overrides(opts.tile_configs):
         return False  # the caller asked for the Triton forward's tiles: it gets them
-    tiles = {name: value for name, value in cfg.items() if name != "min_keys"}
-    b, h = q.shape[:2]
+    b, h, n_q = q.shape[:3]
+    programs = b * h * -(-n_q // cfg["block_m"])  # one per SM at a time
+    if programs < cfg.get("min_waves", 0) * sm_count(q):
+        return False
+    tiles = {name: value for name, value in cfg.items() if not name.startswith("min_")}
     if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
         tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
