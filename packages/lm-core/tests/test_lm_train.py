@@ -219,3 +219,10 @@ def test_module_entry_point_runs():
     )
     assert out.returncode == 0, out.stderr
     assert "step=2" in out.stdout
+
+
+def test_wrap_model_names_a_bad_reduce_dtype():
+    from lm_core.distributed import DistEnv, wrap_model
+
+    with pytest.raises(ValueError, match=r"--ddp-reduce-dtype: expected one of"):
+        wrap_model(torch.nn.Linear(2, 2), "none", DistEnv(), reduce_dtype="int8")

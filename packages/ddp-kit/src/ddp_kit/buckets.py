@@ -184,10 +184,9 @@ class GradBucket:
     def wire_copy(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`tensor` (this step's `tensor_for_reduction()`) cast into this bucket's flat buffer
         of `dtype`, allocated at the first use; it becomes `wire` for this step."""
-        buf = self._wire_buffer
-        if buf is None or buf.dtype != dtype or buf.numel() != tensor.numel():
-            buf = self._wire_buffer = torch.empty(tensor.numel(), dtype=dtype, device=self.device)
-        self.wire = buf.copy_(tensor.reshape(-1))
+        if self._wire_buffer is None:  # a bucket's size and the wrapper's dtype are fixed
+            self._wire_buffer = torch.empty(tensor.numel(), dtype=dtype, device=self.device)
+        self.wire = self._wire_buffer.copy_(tensor.reshape(-1))
         return self.wire
 
     def assign_missing(self, used_anywhere: Sequence[bool]) -> None:

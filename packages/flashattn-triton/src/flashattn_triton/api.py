@@ -247,8 +247,7 @@ def flash_attention_kvcache(
             o, lse = launch_kvcache.forward_kvcache(*args, k, v)
     else:
         if k is not None:
-            append_kv_torch(k, v, k_cache, v_cache, cache_seqlens)
-            cache_seqlens = cache_seqlens.clamp(0, k_cache.shape[2]) + k.shape[2]
+            cache_seqlens = append_kv_torch(k, v, k_cache, v_cache, cache_seqlens)
         o, lse = kvcache_attention_torch(
             q, k_cache, v_cache, cache_seqlens, causal, scale, (left, right)
         )

@@ -430,9 +430,9 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     if opts.autotune or "fwd" in parse_overrides(opts.tile_configs):
         return False  # the caller asked for the Triton forward's tiles: it gets them
     b, h, n_q = q.shape[:3]
-    programs = b * h * -(-n_q // cfg["block_m"])  # one per SM at a time
-    if programs < cfg.get("min_waves", 0) * sm_count(q):
-        return False
+    min_waves = cfg.get("min_waves")
+    if min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
+        return False  # programs (one per SM at a time) against waves of the GPU's SMs
     tiles = {name: value for name, value in cfg.items() if not name.startswith("min_")}
     if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
         tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]

@@ -72,10 +72,7 @@ def forward_kvcache(
             call = None  # the launches read copies: nothing to replay on the caller's tensors
     require_runnable(q)
     if _interpreter_bf16(q):
-        lens = seqlens
-        if new_kv:
-            append_kv_torch(*new_kv, k, v, seqlens)
-            lens = (seqlens.clamp(0, k.shape[2]) + k_new.shape[2]).to(torch.int32)
+        lens = append_kv_torch(*new_kv, k, v, seqlens) if new_kv else seqlens
         o32, lse = forward_kvcache(
             q.float(), k.float(), v.float(), lens, causal, softmax_scale, window_left,
             window_right,

@@ -199,6 +199,16 @@ def _kvcache_fwd_fake(q, k_cache, v_cache, *args):
     return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
+def _kvcache_append_launcher(
+    q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window_left, window_right
+):  # fmt: skip
+    """``forward_kvcache`` in the op's argument order (the new rows after the lengths)."""
+    return launch_kvcache.forward_kvcache(
+        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right,
+        k, v,
+    )  # fmt: skip
+
+
 @torch.library.custom_op(f"{NAMESPACE}::kvcache_append_fwd", mutates_args=("k_cache", "v_cache"))
 def kvcache_append_fwd(
     q: torch.Tensor,
@@ -214,25 +224,12 @@ def kvcache_append_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kvcache_fwd`` after storing k, v (B, Hkv, n_new, d) into the caches from row
     cache_seqlens[b] on; element b then sees cache_seqlens[b] + n_new keys."""
-    return launch_kvcache.forward_kvcache(
-        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right,
-        k, v,
+    return _kvcache_append_launcher(
+        q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window_left, window_right
     )  # fmt: skip
 
 
-@kvcache_append_fwd.register_fake
-def _kvcache_append_fwd_fake(q, k_cache, v_cache, *args):
-    return launch.out_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-def _kvcache_append_launcher(
-    q, k_cache, v_cache, cache_seqlens, k, v, causal, softmax_scale, window_left, window_right
-):  # fmt: skip
-    """``forward_kvcache`` in the op's argument order (the new rows after the lengths)."""
-    return launch_kvcache.forward_kvcache(
-        q, k_cache, v_cache, cache_seqlens, causal, softmax_scale, window_left, window_right,
-        k, v,
-    )  # fmt: skip
+kvcache_append_fwd.register_fake(_kvcache_fwd_fake)  # the same outputs as kvcache_fwd's
 
 
 # custom_op wraps each kernel in Python layers (an autograd kernel that redispatches, an
@@ -259,5 +256,5 @@ varlen_fwd_launch = _launch_op("varlen_fwd", launch_varlen.forward_varlen, _varl
 varlen_bwd_launch = _launch_op("varlen_bwd", launch_varlen.backward_varlen, _varlen_bwd_fake)
 kvcache_fwd_launch = _launch_op("kvcache_fwd", launch_kvcache.forward_kvcache, _kvcache_fwd_fake)
 kvcache_append_fwd_launch = _launch_op(
-    "kvcache_append_fwd", _kvcache_append_launcher, _kvcache_append_fwd_fake
+    "kvcache_append_fwd", _kvcache_append_launcher, _kvcache_fwd_fake
 )

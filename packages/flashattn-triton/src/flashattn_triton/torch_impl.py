@@ -303,19 +303,22 @@ def append_kv_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seqlens: torch.Tensor,
-) -> None:
+) -> torch.Tensor:
     """Store k_new, v_new (B, Hkv, n_new, d) into the caches (B, Hkv, S, d) from row
     seqlens[b] on (clamped to [0, S]; rows past S dropped; ``launch_common.append_kv`` in
     PyTorch), without reading the lengths on the host: every cache row takes its new row
     where one lands there (a pass over the whole cache, as the PyTorch attention over it
-    is)."""
+    is). Returns the int32 (B,) key counts the attention then sees: the clamped lengths
+    plus n_new, as the kernels' KV_ADD counts them."""
     n_new, s = k_new.shape[2], k_cache.shape[2]
-    if n_new == 0 or s == 0:
-        return
     start = seqlens.to(device=k_cache.device, dtype=torch.int64).clamp(0, s)[:, None]  # (B, 1)
+    seen = (start[:, 0] + n_new).to(torch.int32)
+    if n_new == 0 or s == 0:
+        return seen
     src = torch.arange(s, device=k_cache.device) - start  # (B, S): new row landing at each row
     lands = ((src >= 0) & (src < n_new))[:, None, :, None]  # (B, 1, S, 1)
     index = src.clamp(0, n_new - 1)[:, None, :, None]  # (B, 1, S, 1)
     for new, cache in ((k_new, k_cache), (v_new, v_cache)):
         moved = new.to(cache.dtype).gather(2, index.expand(*new.shape[:2], s, new.shape[3]))
         cache.copy_(torch.where(lands, moved, cache))
+    return seen

@@ -209,6 +209,10 @@ def wrap_model(
         raise ValueError(f"--ddp: expected one of {list(DDP_CHOICES)}, got {ddp!r}")
     if fsdp not in FSDP_CHOICES:
         raise ValueError(f"--fsdp: expected one of {list(FSDP_CHOICES)}, got {fsdp!r}")
+    if reduce_dtype not in _REDUCE_DTYPES:
+        raise ValueError(
+            f"--ddp-reduce-dtype: expected one of {list(_REDUCE_DTYPES)}, got {reduce_dtype!r}"
+        )
     if fsdp != "none":
         if ddp != "none":
             raise ValueError(f"--fsdp {fsdp} excludes --ddp (got --ddp {ddp})")
