@@ -133,14 +133,14 @@ def test_gluon_forward_never_applies_off_gpu():
 def test_gluon_forward_defaults():
     """The measured head dims: d = 128 with 128-row programs of two 64-row warpgroups; d = 64
     with three (192 rows, 160 registers per math thread, which compiles without spills) from
-    16K keys only."""
+    2048 keys on grids of 8 waves or more."""
     assert set(gluon_fwd.DEFAULTS) == {64, 128}
     cfg = gluon_fwd.DEFAULTS[128]
     assert cfg["block_m"] == 128
     assert cfg["min_keys"] >= 1
     d64 = gluon_fwd.DEFAULTS[64]
     assert (d64["block_m"], d64["consumer_regs"]) == (192, 160)
-    assert (d64["min_keys"], d64["min_waves"]) == (16384, 8)
+    assert (d64["min_keys"], d64["min_waves"]) == (2048, 8)
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -172,15 +172,23 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     set_options(head_group="off")
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
-    assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
-    long_q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16)  # d = 64 from its min_keys
+    long_q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda t: 132)
+    # d = 64 on 176 programs of 192 rows (1.3 waves): the Triton forward's
+    assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
     assert gluon_fwd.try_fwd(long_q, long_q, long_q, long_q, lse, True, 0.1)  # 10.4 waves
     assert launches[-1]["block_m"] == 192
     assert launches[-1]["consumer_regs"] == 160
     assert "min_waves" not in launches[-1]
     few = long_q[:, :8]  # 688 programs of 192 rows: 5.2 waves, the Triton forward's
     assert not gluon_fwd.try_fwd(few, few, few, few, lse, True, 0.1)
+    batch = torch.zeros(8, 16, 2048, 64, dtype=torch.bfloat16)  # 1408 programs: 10.7 waves
+    assert gluon_fwd.try_fwd(batch, batch, batch, batch, lse, False, 0.1)
+    assert launches[-1]["block_m"] == 192
+    one = batch[:1, :, :, :]  # 176 programs: 1.3 waves
+    assert not gluon_fwd.try_fwd(one, one, one, one, lse, False, 0.1)
+    short_kv = batch[:, :, :2047]  # many waves, but under min_keys keys
+    assert not gluon_fwd.try_fwd(batch, short_kv, short_kv, batch, lse, False, 0.1)
     set_options(head_group="auto", tile_configs="fwd=128,64,4,2")  # explicit Triton tiles
     assert not gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     set_options(tile_configs="dq=128,64,8,3")  # other kinds leave the forward alone

@@ -41,13 +41,14 @@ from .options import get_options
 # Query rows per math warpgroup (a program has block_m // WG_ROWS of them).
 WG_ROWS = 64
 # d = 64: three math warpgroups of 64 rows (192-row programs, 160 registers each, as
-# FlashAttention-3), from 16K keys: 1 x 16 x 16384 non-causal 2.30 against 2.52 ms for the
-# Triton forward (cuDNN 2.39), causal 1.19 against 1.26 (cuDNN 1.26); at 8K keys and below
-# the Triton forward is as fast or faster (H200, forward alone; raw
-# benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json). Those wins were on
-# grids of 10 waves of programs (16 heads); ``min_waves`` keeps it to grids of 8 or more,
-# where smaller ones (a few heads, one program per SM here) keep the Triton forward, whose
-# small-grid tiles run two programs per SM.
+# FlashAttention-3), on grids of at least ``min_waves`` = 8 waves of programs (one per SM)
+# from 2048 keys. What decides is the grid, not the length: 1 x 16 x 16384 (10.4 waves)
+# non-causal 2.30 against 2.52 ms for the Triton forward (cuDNN 2.39), causal 1.19 against
+# 1.26; non-causal 4 x 32 x 4096 (21 waves) 1.25 against 1.40 and 8 x 16 x 2048 (10.7) 0.34
+# against 0.35; but on grids of 2.6-2.7 waves (1 x 32 x 2048, 1 x 16 x 4096, 1 x 8 x 8192)
+# it was 1-16% slower, where the Triton forward's tiles run two programs per SM (H200,
+# forward alone; raw benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json and
+# h200_d64_fwd_tiles.json). Below 2048 keys: not measured.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
@@ -55,7 +56,7 @@ DEFAULTS: dict[int, dict] = {
     },
     64: {
         "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
-        "consumer_regs": 160, "min_keys": 16384, "min_waves": 8,
+        "consumer_regs": 160, "min_keys": 2048, "min_waves": 8,
     },
 }  # fmt: skip
 
