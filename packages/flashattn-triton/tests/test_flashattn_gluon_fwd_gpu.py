@@ -160,6 +160,28 @@ def test_gluon_forward_default_length(gluon_forward, monkeypatch):
     assert rel_err(o_gluon, o_triton) < 1e-2
 
 
+def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
+    """Shipped d = 64 rule: the three-warpgroup forward from min_keys keys on grids of at
+    least min_waves waves of programs (a batch), the Triton forward on a batch of one; both
+    give the same o to within rounding."""
+    launches = gluon_forward(None)
+    cfg = dict(gluon_fwd.DEFAULTS[64])
+    n, rows = cfg["min_keys"], cfg["block_m"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_batch = 16 * -(-n // rows)  # programs of 16 heads
+    b = -(-cfg["min_waves"] * sms // per_batch)
+    q, k, v, _ = _tensors(b, 16, 16, n, n, torch.bfloat16, seed=4, d=64)
+    o_gluon = flash_attention(q, k, v, False)
+    assert launches == [(tuple(q.shape), tuple(k.shape))]
+    flash_attention(q[:1], k[:1], v[:1], False)  # 1 / b of the waves
+    assert len(launches) == 1
+    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**cfg, "min_keys": 1 << 40})
+    launch.clear_plans()
+    o_triton = flash_attention(q, k, v, False)
+    assert len(launches) == 1
+    assert rel_err(o_gluon, o_triton) < 1e-2
+
+
 def test_gluon_forward_in_cuda_graph(gluon_forward):
     """Replays of a captured forward + backward give the eager result bit for bit."""
     launches = gluon_forward(0)
