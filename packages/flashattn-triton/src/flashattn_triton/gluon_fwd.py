@@ -46,7 +46,7 @@ WG_ROWS = 64
 # non-causal 2.30 against 2.52 ms for the Triton forward (cuDNN 2.39), causal 1.19 against
 # 1.26; non-causal 4 x 32 x 4096 (21 waves) 1.25 against 1.40 and 8 x 16 x 2048 (10.7) 0.34
 # against 0.35; but on grids of 2.6-2.7 waves (1 x 32 x 2048, 1 x 16 x 4096, 1 x 8 x 8192)
-# it was 1-16% slower, where the Triton forward's tiles run two programs per SM (H200,
+# it was 0.5-20% slower, where the Triton forward's tiles run two programs per SM (H200,
 # forward alone; raw benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json and
 # h200_d64_fwd_tiles.json). Below 2048 keys: not measured.
 DEFAULTS: dict[int, dict] = {
