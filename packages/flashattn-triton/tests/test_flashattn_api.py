@@ -64,7 +64,7 @@ def test_quick_input_check_accepts_only_what_the_detailed_one_does():
         (q.long(), k.long(), v.long(), True), (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0], True),
         ([1.0], k, v, True), (q, k[:, :4], v[:, :4], True), (q, k[:, :1], v[:, :2], True),
         (q, k[:, :0], v[:, :0], True), (q, k[:1, :1], v[:1, :1], True),
-        (q, k[:, :2], v[:, :2], 0),
+        (q, k[:, :2], v[:, :2], 0), (q, k, v[..., :8], True), (q[0], k, v, True),
     ]  # fmt: skip
     accepted = []
     for args in plain + other:

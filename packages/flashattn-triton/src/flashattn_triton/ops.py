@@ -255,8 +255,8 @@ def _late(module, name: str):
     the launcher later (benchmarks/step_breakdown.py times ``launch.forward``) then runs in
     compiled graphs too, for the cost of one attribute read."""
 
-    def launcher(*args):
-        return getattr(module, name)(*args)
+    def launcher(*args, **kwargs):
+        return getattr(module, name)(*args, **kwargs)
 
     return launcher
 
