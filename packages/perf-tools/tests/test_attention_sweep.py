@@ -135,3 +135,32 @@ def test_one_round_adds_no_range_and_rounds_must_be_positive(monkeypatch):
     assert "ours_vs_best_min" not in row
     with pytest.raises(ValueError, match="rounds"):
         _one_row_config(rounds=0)
+
+
+def test_batch_sizes_the_inputs_and_labels_the_rows(tmp_path, monkeypatch):
+    """--batch B: q, k, v of (B, heads, N, d), a batch column, BxHEADSxN in the summary;
+    the default keeps batch 1 and no column."""
+    shapes = []
+    monkeypatch.setattr(sweep, "_bench", lambda fn, cfg: 1.0)
+    real = sweep._inputs
+
+    def inputs(heads, n, d, cfg, seed):
+        out = real(heads, n, d, cfg, seed)
+        shapes.append(tuple(out[0].shape))
+        return out
+
+    monkeypatch.setattr(sweep, "_inputs", inputs)
+    out = tmp_path / "s.json"
+    args = ["--shapes", "2x32", "--d", "16", "--causal", "yes", "--modes", "eager",
+            "--device", "cpu", "--quiet", "--providers", "ours"]  # fmt: skip
+    assert sweep.main([*args, "--batch", "3", "--json", str(out)]) == 0
+    assert (3, 2, 32, 16) in shapes
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 3
+    assert sweep._shape_label(row) == "3x2x32"
+    assert sweep.main([*args, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "batch" not in row
+    assert sweep._shape_label(row) == "2x32"
+    with pytest.raises(ValueError, match="batch"):
+        sweep.SweepConfig(shapes=((1, 8),), batch=0)

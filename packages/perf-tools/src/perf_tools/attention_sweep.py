@@ -2,7 +2,8 @@
 
 For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
 compiled: the same function under `torch.compile`, default settings), every shape of the sweep
-is timed for every provider in one process: q, k, v of shape (1, heads, N, d), forward and
+is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B from
+`--batch`, 1 by default), forward and
 backward (`torch.autograd.grad(o, (q, k, v), dO)`, so no gradient accumulation), median of
 `triton.testing.do_bench`. That is host and GPU time together, what a training step sees.
 Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
@@ -12,6 +13,7 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
     python -m perf_tools.attention_sweep --graphed   # + GPU-only time (one CUDA graph per call)
     python -m perf_tools.attention_sweep --modes eager --autograd-threads on off
     python -m perf_tools.attention_sweep --rounds 3  # interleaved rounds: medians, ratio range
+    python -m perf_tools.attention_sweep --batch 8 --shapes 16x2048 32x4096  # training batches
 
 `--autograd-threads off` runs the backward on the calling thread
 (`torch.autograd.set_multithreading_enabled(False)`) instead of autograd's device thread. A
@@ -81,6 +83,7 @@ class SweepConfig:
     # autograd's device thread on (torch's default) / off (the backward on the calling thread)
     autograd_threads: tuple[bool, ...] = (True,)
     rounds: int = 1  # interleaved timings of each row's providers (medians reported)
+    batch: int = 1  # sequences per call: q, k, v are (batch, heads, N, d)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -92,6 +95,8 @@ class SweepConfig:
             raise ValueError(f"modes: expected some of {MODES}, got {self.modes}")
         if self.rounds < 1:
             raise ValueError(f"rounds: expected at least 1, got {self.rounds}")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch: expected a positive int, got {self.batch!r}")
 
 
 def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., torch.Tensor]:
@@ -177,7 +182,7 @@ def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
 
 def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=cfg.device).manual_seed(seed)
-    shape = (1, heads, n, d)
+    shape = (cfg.batch, heads, n, d)
     q, k, v = (
         torch.randn(shape, device=cfg.device, generator=g, dtype=cfg.dtype).requires_grad_()
         for _ in range(3)
@@ -223,8 +228,10 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"mode": mode, "causal": causal, "d": d, "heads": heads, "N": n}
             if cfg.autograd_threads != (True,):
                 row["autograd_threads"] = "on" if threads else "off"
+            if cfg.batch != 1:
+                row["batch"] = cfg.batch
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
-            label = f"{mode} causal={causal} d={d} {heads}x{n}"
+            label = f"{mode} causal={causal} d={d} {_shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
             _fill(row, cfg.providers, cells, notes)
             _ratios(row, cfg.providers)
@@ -328,6 +335,12 @@ def _mode(row: dict[str, Any]) -> str:
     return row["mode"] if threads is None else f"{row['mode']} (autograd threads {threads})"
 
 
+def _shape_label(row: dict[str, Any]) -> str:
+    """HEADSxN, or BxHEADSxN for rows of a batch."""
+    batch = row.get("batch", 1)
+    return f"{row['heads']}x{row['N']}" if batch == 1 else f"{batch}x{row['heads']}x{row['N']}"
+
+
 def summary(rows: Sequence[dict[str, Any]]) -> str:
     """One line: rows where ours is at or under the best SDPA, and the worst ratio."""
     rated = [r for r in rows if "ours_vs_best" in r]
@@ -335,7 +348,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
         return "no row has both ours and an SDPA time"
     wins = sum(r["ours_wins"] for r in rated)
     worst = max(rated, key=lambda r: r["ours_vs_best"])
-    where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {worst['heads']}x{worst['N']}"
+    where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {_shape_label(worst)}"
     return (
         f"ours <= best SDPA on {wins}/{len(rated)} rows; "
         f"worst ratio {worst['ours_vs_best']:.3f} ({where})"
@@ -366,7 +379,8 @@ def plot(rows: Sequence[dict[str, Any]], path) -> None:
             ax.plot(xs, ys, style, marker="o", label=label)
     ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(shapes)), [f"{h}x{n}" for h, n in shapes], rotation=30)
-    ax.set_xlabel("heads x N")
+    batch = rows[0].get("batch", 1) if rows else 1
+    ax.set_xlabel("heads x N" if batch == 1 else f"heads x N, batch {batch}")
     ax.set_ylabel("ours / best SDPA (fwd+bwd time)")
     ax.set_title("flash_attention against the best SDPA backend (below 1: ours faster)")
     ax.grid(True, alpha=0.3)
@@ -395,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--shapes", nargs="+", type=_shape, help="HEADSxN (default: the sweep)")
+    p.add_argument(
+        "--batch", type=_cli.positive_int, default=1, help="sequences per call (default 1)"
+    )
     p.add_argument("--d", nargs="+", type=_cli.positive_int, default=[64, 128])
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -444,11 +461,12 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         quiet=a.quiet,
         autograd_threads=tuple(dict.fromkeys(t == "on" for t in a.autograd_threads)),
         rounds=a.rounds,
+        batch=a.batch,
     )
 
 
 COLUMNS = (
-    "mode", "autograd_threads", "causal", "d", "heads", "N", "ours_ms", "sdpa-flash_ms",
+    "mode", "autograd_threads", "causal", "d", "batch", "heads", "N", "ours_ms", "sdpa-flash_ms",
     "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min", "ours_vs_best_max", "ours_graphed_ms",
     "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
 )  # fmt: skip
@@ -460,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_sweep(cfg)
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
-    report.print_table(rows, cols, title=f"attention fwd+bwd, ms (median), {dev}")
+    batch = "" if cfg.batch == 1 else f", batch {cfg.batch}"
+    report.print_table(rows, cols, title=f"attention fwd+bwd, ms (median), {dev}{batch}")
     print(summary(rows))
     report.save_rows(rows, csv_path=a.csv, json_path=a.json)
     if a.plot is not None and rows:
