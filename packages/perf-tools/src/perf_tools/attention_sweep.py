@@ -3,8 +3,8 @@
 For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
 compiled: the same function under `torch.compile`, default settings), every shape of the sweep
 is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B from
-`--batch`, 1 by default), forward and
-backward (`torch.autograd.grad(o, (q, k, v), dO)`, so no gradient accumulation), median of
+`--batch`, 1 by default), forward and backward (`torch.autograd.grad(o, (q, k, v), dO)`, so
+no gradient accumulation), median of
 `triton.testing.do_bench`. That is host and GPU time together, what a training step sees.
 Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
 
