@@ -222,3 +222,51 @@ def test_remembered_calls_need_a_replay_and_sound_buffers(monkeypatch):
     assert cache == {("call",): (replay, ("recipe",))}
     assert not launch_plans.replay_call(cache, ("call",), replay, [0, 16, 40], 2)  # misaligned
     assert not launch_plans.replay_call(cache, ("call",), replay, [0, 16, 16], 2)  # aliased
+
+
+def test_decode_replay_places_buffers_as_the_first_call_did(monkeypatch):
+    """A split-KV decode call keeps lse and the splits' partial results in one float32
+    workspace: the first call's buffers sit at the workspace offsets that a replay of the
+    remembered call recomputes from its own allocation, 128-byte aligned and distinct, and
+    the replay's lse is the workspace's first (b, h, n_q) elements."""
+    from flashattn_triton import launch
+
+    seen: dict = {}
+    real_planned = launch._launch_planned
+
+    def planned(key, inputs, outputs, launch_jit):
+        seen["outputs"] = outputs
+        return real_planned(key, inputs, outputs, launch_jit)
+
+    monkeypatch.setattr(launch, "_launch_planned", planned)
+    monkeypatch.setattr(launch, "remember_call", lambda c, call, key, r: seen.update(recipe=r))
+    q = torch.randn(2, 4, 1, 16)
+    k, v = torch.randn(2, 2, 2048, 16), torch.randn(2, 2, 2048, 16)
+    _o, lse = launch.forward(q, k, v, True, 0.25)
+    outputs, layout = seen["outputs"], seen["recipe"]
+    assert len(outputs) == 4
+    assert layout is not None
+    first = [t.data_ptr() for t in outputs[1:]]
+    assert lse.data_ptr() == first[0]
+    offsets, total, _lse_strides = layout
+    assert [a - first[0] for a in first] == [4 * off for off in offsets]
+    assert all((a - first[0]) % 128 == 0 for a in first)  # from the base's alignment on
+    assert first[0] % 16 == 0
+    assert len(set(first)) == 3
+    assert 4 * total >= max(4 * off + t.numel() * 4 for off, t in zip(offsets, outputs[1:]))
+
+    got: dict = {}
+    monkeypatch.setitem(launch._CALLS, ("call",), ("replay", layout))
+    monkeypatch.setattr(
+        launch, "replay_call", lambda cache, call, replay, addresses, n: got.update(a=addresses)
+        or True,
+    )  # fmt: skip
+    o2, lse2 = launch.replay_forward(("call",), (q, k, v))
+    addresses = got["a"]
+    assert addresses[:3] == [t.data_ptr() for t in (q, k, v)]
+    assert addresses[3] == o2.data_ptr()
+    assert o2.shape == q.shape
+    assert lse2.shape == lse.shape
+    assert lse2.stride() == lse.stride()
+    assert addresses[4] == lse2.data_ptr()
+    assert [a - addresses[4] for a in addresses[4:]] == [4 * off for off in offsets]

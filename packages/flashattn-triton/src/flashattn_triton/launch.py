@@ -54,6 +54,8 @@ from .launch_common import (
     append_kv,
     out_like,
     triton_cdiv,
+    workspace_layout,
+    workspace_views,
 )
 from .launch_plans import (
     _PLANS,
@@ -112,19 +114,18 @@ def forward(
     o = out_like(q)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
-    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     feat = None
     if window_left != -1 or window_right != -1 or k.shape[1] != h:
         feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
-    if o.numel() == 0:
-        return o, lse
-    if n_k == 0:  # no key at all: every row is empty
-        return o.zero_(), lse.fill_(float("-inf"))
+    if o.numel() == 0 or n_k == 0:  # no query, or no key (every row is empty)
+        lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+        return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS:
         group = 1 if feat is None else feat.group
         if group * n_q <= C.DECODE_MAX_ROWS:
-            return _decode(q, k, v, o, lse, causal, softmax_scale, feat, call)
+            return _decode(q, k, v, o, causal, softmax_scale, feat, call)
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
 
     def launch_jit() -> None:
         # Hopper, d = 128, long enough: the Gluon forward (gluon_fwd) when it applies.
@@ -152,7 +153,7 @@ def forward(
 
     key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
-    remember_call(_CALLS, call, key, ())
+    remember_call(_CALLS, call, key, None)
     return o, lse
 
 
@@ -186,12 +187,20 @@ def replay_forward(
     remembered = _CALLS.get(call)
     if remembered is None:
         return None
-    replay, scratch = remembered
+    replay, layout = remembered
     q = tensors[0]
     o = torch.empty_like(q)
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    buffers = [o, lse, *(q.new_empty(s, dtype=torch.float32) for s in scratch)]
-    addresses = [t.data_ptr() for t in (*tensors, *buffers)]
+    addresses = [t.data_ptr() for t in tensors]
+    addresses.append(o.data_ptr())
+    if layout is None:  # lse alone
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        addresses.append(lse.data_ptr())
+    else:  # lse and the scratch buffers in one workspace (``workspace_layout``)
+        offsets, total, lse_strides = layout
+        ws = torch.empty(total, dtype=torch.float32, device=q.device)
+        lse = ws.as_strided(q.shape[:-1], lse_strides)
+        base = ws.data_ptr()
+        addresses += [base + 4 * offset for offset in offsets]
     if replay_call(_CALLS, call, replay, addresses, len(tensors)):
         return o, lse
     return None
@@ -232,7 +241,7 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
 
 
 def _decode(
-    q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None,
+    q, k, v, o, causal: bool, softmax_scale: float, feat: Features | None,
     call: tuple | None = None, seqlens: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] = (),
 ):  # fmt: skip
@@ -259,12 +268,15 @@ def _decode(
             _DECODE_PLANS[key] = plan
     cfg, splits, keys_per_split, key_lo = plan
     added = new_kv[0].shape[2] if new_kv else 0
-    if splits > 1:
-        o_part = torch.empty((b, h, splits, n_q, d), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((b, h, splits, n_q), dtype=torch.float32, device=q.device)
+    if splits > 1:  # lse and the splits' partial results: one float32 allocation
+        shapes = ((b, h, n_q), (b, h, splits, n_q, d), (b, h, splits, n_q))
+        lse, o_part, lse_part = workspace_views(shapes, q.device)
+        offsets, total = workspace_layout(shapes)
+        layout = (offsets, total, lse.stride())
         outputs = (o, lse, o_part, lse_part)
     else:
-        o_part = lse_part = None
+        lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+        o_part = lse_part = layout = None
         outputs = (o, lse)
 
     def launch_jit() -> None:
@@ -294,5 +306,5 @@ def _decode(
             )  # fmt: skip
 
     _launch_planned(key, inputs, outputs, launch_jit)
-    remember_call(_CALLS, call, key, tuple(t.shape for t in outputs[2:]))
+    remember_call(_CALLS, call, key, layout)
     return o, lse

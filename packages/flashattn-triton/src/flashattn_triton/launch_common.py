@@ -34,6 +34,47 @@ def out_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
+# Buffers in one float32 workspace start at multiples of this many elements (128 bytes).
+WORKSPACE_ALIGN = 32
+
+
+@functools.lru_cache(maxsize=1024)
+def workspace_layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], int]:
+    """Element offsets of float32 buffers of ``shapes`` placed one after another in one
+    workspace, each from a 128-byte boundary, and the workspace's length: a decode call's
+    log-sum-exp and split buffers take one allocation instead of three (allocations were a
+    quarter of a decode call's launcher time on an H200 host)."""
+    offsets, total = [], 0
+    for shape in shapes:
+        offsets.append(total)
+        numel = 1
+        for n in shape:
+            numel *= n
+        total += -(-numel // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return tuple(offsets), max(total, 1)
+
+
+def workspace_views(
+    shapes: tuple[tuple[int, ...], ...], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Contiguous float32 tensors of ``shapes`` in one allocation (``workspace_layout``)."""
+    offsets, total = workspace_layout(shapes)
+    ws = torch.empty(total, dtype=torch.float32, device=device)
+    return tuple(
+        ws.as_strided(shape, _contiguous_strides(shape), offset)
+        for shape, offset in zip(shapes, offsets)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
