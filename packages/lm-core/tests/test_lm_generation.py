@@ -355,3 +355,31 @@ def test_gpu_prompts_of_different_lengths_in_graphs(attention):
         )
         for b, n in enumerate(lengths):
             assert torch.equal(out[b, : n + 24], alone[b]), (kwargs, b)
+
+
+def test_generate_flags_become_a_checked_config(tmp_path, capsys):
+    """`lm_core.generate.parse_args` maps the flags onto a GenerateConfig; made from Python, it
+    rejects a bad value with a ValueError naming the field (the command line names the flag)."""
+    from lm_core.generate import GenerateConfig, parse_args
+
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.touch()  # the config only checks that the file is there
+    flags = ["--checkpoint", str(ckpt), "--prompt", "a", "--prompt", "b c", "--top-k", "5"]
+    cfg = parse_args([*flags, "--device", "cpu", "--ignore-eot"])
+    assert cfg == GenerateConfig(
+        checkpoint=ckpt, prompts=("a", "b c"), top_k=5, device="cpu", ignore_eot=True
+    )
+    assert cfg.device == torch.device("cpu")
+    assert (cfg.max_new_tokens, cfg.temperature, cfg.dtype, cfg.tokenizer) == (
+        200,
+        1.0,
+        "fp32",
+        None,
+    )
+    with pytest.raises(ValueError, match=r"^max_new_tokens must be positive, got 0"):
+        GenerateConfig(checkpoint=ckpt, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"^top_p: expected None or a number in \(0, 1\]"):
+        GenerateConfig(checkpoint=ckpt, top_p=1.5)
+    with pytest.raises(SystemExit):
+        parse_args(["--checkpoint", str(ckpt), "--max-new-tokens", "0"])
+    assert "error: --max-new-tokens must be positive, got 0" in capsys.readouterr().err

@@ -419,3 +419,29 @@ def test_cli_bad_flags_name_the_flag(tmp_path, argv, flag, capsys):
         main(argv)
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cli_flags_become_a_checked_config(tmp_path):
+    """`parse_args` maps the flags onto TokenizerTrainConfig / EncodeConfig; made from Python,
+    a config rejects a bad value with a ValueError naming the field, not the flag."""
+    from lm_core.tokenize import EncodeConfig, TokenizerTrainConfig, parse_args
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("text")
+    argv = ["train", "--input", str(corpus), "--out", str(tmp_path / "t.json"), "--no-progress"]
+    cfg = parse_args([*argv, "--vocab-size", "300", "--blank-lines"])
+    assert cfg == TokenizerTrainConfig(
+        inputs=(corpus,), out=tmp_path / "t.json", vocab_size=300, blank_lines=True, progress=False
+    )
+    cfg = parse_args(["encode", "--input", str(corpus), "--out", "d", "--tokenizer", str(corpus)])
+    assert isinstance(cfg, EncodeConfig)
+    assert (cfg.val_fraction, cfg.chunk_chars, cfg.eot_token, cfg.progress) == (
+        0.01,
+        1 << 22,
+        EOT,
+        True,
+    )
+    with pytest.raises(ValueError, match=r"^vocab_size: expected at least 257"):
+        TokenizerTrainConfig(inputs=[corpus], out=tmp_path / "t.json", vocab_size=100)
+    with pytest.raises(ValueError, match=r"^val_fraction: expected a number in \[0, 1\)"):
+        EncodeConfig(inputs=corpus, tokenizer=corpus, out=tmp_path, val_fraction=1.0)

@@ -132,3 +132,14 @@ def test_cli_custom_dims_and_errors(tmp_path) -> None:
         acc.main(["--master-dtype", "fp7"])
     with pytest.raises(SystemExit):
         acc.main(["--sharded-activations", "1.5"])
+
+
+def test_config_from_args_maps_the_flags_and_names_a_bad_field() -> None:
+    argv = ["--size", "xl", "--batch", "2", "--master-dtype", "bf16", "--optim-values", "1"]
+    cfg = acc.config_from_args(acc.build_parser().parse_args([*argv, "--tp", "8"]))
+    assert (cfg.size, cfg.batch, cfg.seq) == ("xl", 2, 1)
+    assert cfg.dtypes == acc.Dtypes(master=2, optim_values=1)
+    assert cfg.mesh == acc.Mesh(y=8)
+    assert acc.model_from_config(cfg) == acc.preset("xl")
+    with pytest.raises(ValueError, match=r"^attention: expected sdpa or naive"):
+        acc.AccountingConfig(attention="flash")

@@ -84,3 +84,12 @@ def test_bad_flags_are_rejected(bad, capsys):
     with pytest.raises(SystemExit):
         allreduce.main(["--backend", "gloo", *bad])
     assert "argument" in capsys.readouterr().err
+
+
+def test_config_from_args_fills_defaults_and_names_a_bad_field():
+    argv = ["--backend", "gloo", "--sizes-mb", "1,10", "10", "--iters", "4"]
+    cfg = allreduce.config_from_args(allreduce.build_parser().parse_args(argv))
+    assert cfg == allreduce.AllReduceConfig(backends=("gloo",), sizes_mb=(1.0, 10.0), iters=4)
+    assert cfg.nprocs == (2, 4, 6)
+    with pytest.raises(ValueError, match=r"^iters: expected a positive integer"):
+        allreduce.AllReduceConfig(backends=("gloo",), iters=0)

@@ -112,3 +112,26 @@ def test_bad_case_names_the_choices(capsys):
     with pytest.raises(SystemExit):
         af.main(["--device", "cpu", "paged"])
     assert "gqa, varlen, window, decode" in capsys.readouterr().err
+
+
+def test_config_rejects_bad_values_naming_the_field():
+    cpu = torch.device("cpu")
+    assert af.FeaturesConfig("cpu", cases=["gqa"]).cases == ("gqa",)
+    for change, field in [
+        ({"cases": ("paged",)}, "cases"),
+        ({"cases": ()}, "cases"),
+        ({"dtype": "fp8"}, "dtype"),
+        ({"rep_ms": 0}, "rep_ms"),
+        ({"warmup_ms": float("nan")}, "warmup_ms"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            af.FeaturesConfig(cpu, **change)
+
+
+def test_config_from_args():
+    parse = af.build_parser().parse_args
+    cfg = af.config_from_args(parse(["--device", "cpu", "gqa", "decode", "gqa", "--no-mask"]))
+    assert cfg.cases == ("gqa", "decode")  # each case once, in the order named
+    assert not cfg.window_mask
+    assert (cfg.rep_ms, cfg.warmup_ms) == (20.0, 5.0)  # the CPU smoke run: short timings
+    assert af.config_from_args(parse(["--device", "cpu"])).cases == af.CASES

@@ -154,6 +154,63 @@ def test_leaderboard_cpu_shape(tmp_path):
     assert row["fwd_ms"] is None
 
 
+def test_configs_reject_bad_values_naming_the_field():
+    """The typed configs check their own values (argparse's types guard the CLI; these guard
+    a config built in code): the message starts with the field's name."""
+    from perf_tools.attention_naive import NaiveConfig
+
+    ok = {"device": "cpu", "batch": 1, "seq": [16], "d": [16], "dtypes": ["fp32"]}
+    ok["providers"] = ["naive"]
+    cfg = NaiveConfig(**ok)
+    assert (cfg.device, cfg.seq, cfg.passes) == (torch.device("cpu"), (16,), 100)
+    bad = [
+        ({"batch": 0}, "batch"),
+        ({"seq": [16, -1]}, "seq"),
+        ({"d": []}, "d"),
+        ({"dtypes": ["fp8"]}, "dtypes"),
+        ({"providers": ["magic"]}, "providers"),
+        ({"device": "tpu"}, "device"),
+        ({"passes": 0}, "passes"),
+        ({"warmup": -1}, "warmup"),
+    ]
+    for change, field in bad:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            NaiveConfig(**ok | change)
+    for change, field in [({"rep_ms": 0.0}, "rep_ms"), ({"peak_tflops": -1.0}, "peak_tflops")]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            attention.FlashConfig(**ok | change)
+    with pytest.raises(ValueError, match=r"^causal: "):
+        attention.FlashConfig(**ok | {"causal": False}, leaderboard=True)
+
+
+def test_config_from_args_fills_the_cpu_grid():
+    parse = attention.build_parser().parse_args
+    args = parse(["--seed", "3", "flash", "--device", "cpu", "--seq", "16,32", "--rep-ms", "500"])
+    cfg = attention.config_from_args(args, "flash")
+    assert isinstance(cfg, attention.FlashConfig)
+    assert (cfg.batch, cfg.seq, cfg.d, cfg.dtypes, cfg.seed) == (1, (16, 32), (16,), ("fp32",), 3)
+    assert cfg.causal
+    assert cfg.rep_ms == 20.0  # tiny sizes off the GPU: short timings too
+    naive = attention.config_from_args(parse(["naive", "--device", "cpu", "--no-causal"]), "naive")
+    assert isinstance(naive, attention.NaiveConfig)
+    assert (naive.passes, naive.warmup, naive.causal) == (3, 1, False)
+    assert naive.providers == ("naive", "naive-compiled")
+    lb = attention.config_from_args(parse(["leaderboard", "--device", "cpu"]), "leaderboard")
+    assert lb.leaderboard
+    assert lb.causal
+
+
+def test_run_naive_takes_a_config():
+    from perf_tools.attention_naive import NaiveConfig, run_naive
+
+    cfg = NaiveConfig(
+        device="cpu", batch=1, seq=[16], d=[16], dtypes=["fp32"], providers=["naive"],
+        passes=1, warmup=0, quiet=True,
+    )  # fmt: skip
+    (row,) = run_naive(cfg)
+    assert (row["status"], row["batch"], row["seq"], row["causal"]) == ("ok", 1, 16, True)
+
+
 def test_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         attention.main(["flash", "--providers", "magic"])

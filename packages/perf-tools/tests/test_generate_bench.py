@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 
 import pytest
+import torch
 
 from perf_tools import generate_bench
 
@@ -96,3 +97,15 @@ def test_attention_backends_are_an_axis_of_our_rows(tmp_path):
     for r in rows:
         if r["provider"] != "hf":
             assert float(r["tokens_per_s"]) > 0, r
+
+
+def test_config_from_args_fills_defaults_and_names_a_bad_field():
+    argv = ["--device", "cpu", "--attention", "sdpa,flash-triton", "sdpa"]
+    cfg = generate_bench.config_from_args(generate_bench.build_parser().parse_args(argv))
+    assert (cfg.sizes, cfg.batch_sizes, cfg.providers) == (
+        ("small", "xl"), (1, 16), generate_bench.PROVIDERS,
+    )  # fmt: skip
+    assert cfg.attention == ("sdpa", "flash-triton")  # each backend once
+    assert cfg.dtype == "fp32"  # the default off CUDA
+    with pytest.raises(ValueError, match=r"^providers: expected some of .*'vllm'"):
+        generate_bench.DecodeBenchConfig(device=torch.device("cpu"), providers=("vllm",))

@@ -251,3 +251,12 @@ def test_cli_errors_name_the_flag(argv, message, capsys):
         plan.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_config_from_args_maps_the_flags_and_names_a_bad_field():
+    argv = ["--devices", "64,8", "8:16", "--gpu", "h200-sxm", "--memory", "95", "--seq", "512"]
+    cfg = plan.config_from_args(plan.build_parser().parse_args(argv))
+    assert cfg.devices == (8, 16, 64)  # sorted, each N once
+    assert (cfg.gpu, cfg.memory, cfg.seq, cfg.global_batch) == ("H200", 95.0, 512, 4 * 2**20)
+    with pytest.raises(ValueError, match=r"^usable_memory: expected a fraction in \(0, 1\]"):
+        plan.PlanConfig(usable_memory=1.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -90,18 +91,39 @@ def test_bad_arguments(capsys):
 
 def test_default_output_is_under_runs():
     """runs/ is git-ignored: a profile run from the repository root leaves the tree clean."""
-    from pathlib import Path
-
     assert profile.build_parser().parse_args([]).out == Path("runs/profile")
 
 
-def test_bench_profile_keeps_the_train_options():
+def test_bench_profile_keeps_the_train_options(monkeypatch):
     """`bench --profile` profiles the cells bench would time: the optimizer's state dtype
-    and held bf16 weights reach the profiled specs."""
+    and held bf16 weights reach the profiled specs, through a typed config."""
     from perf_tools import bench
-    from perf_tools.profile import _specs
 
+    got = []
+    monkeypatch.setattr(profile, "main_from_bench", lambda cfg: got.append(cfg) or 0)
     argv = ["--size", "tiny", "--context", "16", "--mode", "train", "--precision", "bf16"]
     argv += ["--optimizer-state-dtype", "bf16", "--matmul-weights", "fp32", "bf16"]
-    specs = _specs(bench.parse_args([*argv, "--profile", "unused"]))
+    assert bench.main([*argv, "--warmup", "1", "--profile", "unused"]) == 0
+    (cfg,) = got
+    assert isinstance(cfg, profile.ProfileConfig)
+    assert (cfg.out, cfg.warmup, cfg.steps) == (Path("unused"), 1, 3)  # bench's --profile default
+    specs = profile._specs(cfg)
     assert [(s.opt_state, s.weights) for s in specs] == [("bf16", "fp32"), ("bf16", "bf16")]
+    assert {s.attention for s in specs} == {"naive"}
+
+
+def test_config_maps_flags_and_names_a_bad_field(tmp_path):
+    argv = ["--size", "tiny", "--context", "32", "16", "--mode", "train", "--precision", "bf16"]
+    argv += ["--compile", "--no-trace", "--top", "4", "--out", str(tmp_path), "--device", "cpu"]
+    cfg = profile.config_from_args(profile.parse_args(argv))
+    assert (cfg.sizes, cfg.contexts, cfg.modes, cfg.precisions) == (
+        ("tiny",), (32, 16), ("train",), ("bf16",),
+    )  # fmt: skip
+    assert (cfg.compiles, cfg.trace, cfg.top, cfg.out) == ((True,), False, 4, tmp_path)
+    assert [s.context for s in profile._specs(cfg)] == [16, 32]
+    with pytest.raises(ValueError, match=r"^modes: "):
+        profile.ProfileConfig(out=tmp_path, sizes=["tiny"], contexts=[16], modes=["backward"])
+    with pytest.raises(ValueError, match=r"^steps: "):
+        profile.ProfileConfig(out=tmp_path, sizes=["tiny"], contexts=[16], steps=0)
+    with pytest.raises(ValueError, match=r"^compiles: "):
+        profile.ProfileConfig(out=tmp_path, sizes=["tiny"], contexts=[16], compiles=[1])

@@ -3,6 +3,7 @@ against a hand computation, and the flag errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -64,6 +65,24 @@ def test_bad_flags_name_the_flag(argv, message, capsys):
         train_loop.parse_args([*TINY, *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_config_maps_flags_and_names_a_bad_field(tmp_path):
+    argv = [*TINY, "--steps", "8", "--log-every", "2", "--bf16-weights", "--precision", "bf16"]
+    cfg = train_loop.config_from_args(train_loop.parse_args([*argv, "--out-dir", str(tmp_path)]))
+    assert (cfg.size, cfg.context, cfg.batch, cfg.device.type) == ("tiny", 32, 2, "cpu")
+    assert (cfg.steps, cfg.log_every, cfg.ckpt_every, cfg.bench_steps) == (8, 2, 4, 3)
+    assert (cfg.precision, cfg.bf16_weights, cfg.out_dir) == ("bf16", True, tmp_path)
+    tc = train_loop.train_config(cfg, tmp_path)
+    assert (tc.training.steps, tc.training.bf16_weights, tc.checkpoint.every) == (8, True, 4)
+    for bad, field in (
+        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"log_every": 5}, "steps"),  # 8 steps: fewer than 2 windows of 5
+        ({"precision": "fp32"}, "bf16_weights"),
+        ({"batch": 0}, "batch"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{field}: "):
+            dataclasses.replace(cfg, **bad)  # __post_init__ checks the copy
 
 
 def test_sigterm_removes_the_temporary_checkpoint_folder(tmp_path):

@@ -9,6 +9,7 @@ Documents are separated by `<|endoftext|>` in the text (`--eot-token` names anot
 blank lines with `--blank-lines`; each file ends a document. `train` writes a byte-level BPE
 tokenizer in Hugging Face `tokenizers` JSON; `encode` accepts any file of that format.
 Needs `pip install 'lm-core[text]'` (the `tokenizers` package; tqdm for progress bars).
+From Python: `run_train(TokenizerTrainConfig(...))`, `run_encode(EncodeConfig(...))`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lm_core.text_io import DOC_END, DocumentReader
 from lm_core.tokenizer import EOT_TOKEN, MIN_BPE_VOCAB, TextTokenizer, train_bpe
@@ -78,40 +81,152 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and validate; a bad value exits with an argparse error naming the flag."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    missing = [str(p) for p in args.input if not p.is_file()]
+@dataclass(frozen=True, kw_only=True)
+class _InputConfig:
+    """The options both subcommands share: the text files and how they split into documents."""
+
+    inputs: tuple[Path, ...]  # UTF-8 text files, each ending a document
+    blank_lines: bool = False  # documents are separated by blank lines, not the eot token
+    eot_token: str = EOT_TOKEN
+    force: bool = False  # replace existing output files
+    progress: bool = True  # progress bars (when tqdm is installed)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, str | Path):  # one file given bare: tuple() would split it
+            object.__setattr__(self, "inputs", (self.inputs,))
+        object.__setattr__(self, "inputs", tuple(Path(p) for p in self.inputs))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerTrainConfig(_InputConfig):
+    """`python -m lm_core.tokenize train`, typed; checked when made (a ValueError naming the
+    field)."""
+
+    out: Path  # the tokenizer JSON file to write
+    vocab_size: int = 10_000
+    min_frequency: int = 2  # fewest occurrences of a merge
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "out", Path(self.out))
+        _check_train(vars(self), _as_field)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncodeConfig(_InputConfig):
+    """`python -m lm_core.tokenize encode`, typed; checked when made (a ValueError naming
+    the field)."""
+
+    tokenizer: Path  # a tokenizers JSON file
+    out: Path  # the output directory: train.bin, val.bin and their sidecars
+    val_fraction: float = 0.01  # the input's tail for val.bin; 0: no val.bin
+    chunk_chars: int = 1 << 22  # characters encoded per batch (bounds memory)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "tokenizer", Path(self.tokenizer))
+        object.__setattr__(self, "out", Path(self.out))
+        _check_encode(vars(self), _as_field)
+
+
+# Flags whose names are not the field's with dashes.
+_FLAGS = {"inputs": "--input"}
+
+
+def _as_field(name: str) -> str:
+    return name
+
+
+def _as_flag(name: str) -> str:
+    return _FLAGS.get(name) or "--" + name.replace("_", "-")
+
+
+# The checks take a config's fields and how to call a field (`_as_field`, or the CLI's
+# `_as_flag`), so one set of checks gives both the config's errors and the command line's.
+def _check_inputs(c: Mapping[str, Any], name: Callable[[str], str]) -> None:
+    if not c["inputs"]:
+        raise ValueError(f"{name('inputs')}: expected at least one text file")
+    missing = [str(p) for p in c["inputs"] if not p.is_file()]
     if missing:
-        parser.error(f"--input: file not found: {', '.join(missing)}")
-    if not args.eot_token or any(c.isspace() for c in args.eot_token):
-        parser.error(f"--eot-token: expected a token without whitespace, got {args.eot_token!r}")
-    if args.command == "train":
-        if args.vocab_size < MIN_BPE_VOCAB:
-            parser.error(
-                f"--vocab-size: expected at least {MIN_BPE_VOCAB} (256 bytes + the eot token), "
-                f"got {args.vocab_size}"
-            )
-        if args.min_frequency < 1:
-            parser.error(f"--min-frequency: expected >= 1, got {args.min_frequency}")
-        if args.out.exists() and not args.force:
-            parser.error(f"--out: {args.out} exists (pass --force to replace it)")
-    else:
-        if not args.tokenizer.is_file():
-            parser.error(f"--tokenizer: file not found: {args.tokenizer}")
-        if not 0 <= args.val_fraction < 1:
-            parser.error(f"--val-fraction: expected a number in [0, 1), got {args.val_fraction}")
-        if args.chunk_chars < 1:
-            parser.error(f"--chunk-chars: expected a positive int, got {args.chunk_chars}")
-    return args
+        raise ValueError(f"{name('inputs')}: file not found: {', '.join(missing)}")
+    eot = c["eot_token"]
+    if not eot or any(ch.isspace() for ch in eot):
+        raise ValueError(f"{name('eot_token')}: expected a token without whitespace, got {eot!r}")
 
 
-def _documents(args: argparse.Namespace, bar: object | None) -> Iterator[str]:
+def _check_train(c: Mapping[str, Any], name: Callable[[str], str]) -> None:
+    """ValueError for the first bad value of a TokenizerTrainConfig's fields `c`."""
+    _check_inputs(c, name)
+    if c["vocab_size"] < MIN_BPE_VOCAB:
+        raise ValueError(
+            f"{name('vocab_size')}: expected at least {MIN_BPE_VOCAB} (256 bytes + the eot "
+            f"token), got {c['vocab_size']}"
+        )
+    if c["min_frequency"] < 1:
+        raise ValueError(f"{name('min_frequency')}: expected >= 1, got {c['min_frequency']}")
+    if c["out"].exists() and not c["force"]:
+        raise ValueError(f"{name('out')}: {c['out']} exists (pass {name('force')} to replace it)")
+
+
+def _check_encode(c: Mapping[str, Any], name: Callable[[str], str]) -> None:
+    """ValueError for the first bad value of an EncodeConfig's fields `c`."""
+    _check_inputs(c, name)
+    if not c["tokenizer"].is_file():
+        raise ValueError(f"{name('tokenizer')}: file not found: {c['tokenizer']}")
+    if not 0 <= c["val_fraction"] < 1:
+        raise ValueError(
+            f"{name('val_fraction')}: expected a number in [0, 1), got {c['val_fraction']}"
+        )
+    if c["chunk_chars"] < 1:
+        raise ValueError(f"{name('chunk_chars')}: expected a positive int, got {c['chunk_chars']}")
+
+
+def config_from_args(ns: argparse.Namespace) -> TokenizerTrainConfig | EncodeConfig:
+    """The config of parsed flags (by `ns.command`); a bad value is a ValueError naming the
+    flag."""
+    common = {
+        "inputs": tuple(ns.input),
+        "blank_lines": ns.blank_lines,
+        "eot_token": ns.eot_token,
+        "force": ns.force,
+        "progress": not ns.no_progress,
+    }
+    if ns.command == "train":
+        fields = {
+            **common,
+            "out": ns.out,
+            "vocab_size": ns.vocab_size,
+            "min_frequency": ns.min_frequency,
+        }
+        _check_train(fields, _as_flag)  # first, so that the error names the flag
+        return TokenizerTrainConfig(**fields)
+    fields = {
+        **common,
+        "tokenizer": ns.tokenizer,
+        "out": ns.out,
+        "val_fraction": ns.val_fraction,
+        "chunk_chars": ns.chunk_chars,
+    }
+    _check_encode(fields, _as_flag)
+    return EncodeConfig(**fields)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TokenizerTrainConfig | EncodeConfig:
+    """The config of a command line (a TokenizerTrainConfig for `train`, an EncodeConfig for
+    `encode`); a bad value exits with an argparse error naming the flag."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return config_from_args(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _documents(cfg: _InputConfig, bar: object | None) -> Iterator[str]:
     """Every piece of document text of the inputs (the eot separators left out)."""
-    separator = None if args.blank_lines else args.eot_token
-    for path in args.input:
-        reader = DocumentReader(path, separator=separator, blank_lines=args.blank_lines)
+    separator = None if cfg.blank_lines else cfg.eot_token
+    for path in cfg.inputs:
+        reader = DocumentReader(path, separator=separator, blank_lines=cfg.blank_lines)
         seen = 0
         for item in reader:
             if bar is not None:
@@ -131,47 +246,47 @@ def _progress_bar(total: int, enabled: bool, desc: str) -> object | None:
     return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """`train`: fit the tokenizer and write it to --out."""
-    total = sum(p.stat().st_size for p in args.input)
-    bar = _progress_bar(total, not args.no_progress, "read")
+def run_train(cfg: TokenizerTrainConfig) -> int:
+    """`train`: fit the tokenizer and write it to `cfg.out`."""
+    total = sum(p.stat().st_size for p in cfg.inputs)
+    bar = _progress_bar(total, cfg.progress, "read")
     t0 = time.perf_counter()
     try:
         tokenizer = train_bpe(
-            _documents(args, bar),
-            args.vocab_size,
-            eot_token=args.eot_token,
-            min_frequency=args.min_frequency,
-            show_progress=not args.no_progress,
+            _documents(cfg, bar),
+            cfg.vocab_size,
+            eot_token=cfg.eot_token,
+            min_frequency=cfg.min_frequency,
+            show_progress=cfg.progress,
         )
     finally:
         if bar is not None:
             bar.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(args.out)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(cfg.out)
     print(
-        f"{args.out}: byte-level BPE, vocabulary {tokenizer.vocab_size:,} "
-        f"({args.eot_token} = id {tokenizer.eot_id}), trained on {total:,} bytes "
+        f"{cfg.out}: byte-level BPE, vocabulary {tokenizer.vocab_size:,} "
+        f"({cfg.eot_token} = id {tokenizer.eot_id}), trained on {total:,} bytes "
         f"in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
     return 0
 
 
-def run_encode(args: argparse.Namespace) -> int:
-    """`encode`: write --out/train.bin (+ val.bin) and their JSON sidecars."""
+def run_encode(cfg: EncodeConfig) -> int:
+    """`encode`: write `cfg.out`/train.bin (+ val.bin) and their JSON sidecars."""
     from lm_core.encode import encode_files
 
-    tokenizer = TextTokenizer.from_file(args.tokenizer, args.eot_token)
+    tokenizer = TextTokenizer.from_file(cfg.tokenizer, cfg.eot_token)
     result = encode_files(
         tokenizer,
-        args.input,
-        args.out,
-        val_fraction=args.val_fraction,
-        blank_lines=args.blank_lines,
-        chunk_chars=args.chunk_chars,
-        overwrite=args.force,
-        progress=not args.no_progress,
+        cfg.inputs,
+        cfg.out,
+        val_fraction=cfg.val_fraction,
+        blank_lines=cfg.blank_lines,
+        chunk_chars=cfg.chunk_chars,
+        overwrite=cfg.force,
+        progress=cfg.progress,
     )
     lines = [f"{result.train_path}: {result.train_tokens:,} tokens ({result.dtype})"]
     if result.val_path is not None:
@@ -191,11 +306,13 @@ def run_encode(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse `argv` (default: sys.argv[1:]) and run; returns the exit status."""
-    args = parse_args(argv)
+    cfg = parse_args(argv)  # the one place flags become a config
+    train = isinstance(cfg, TokenizerTrainConfig)
+    command = "train" if train else "encode"
     try:
-        return run_train(args) if args.command == "train" else run_encode(args)
+        return run_train(cfg) if train else run_encode(cfg)
     except (ValueError, OSError, ImportError) as exc:
-        print(f"python -m lm_core.tokenize {args.command}: error: {exc}", file=sys.stderr)
+        print(f"python -m lm_core.tokenize {command}: error: {exc}", file=sys.stderr)
         return 1
 
 

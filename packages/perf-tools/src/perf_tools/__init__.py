@@ -7,7 +7,8 @@ commands (`python -m perf_tools.<name>`, see COMMANDS; each a console script `pe
     bench, profile           model steps: `cells` (the sweep's cells, shared by both),
                              `model_args` (their flags), `bench_dist` (bench on N ranks)
     train_loop               a real training run beside the bench step
-    attention                attention calls (`attention_providers`)
+    attention                attention calls (`attention_providers`); the naive sweep
+                             (`attention_naive`)
     allreduce, ddp, zero     collectives and data parallelism on N ranks
     mixed_precision, accounting   calculations, no timing loop
 the harness every timing command runs its cells through

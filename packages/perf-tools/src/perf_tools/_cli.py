@@ -126,3 +126,15 @@ def device_arg(text: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
     return dev
+
+
+def config_device(value: object, field: str = "device") -> torch.device:
+    """A config's device (a torch.device or its name) as a torch.device; ValueError naming
+    ``field`` unless it is cpu or cuda (configs check values, not this machine's GPUs)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{field}: expected cpu or cuda, got {value!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{field}: expected cpu or cuda, got {dev}")
+    return dev

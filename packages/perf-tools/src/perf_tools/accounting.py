@@ -333,37 +333,76 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_from_args(args: argparse.Namespace) -> ModelDims:
-    custom = [args.d_model, args.d_ff, args.num_layers]
-    if any(v is not None for v in custom):
-        if any(v is None for v in custom):
+@dataclass(frozen=True)
+class AccountingConfig:
+    """What one accounting report computes (the CLI's flags, typed). The model: custom dims
+    when all of d_model, d_ff and num_layers are given, else the preset `size`."""
+
+    size: str = "xxl"
+    d_model: int | None = None
+    d_ff: int | None = None
+    num_layers: int | None = None
+    vocab_size: int = 10_000  # custom models only (FFN-only ones have none)
+    num_heads: int = 1
+    ffn_only: bool = False
+    attention: str = "sdpa"
+    batch: int = 1  # sequences per device
+    seq: int = 1
+    dtypes: Dtypes = Dtypes()
+    device_memory_gb: tuple[float, ...] = (80.0, 95.0)
+    devices: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    sharded_activations: float = 0.5
+    mesh: Mesh = Mesh()
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("sdpa", "naive"):
+            raise ValueError(f"attention: expected sdpa or naive, got {self.attention!r}")
+        for name in ("batch", "seq", "num_heads", "d_model", "d_ff", "num_layers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value}")
+        if not self.devices or min(self.devices) < 1:
+            raise ValueError(f"devices: expected positive counts, got {self.devices}")
+        if not self.device_memory_gb or min(self.device_memory_gb) <= 0:
+            raise ValueError(
+                f"device_memory_gb: expected positive sizes, got {self.device_memory_gb}"
+            )
+        # These messages are the CLI's (accounting.main prints them), so they name the
+        # flags the user typed; the checks above are argparse's there.
+        if not 0.0 <= self.sharded_activations <= 1.0:
+            raise ValueError(
+                "--sharded-activations: expected a fraction in [0, 1], "
+                f"got {self.sharded_activations}"
+            )
+        custom = (self.d_model, self.d_ff, self.num_layers)
+        if any(v is not None for v in custom) and any(v is None for v in custom):
             raise ValueError("custom model: give all of --d-model, --d-ff and --num-layers")
+        if all(v is None for v in custom):
+            preset(self.size)  # an unknown name fails here: "size: expected ..."
+
+
+def model_from_config(cfg: AccountingConfig) -> ModelDims:
+    """The custom dims of `cfg`, or its preset."""
+    if cfg.d_model is not None and cfg.d_ff is not None and cfg.num_layers is not None:
         return ModelDims(
             "custom",
-            args.d_model,
-            args.d_ff,
-            args.num_layers,
-            0 if args.ffn_only else args.vocab_size,
-            args.num_heads,
-            ffn_only=args.ffn_only,
+            cfg.d_model,
+            cfg.d_ff,
+            cfg.num_layers,
+            0 if cfg.ffn_only else cfg.vocab_size,
+            cfg.num_heads,
+            ffn_only=cfg.ffn_only,
         )
-    return preset(args.size)
+    return preset(cfg.size)
 
 
-def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+def tables(cfg: AccountingConfig) -> dict[str, list[dict[str, Any]]]:
     """Every table of the report, as rows."""
-    m = model_from_args(args)
-    dt = Dtypes(
-        master=args.master_dtype,
-        grad=args.grad_dtype,
-        optim_state=args.optim_state_dtype,
-        optim_values=args.optim_values,
-        activation=args.activation_dtype,
-        comm=args.comm_dtype,
-    )
-    mem = memory(m, dt, args.batch, args.seq, args.attention)
-    tokens = args.batch * args.seq
-    frac = args.sharded_activations
+    m = model_from_config(cfg)
+    dt = cfg.dtypes
+    mem = memory(m, dt, cfg.batch, cfg.seq, cfg.attention)
+    tokens = cfg.batch * cfg.seq
+    frac = cfg.sharded_activations
     single = []
     for what, nbytes in (
         ("master weights", mem.master),
@@ -374,7 +413,7 @@ def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         ("total", mem.total),
     ):
         row: dict[str, Any] = {"component": what, "bytes": nbytes, "GB": nbytes / GB}
-        for cap in args.device_memory_gb:
+        for cap in cfg.device_memory_gb:
             row[f"x {cap:g}GB devices"] = nbytes / (cap * GB)
         single.append(row)
     single.append(
@@ -386,8 +425,8 @@ def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     )
     fsdp = []
     ns = sorted(
-        set(args.devices)
-        | {n for c in args.device_memory_gb if (n := min_devices(mem, c * GB, frac))}
+        set(cfg.devices)
+        | {n for c in cfg.device_memory_gb if (n := min_devices(mem, c * GB, frac))}
     )
     for n in ns:
         per = fsdp_bytes(mem, n, frac)
@@ -398,19 +437,19 @@ def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             "replicated_act_GB": (1 - frac) * mem.activations / GB,
             "per_device_GB": per / GB,
         }
-        for cap in args.device_memory_gb:
+        for cap in cfg.device_memory_gb:
             row[f"fits {cap:g}GB"] = per <= cap * GB
         fsdp.append(row)
     fits = [
         {"device_GB": cap, "min_fsdp_devices": min_devices(mem, cap * GB, frac)}
-        for cap in args.device_memory_gb
+        for cap in cfg.device_memory_gb
     ]
     comm = []
-    for n in args.devices:
+    for n in cfg.devices:
         if n >= 2:
             volumes = comm_per_step(mem.params, n, dt.comm, dt.comm)
             comm.append({"N": n, **{k: v / GB for k, v in volumes.items()}})
-    mesh = Mesh(args.chip_flops, args.ici_bandwidth, args.mx, args.my, args.fsdp, args.tp)
+    mesh = cfg.mesh
     cb = compute_bound_batch(m.d_ff, mesh)
     bound = [
         {
@@ -425,7 +464,7 @@ def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             **{k: (v if math.isfinite(v) else None) for k, v in cb.items()},
         }
     ]
-    summary = [{**asdict(m), "params": mem.params, "batch": args.batch, "seq": args.seq}]
+    summary = [{**asdict(m), "params": mem.params, "batch": cfg.batch, "seq": cfg.seq}]
     return {
         "model": summary,
         "memory": single,
@@ -436,21 +475,46 @@ def tables(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def config_from_args(a: argparse.Namespace) -> AccountingConfig:
+    """The parsed flags as a config (ValueError: a bad combination, named)."""
+    return AccountingConfig(
+        size=a.size,
+        d_model=a.d_model,
+        d_ff=a.d_ff,
+        num_layers=a.num_layers,
+        vocab_size=a.vocab_size,
+        num_heads=a.num_heads,
+        ffn_only=a.ffn_only,
+        attention=a.attention,
+        batch=a.batch,
+        seq=a.seq,
+        dtypes=Dtypes(
+            master=a.master_dtype,
+            grad=a.grad_dtype,
+            optim_state=a.optim_state_dtype,
+            optim_values=a.optim_values,
+            activation=a.activation_dtype,
+            comm=a.comm_dtype,
+        ),
+        device_memory_gb=tuple(a.device_memory_gb),
+        devices=tuple(a.devices),
+        sharded_activations=a.sharded_activations,
+        mesh=Mesh(a.chip_flops, a.ici_bandwidth, a.mx, a.my, a.fsdp, a.tp),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0.0 <= args.sharded_activations <= 1.0:
-        parser.error(
-            f"--sharded-activations: expected a fraction in [0, 1], got {args.sharded_activations}"
-        )
     try:
-        out = tables(args)
+        cfg = config_from_args(args)
+        out = tables(cfg)
     except ValueError as exc:
         parser.error(str(exc))
     titles = {
         "model": "Model",
         "memory": "Memory on one device (no sharding)",
-        "fsdp": f"Per-device memory under N-way FSDP ({args.sharded_activations:g} of the "
+        "fsdp": f"Per-device memory under N-way FSDP ({cfg.sharded_activations:g} of the "
         "activations sharded)",
         "fits": "Smallest FSDP degree that fits",
         "communication": "GB received per step and device, N-way data parallelism "

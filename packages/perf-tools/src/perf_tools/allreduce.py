@@ -30,6 +30,7 @@ import os
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ import torch.distributed as dist
 from perf_tools import _cli, _dist, harness, report, timing
 
 MIB = 1024 * 1024
+BACKENDS = ("gloo", "nccl")
 GPU_DEFAULT_SIZES_MB = (1, 10, 100, 1000)
 CPU_DEFAULT_SIZES_MB = (1, 10, 100)
 COLUMNS = [
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         nargs="+",
-        type=_cli.listed(_cli.choice(("gloo", "nccl"))),
+        type=_cli.listed(_cli.choice(BACKENDS)),
         help="gloo (CPU tensors) and/or nccl (one GPU per process). Default: nccl when GPUs "
         "are visible, else gloo",
     )
@@ -94,19 +96,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.backends = _cli.flatten(args.backend) or [_dist.default_backend()]
-    args.nprocs_list = _cli.flatten(args.nprocs) or [2, 4, 6]
-    if "nccl" in args.backends and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        parser.error("argument --backend: nccl needs CUDA GPUs and a torch built with NCCL")
-    return args
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """What one sweep runs (the CLI's flags, typed)."""
+
+    backends: tuple[str, ...]
+    nprocs: tuple[int, ...] = (2, 4, 6)
+    sizes_mb: tuple[float, ...] | None = None  # None: each backend's defaults (sizes_for)
+    warmup: int = 5
+    iters: int = 10
+    budget_s: float = 30.0  # per (backend, nprocs, size): fewer iterations when exceeded
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.backends or set(self.backends) - set(BACKENDS):
+            raise ValueError(f"backends: expected some of {BACKENDS}, got {self.backends}")
+        if not self.nprocs or min(self.nprocs) < 1:
+            raise ValueError(f"nprocs: expected positive process counts, got {self.nprocs}")
+        if self.sizes_mb is not None and (not self.sizes_mb or min(self.sizes_mb) <= 0):
+            raise ValueError(f"sizes_mb: expected positive sizes, got {self.sizes_mb}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup: expected an integer >= 0, got {self.warmup}")
+        if self.iters < 1:
+            raise ValueError(f"iters: expected a positive integer, got {self.iters}")
+        if not self.budget_s > 0:
+            raise ValueError(f"budget_s: expected a positive number, got {self.budget_s}")
 
 
-def sizes_for(backend: str, sizes_mb: list[float] | None) -> list[float]:
+def config_from_args(a: argparse.Namespace) -> AllReduceConfig:
+    """The parsed flags as a config; unset lists take their defaults."""
+    sizes = _cli.flatten(a.sizes_mb)
+    return AllReduceConfig(
+        backends=tuple(_cli.flatten(a.backend) or [_dist.default_backend()]),
+        nprocs=tuple(_cli.flatten(a.nprocs) or [2, 4, 6]),
+        sizes_mb=tuple(sizes) if sizes else None,
+        warmup=a.warmup,
+        iters=a.iters,
+        budget_s=a.budget_s,
+        quiet=a.quiet,
+    )
+
+
+def sizes_for(backend: str, sizes_mb: Sequence[float] | None) -> list[float]:
+    """The sizes (MiB) to time for `backend`: the given ones, else its defaults."""
     if sizes_mb:
-        return sizes_mb
+        return list(sizes_mb)
     return list(GPU_DEFAULT_SIZES_MB if backend == "nccl" else CPU_DEFAULT_SIZES_MB)
 
 
@@ -202,11 +236,13 @@ def _time_size(
 # ----------------------------------------------------------------------------- driver
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(cfg: AllReduceConfig) -> list[dict[str, Any]]:
+    """One row per (backend, process count, size); a configuration that cannot run or fails
+    gives rows that say so."""
     rows: list[dict[str, Any]] = []
-    for backend in args.backends:
-        sizes = sizes_for(backend, _cli.flatten(args.sizes_mb))
-        for nprocs in args.nprocs_list:
+    for backend in cfg.backends:
+        sizes = sizes_for(backend, cfg.sizes_mb)
+        for nprocs in cfg.nprocs:
             base = {"backend": backend, "nprocs": nprocs}
             reason = skip_reason(backend, nprocs)
             if reason is not None:
@@ -215,17 +251,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             note = oversubscription_note(backend, nprocs)
             # Generous wall limit: start-up, plus each size's budget (warm-up and timed calls
             # are capped at ~3/4 of it) and a first call that may itself be slow.
-            limit = 120.0 + len(sizes) * 2.5 * args.budget_s
+            limit = 120.0 + len(sizes) * 2.5 * cfg.budget_s
             try:
                 results = _dist.run_ranks(
                     _worker,
                     nprocs,
                     backend=backend,
-                    args=(backend, sizes, args.warmup, args.iters, args.budget_s),
+                    args=(backend, sizes, cfg.warmup, cfg.iters, cfg.budget_s),
                     timeout_s=limit,
                     progress_total=len(sizes),
                     label=f"all-reduce {backend} x{nprocs}",
-                    quiet=args.quiet,
+                    quiet=cfg.quiet,
                 )
                 new = results[0]
             except Exception as exc:  # a failed configuration is a row, not a crash
@@ -240,8 +276,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    rows = run(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "nccl" in cfg.backends and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        parser.error("argument --backend: nccl needs CUDA GPUs and a torch built with NCCL")
+    rows = run(cfg)
     report.print_table(rows, COLUMNS, title="all-reduce (float32), slowest rank per call")
     meta = {
         **report.run_metadata(),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,20 +34,33 @@ import torch
 
 from perf_tools import _cli, hardware, report, timing
 from perf_tools._compile import compile_for_bench
-from perf_tools.attention_providers import (
-    PROVIDERS,
-    UnsupportedError,
-    is_unsupported_error,
-    make_provider,
-    triton_runs_here,
+from perf_tools.attention_naive import (
+    DTYPE_ALIASES,
+    DTYPES,
+    NAIVE_COLUMNS,
+    AttentionGrid,
+    MiB,
+    NaiveConfig,
+    failure,
+    make_inputs,
+    naive_accounting,
+    naive_grid,
+    naive_saved_bytes,
+    plot_naive,
+    print_accounting,
+    run_naive,
 )
+from perf_tools.attention_providers import PROVIDERS, make_provider, triton_runs_here
 from perf_tools.flops import attention_flops
 from perf_tools.harness import progress as _bar
 from perf_tools.harness import release as _release
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-MiB = 2**20
+# the naive sweep's names stay importable from here, where they used to live
+__all__ = [
+    "DTYPES", "DTYPE_ALIASES", "FLASH_COLUMNS", "NAIVE_COLUMNS", "AttentionGrid", "FlashConfig",
+    "MiB", "NaiveConfig", "Outputs", "build_parser", "config_from_args", "main",
+    "naive_accounting", "naive_saved_bytes", "print_accounting", "run_flash", "run_naive",
+]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -126,28 +140,62 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
-    """Grid of `cmd` for this device / --quick, with any values given on the command line."""
-    gpu = args.device.type == "cuda"
-    if cmd == "naive":
-        if not gpu:
-            base = {"batch": 2, "seq": [32, 64], "d": [16, 32], "dtype": ["fp32"], "passes": 3}
-            base |= {"warmup": 1, "providers": ["naive", "naive-compiled"]}
-        elif args.quick:
-            base = {"batch": 8, "seq": [1024, 4096, 16384], "d": [64], "dtype": ["fp32"]}
-            base |= {"passes": 20, "warmup": 5, "providers": ["naive", "naive-compiled"]}
-        else:
-            base = {"batch": 8, "seq": [256, 1024, 4096, 8192, 16384], "d": [16, 32, 64, 128]}
-            base |= {"dtype": ["fp32"], "passes": 100, "warmup": 10}
-            base |= {"providers": ["naive", "naive-compiled"]}
-    elif cmd == "flash":
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlashConfig(AttentionGrid):
+    """One flash (or leaderboard) sweep: the sub-command's flags, defaults filled in."""
+
+    rep_ms: float = 100.0  # do_bench rep
+    warmup_ms: float = 25.0  # do_bench warm-up
+    # the course procedure: compiled apply, o.sum().backward(), forward+backward time only
+    leaderboard: bool = False
+    peak_tflops: float | None = None  # None: hardware.peak_tflops of each dtype
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("rep_ms", "warmup_ms", "peak_tflops"):
+            value = getattr(self, name)
+            if value is None and name == "peak_tflops":
+                continue
+            # bool is a number to Python, never a time here; `not > 0` also catches NaN
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        if self.leaderboard and not self.causal:
+            raise ValueError("causal: the leaderboard shape is causal, got causal=False")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Where the tables go (--csv, --json, --plot). With ``several`` sub-commands in one run
+    each file is named after its sub-command (x.csv: x-naive.csv, x-flash.csv)."""
+
+    csv: Path | None = None
+    json: Path | None = None
+    plot: Path | None = None
+    several: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("csv", "json", "plot"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | Path):
+                raise ValueError(f"{name}: expected a path or None, got {value!r}")
+            if isinstance(value, str):
+                object.__setattr__(self, name, Path(value))
+
+
+def _flash_grid(cmd: str, device: torch.device, quick: bool) -> dict[str, Any]:
+    """The default grid of flash / leaderboard: tiny off the GPU, a subset with ``quick``."""
+    gpu = device.type == "cuda"
+    if cmd == "flash":
         if not gpu:
             providers = ["naive", "flash-torch", "sdpa-flash", "sdpa-math"]
-            if triton_runs_here(args.device):
+            if triton_runs_here(device):
                 providers.insert(0, "flash-triton")
             base = {"batch": 1, "seq": [32, 64], "d": [16], "dtype": ["fp32"]}
             base |= {"providers": providers}
-        elif args.quick:
+        elif quick:
             base = {"batch": 1, "seq": [1024, 4096, 16384], "d": [64, 128]}
             base |= {"dtype": ["bf16", "fp32"]}
             base |= {"providers": ["flash-triton", "naive", "sdpa-flash", "sdpa-cudnn"]}
@@ -164,6 +212,17 @@ def _defaults(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
         if not gpu:
             providers = ["flash-triton", "sdpa-flash", "naive"]
         base |= {"providers": providers}
+    return base
+
+
+def config_from_args(args: argparse.Namespace, cmd: str) -> NaiveConfig | FlashConfig:
+    """The typed config of sub-command ``cmd`` (naive, flash or leaderboard): the grid for this
+    device / --quick, with any values given on the command line. The one reader of the
+    parser's Namespace: everything below takes the config."""
+    device = args.device or torch.device(_cli.default_device())
+    gpu = device.type == "cuda"
+    base = naive_grid(gpu, args.quick) if cmd == "naive" else _flash_grid(cmd, device, args.quick)
+    # the sub-command's own options are absent when no sub-command was named
     for key in ("batch", "passes", "warmup"):
         if getattr(args, key, None) is not None:
             base[key] = getattr(args, key)
@@ -171,7 +230,7 @@ def _defaults(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
         given = _cli.flatten(getattr(args, key, None))
         if given:
             base[key] = given
-    if not gpu and not triton_runs_here(args.device):
+    if not gpu and not triton_runs_here(device):
         if "flash-triton" in (_cli.flatten(getattr(args, "providers", None)) or ()):
             # asked for by name: its rows are marked unsupported, never measured as another
             print(
@@ -181,190 +240,41 @@ def _defaults(args: argparse.Namespace, cmd: str) -> dict[str, Any]:
             )
         else:
             base["providers"] = [p for p in base["providers"] if p != "flash-triton"]
-    return base
+    grid: dict[str, Any] = {
+        "device": device, "batch": base["batch"], "seq": base["seq"], "d": base["d"],
+        "dtypes": base["dtype"], "providers": base["providers"], "seed": args.seed,
+        "quiet": args.quiet,
+        "causal": cmd == "leaderboard" or not getattr(args, "no_causal", False),
+    }  # fmt: skip
+    if cmd == "naive":
+        return NaiveConfig(**grid, passes=base["passes"], warmup=base["warmup"])
+    rep, warm = getattr(args, "rep_ms", 100.0), getattr(args, "warmup_ms", 25.0)
+    if not gpu:  # tiny sizes off the GPU: short timings too
+        rep, warm = min(rep, 20.0), min(warm, 5.0)
+    return FlashConfig(
+        **grid, rep_ms=rep, warmup_ms=warm, leaderboard=cmd == "leaderboard",
+        peak_tflops=args.peak_tflops,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- measuring
 
 
-def _inputs(
-    batch: int, seq: int, d: int, dtype: torch.dtype, device: torch.device, seed: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v (B, N, d) needing grad, and an upstream gradient dO (B, N, d)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    shape = (batch, seq, d)
-    q, k, v, do = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in "qkvo")
-    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do
-
-
-def _failure(provider: str, exc: BaseException) -> str:
-    if timing.is_oom(exc):
-        return "OOM"
-    if is_unsupported_error(provider, exc):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return f"unsupported: {first[:120]}"
-    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-
-
-def naive_saved_bytes(batch: int, seq: int, d: int, dtype: torch.dtype, causal: bool) -> int:
-    """Predicted memory in use between forward and backward of the naive attention.
-
-    Inputs q, k, v and the output o: 4 * B*N*d elements. Saved for backward: the softmax
-    output P (B*N*N; kept in fp32 by lm_core's causal path, which runs the softmax in fp32,
-    plus its cast to the input dtype when that is not fp32, saved by the P @ V matmul) and the
-    causal mask (N*N bools, saved by masked_fill). The plain (non-causal) path saves P only.
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    total = 4 * batch * seq * d * size
-    if causal:
-        total += batch * seq * seq * 4 + seq * seq  # fp32 P and the bool mask
-        if dtype != torch.float32:
-            total += batch * seq * seq * size  # P cast back to the input dtype
-    else:
-        total += batch * seq * seq * size
-    return total
-
-
-def naive_accounting(batch: int, seq: int, d: int, dtype: torch.dtype, causal: bool) -> list[dict]:
-    """Tensor-by-tensor memory of the naive attention at one size (MiB), forward and backward."""
-    size = torch.empty((), dtype=dtype).element_size()
-    nn_ = batch * seq * seq
-    rows = [
-        ("q, k, v, o (B, N, d) each x4", 4 * batch * seq * d * size, "inputs/output", "yes"),
-        ("S = Q K^T / sqrt(d) (B, N, N)", nn_ * size, "forward, transient", "no"),
-    ]
-    if causal:
-        rows += [
-            ("causal mask (N, N) bool", seq * seq, "forward", "yes (masked_fill)"),
-            ("masked S (B, N, N)", nn_ * size, "forward, transient", "no"),
-        ]
-        if dtype != torch.float32:
-            rows.append(("S in fp32 for softmax (B, N, N)", nn_ * 4, "forward, transient", "no"))
-        rows.append(("P = softmax(S), fp32 (B, N, N)", nn_ * 4, "forward", "yes (softmax)"))
-        if dtype != torch.float32:
-            rows.append(("P cast to input dtype (B, N, N)", nn_ * size, "forward", "yes (P @ V)"))
-    else:
-        rows.append(("P = softmax(S) (B, N, N)", nn_ * size, "forward", "yes (softmax, P @ V)"))
-    rows += [
-        ("dP = dO V^T (B, N, N)", nn_ * (4 if causal else size), "backward, transient", "-"),
-        ("dS = softmax backward (B, N, N)", nn_ * (4 if causal else size), "backward", "-"),
-    ]
-    return [
-        {"tensor": name, "mib": nbytes / MiB, "when": when, "saved_for_backward": saved}
-        for name, nbytes, when, saved in rows
-    ]
-
-
-def run_naive(args: argparse.Namespace, grid: dict[str, Any]) -> list[dict[str, Any]]:
-    """Forward / backward timings and memory of naive attention, eager and compiled."""
-    device = args.device
-    causal = not getattr(args, "no_causal", False)
-    rows = []
-    cells = [
-        (p, dt, d, n)
-        for p in grid["providers"]
-        for dt in grid["dtype"]
-        for d in grid["d"]
-        for n in sorted(grid["seq"])
-    ]
-    bar = _bar(len(cells), "naive attention", args.quiet)
-    for provider, dt_name, d, seq in cells:
-        dtype = DTYPES[dt_name]
-        row: dict[str, Any] = {
-            "provider": provider,
-            "dtype": dt_name,
-            "batch": grid["batch"],
-            "d": d,
-            "seq": seq,
-            "causal": causal,
-            "status": None,
-            "fwd_ms": None,
-            "bwd_ms": None,
-            "mib_before_bwd": None,
-        }
-        row["predicted_mib_before_bwd"] = (
-            naive_saved_bytes(grid["batch"], seq, d, dtype, causal) / MiB
-        )
-        row.update(_naive_cell(provider, grid, seq, d, dtype, causal, device, args.seed))
-        rows.append(row)
-        bar.update(1)
-        _release(device)
-    bar.close()
-    return rows
-
-
-def _naive_cell(
-    provider: str,
-    grid: dict[str, Any],
-    seq: int,
-    d: int,
-    dtype: torch.dtype,
-    causal: bool,
-    device: torch.device,
-    seed: int,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"status": "ok"}
-    try:
-        if provider not in ("naive", "naive-compiled"):
-            raise UnsupportedError("the naive sweep compares naive and naive-compiled only")
-        fn = make_provider(provider, device, dtype, causal)
-        q, k, v, do = _inputs(grid["batch"], seq, d, dtype, device, seed)
-        fwd = timing.time_steps(
-            lambda: fn(q, k, v), warmup=grid["warmup"], iters=grid["passes"], device=device
-        )
-        out["fwd_ms"] = fwd.stats.mean * 1e3
-        out["fwd_std_ms"] = fwd.stats.std * 1e3
-        out["compile_or_first_s"] = (
-            None if fwd.first_step_s != fwd.first_step_s else fwd.first_step_s
-        )
-        timing.synchronize(device)
-        before = timing.memory_allocated_bytes(device)
-        o = fn(q, k, v)
-        timing.synchronize(device)
-        after = timing.memory_allocated_bytes(device)
-        if before is not None and after is not None:
-            # what the forward left alive: o plus everything saved for backward, plus q, k, v
-            out["mib_before_bwd"] = (after - before) / MiB + 3 * q.numel() * q.element_size() / MiB
-        bwd = timing.time_steps(
-            lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
-            warmup=grid["warmup"],
-            iters=grid["passes"],
-            device=device,
-        )
-        out["bwd_ms"] = bwd.stats.mean * 1e3
-        out["bwd_std_ms"] = bwd.stats.std * 1e3
-        peak = timing.peak_memory_bytes(device)
-        out["peak_mib"] = None if peak is None else peak / MiB
-    except Exception as exc:
-        out["status"] = _failure(provider, exc)
-        if out["status"].startswith("error"):
-            import traceback
-
-            traceback.print_exc()
-    return out
-
-
-def run_flash(
-    args: argparse.Namespace, grid: dict[str, Any], *, leaderboard: bool = False
-) -> list[dict[str, Any]]:
+def run_flash(cfg: FlashConfig) -> list[dict[str, Any]]:
     """Forward, backward and forward+backward ms of every provider over the grid."""
-    device = args.device
-    causal = leaderboard or not getattr(args, "no_causal", False)
-    rep, warm = getattr(args, "rep_ms", 100.0), getattr(args, "warmup_ms", 25.0)
-    if device.type != "cuda":
-        rep, warm = min(rep, 20.0), min(warm, 5.0)
+    device, causal = cfg.device, cfg.causal
     rows: list[dict[str, Any]] = []
-    cells = [(dt, d, n) for dt in grid["dtype"] for d in grid["d"] for n in sorted(grid["seq"])]
+    cells = [(dt, d, n) for dt in cfg.dtypes for d in cfg.d for n in sorted(cfg.seq)]
     oom_at: dict[tuple[str, str, int], int] = {}
-    bar = _bar(len(cells) * len(grid["providers"]), "flash benchmark", args.quiet)
+    bar = _bar(len(cells) * len(cfg.providers), "flash benchmark", cfg.quiet)
     for dt_name, d, seq in cells:
         dtype = DTYPES[dt_name]
-        batch = grid["batch"]
+        batch = cfg.batch
         flops = {p: attention_flops(batch, 1, seq, seq, d, causal, p) for p in ("fwd", "bwd")}
         flops["fwd_bwd"] = flops["fwd"] + flops["bwd"]
-        peak = args.peak_tflops or hardware.peak_tflops(dt_name, device)
+        peak = cfg.peak_tflops or hardware.peak_tflops(dt_name, device)
         cell_rows = []
-        for provider in grid["providers"]:
+        for provider in cfg.providers:
             row: dict[str, Any] = {
                 "seq": seq,
                 "d": d,
@@ -387,11 +297,7 @@ def run_flash(
             if first_oom is not None and seq > first_oom:
                 row["status"] = f"OOM (skipped: OOM at seq {first_oom})"
             else:
-                row.update(
-                    _flash_cell(
-                        provider, batch, seq, d, dtype, causal, device, rep, warm, args, leaderboard
-                    )
-                )
+                row.update(_flash_cell(cfg, provider, seq, d, dtype))
                 if str(row.get("status")).startswith("OOM"):
                     oom_at[(provider, dt_name, d)] = seq
             for key, f in (
@@ -423,24 +329,15 @@ def _speedups(cell_rows: list[dict[str, Any]]) -> None:
 
 
 def _flash_cell(
-    provider: str,
-    batch: int,
-    seq: int,
-    d: int,
-    dtype: torch.dtype,
-    causal: bool,
-    device: torch.device,
-    rep: float,
-    warm: float,
-    args: argparse.Namespace,
-    leaderboard: bool,
+    cfg: FlashConfig, provider: str, seq: int, d: int, dtype: torch.dtype
 ) -> dict[str, Any]:
+    device, warm, rep = cfg.device, cfg.warmup_ms, cfg.rep_ms
     out: dict[str, Any] = {"status": "ok"}
     stage = "build"
     try:
-        fn = make_provider(provider, device, dtype, causal)
-        q, k, v, do = _inputs(batch, seq, d, dtype, device, args.seed)
-        if leaderboard:
+        fn = make_provider(provider, device, dtype, cfg.causal)
+        q, k, v, do = make_inputs(cfg.batch, seq, d, dtype, device, cfg.seed)
+        if cfg.leaderboard:
             # exactly the course procedure: compiled apply, o.sum().backward(), grads accumulate
             compiled = compile_for_bench(fn, dynamic=None)
 
@@ -476,7 +373,7 @@ def _flash_cell(
             rep_ms=rep,
         )
     except Exception as exc:
-        status = _failure(provider, exc)
+        status = failure(provider, exc)
         out["status"] = status if stage in ("build", "fwd") else f"{status} in {stage}"
         if status.startswith("error"):
             import traceback
@@ -487,10 +384,6 @@ def _flash_cell(
 
 # ----------------------------------------------------------------------------- output
 
-NAIVE_COLUMNS = [
-    "provider", "dtype", "d", "seq", "status", "fwd_ms", "bwd_ms", "mib_before_bwd",
-    "predicted_mib_before_bwd", "peak_mib", "compile_or_first_s",
-]  # fmt: skip
 FLASH_COLUMNS = [
     "dtype", "d", "seq", "provider", "status", "fwd_ms", "bwd_ms", "fwd_bwd_ms",
     "fwd_bwd_tflops", "speedup_vs_naive", "vs_best_sdpa", "gflop_fwd_bwd", "floor_fwd_bwd_ms",
@@ -504,35 +397,29 @@ def _with_suffix(path: Path | None, suffix: str, several: bool) -> Path | None:
 
 
 def _emit(
-    args: argparse.Namespace,
+    out: Outputs,
     name: str,
     rows: list[dict[str, Any]],
     columns: Sequence[str],
     title: str,
-    several: bool,
     plot: Callable[[list[dict[str, Any]], Path], Path] | None,
 ) -> None:
+    """Print the table, save CSV / JSON and the plot where asked, and say where they went."""
     cols = [c for c in columns if any(r.get(c) is not None for r in rows)]
     report.print_table(rows, cols, title=title)
-    csv_path = _with_suffix(args.csv, name, several)
-    json_path = _with_suffix(args.json, name, several)
+    csv_path = _with_suffix(out.csv, name, out.several)
+    json_path = _with_suffix(out.json, name, out.several)
     report.save_rows(rows, csv_path=csv_path, json_path=json_path)
     for what, path in (("csv", csv_path), ("json", json_path)):
         if path is not None:
             print(f"{what}: {path}")
-    plot_path = _with_suffix(args.plot, name, several)
+    plot_path = _with_suffix(out.plot, name, out.several)
     if plot_path is not None and plot is not None:
         print(f"plot: {plot(rows, plot_path)}")
 
 
-def _plot_naive(rows: list[dict[str, Any]], path: Path) -> Path:
-    return report.plot_lines(
-        rows, x="seq", y="fwd_ms", group_by=["provider", "dtype", "d"], path=path,
-        title="naive attention forward (ms)", logx=True, logy=True, ylabel="forward ms",
-    )  # fmt: skip
-
-
 def _plot_flash(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Forward+backward ms against seq at one d (64 if swept), one line per provider, dtype."""
     ds = sorted({r["d"] for r in rows})
     d = 64 if 64 in ds else ds[len(ds) // 2]
     sel = [r for r in rows if r["d"] == d]
@@ -543,54 +430,32 @@ def _plot_flash(rows: list[dict[str, Any]], path: Path) -> Path:
     )  # fmt: skip
 
 
-def print_accounting(rows: list[dict[str, Any]], causal: bool) -> list[dict[str, Any]]:
-    """Memory accounting of the smallest OOM configuration (else the largest that ran)."""
-    ooms = [r for r in rows if str(r.get("status", "")).startswith("OOM")]
-    if ooms:
-        pick = min(ooms, key=lambda r: (r["seq"], r["d"]))
-        why = "smallest configuration that ran out of memory"
-    else:
-        pick = max(rows, key=lambda r: (r["seq"], r["d"]))
-        why = "largest configuration (none ran out of memory)"
-    dtype = DTYPES[pick["dtype"]]
-    acc = naive_accounting(pick["batch"], pick["seq"], pick["d"], dtype, causal)
-    title = (
-        f"memory accounting, {why}: batch {pick['batch']}, seq {pick['seq']}, d {pick['d']}, "
-        f"{pick['dtype']} (one N x N matrix = B*N*N*bytes; saved-for-backward N x N memory "
-        "grows as N^2: a tiled kernel that recomputes P in backward removes it)"
-    )
-    report.print_table(acc, title=title)
-    return acc
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.device = args.device or torch.device(_cli.default_device())
+    """The CLI: parse, turn the flags into one config per sub-command, run, print and save."""
+    args = build_parser().parse_args(argv)
     cmds = [args.cmd] if args.cmd else ["naive", "flash"]
-    several = len(cmds) > 1
+    out = Outputs(csv=args.csv, json=args.json, plot=args.plot, several=len(cmds) > 1)
     dev = report.run_metadata()["device"]
     failed = False
     for cmd in cmds:
-        grid = _defaults(args, cmd)
-        if cmd == "naive":
-            rows = run_naive(args, grid)
-            _emit(args, "naive", rows, NAIVE_COLUMNS,
-                  f"naive attention on {dev}: batch {grid['batch']}, mean ms over "
-                  f"{grid['passes']} passes", several, _plot_naive)  # fmt: skip
+        cfg = config_from_args(args, cmd)
+        if isinstance(cfg, NaiveConfig):
+            rows = run_naive(cfg)
+            _emit(out, "naive", rows, NAIVE_COLUMNS,
+                  f"naive attention on {dev}: batch {cfg.batch}, mean ms over "
+                  f"{cfg.passes} passes", plot_naive)  # fmt: skip
             if rows:
-                print_accounting(rows, causal=not getattr(args, "no_causal", False))
+                print_accounting(rows, causal=cfg.causal)
         else:
-            rows = run_flash(args, grid, leaderboard=cmd == "leaderboard")
+            rows = run_flash(cfg)
             title = (
                 f"{'leaderboard shape' if cmd == 'leaderboard' else 'flash benchmark'} on {dev}:"
-                f" batch {grid['batch']}, do_bench median ms"
+                f" batch {cfg.batch}, do_bench median ms"
             )
-            _emit(args, cmd, rows, FLASH_COLUMNS, title, several,
-                  _plot_flash if cmd == "flash" else None)  # fmt: skip
+            _emit(out, cmd, rows, FLASH_COLUMNS, title, _plot_flash if cmd == "flash" else None)
         failed |= any(str(r.get("status", "")).startswith("error") for r in rows)
         if rows and all(str(r.get("status", "")).startswith("unsupported") for r in rows):
-            print(f"error: no provider of {cmd} can run on {args.device}", file=sys.stderr)
+            print(f"error: no provider of {cmd} can run on {cfg.device}", file=sys.stderr)
             failed = True
     return 1 if failed else 0
 

@@ -74,6 +74,36 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+@dataclass(frozen=True)
+class FeaturesConfig:
+    """What one run measures (the CLI's flags, typed)."""
+
+    device: torch.device
+    cases: tuple[str, ...] = CASES  # run in this order
+    dtype: str = "bf16"  # on CUDA; the CPU smoke run is float32 whatever this says
+    rep_ms: float = 200.0  # do_bench rep
+    warmup_ms: float = 50.0  # do_bench warm-up
+    window_mask: bool = True  # the window case also times SDPA given the window as a mask
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # a device name or a list of cases is accepted; stored as a torch.device and a tuple
+        object.__setattr__(self, "device", _cli.config_device(self.device))
+        object.__setattr__(self, "cases", tuple(self.cases))
+        bad = [c for c in self.cases if c not in CASES]
+        if not self.cases or bad:
+            raise ValueError(f"cases: expected some of {', '.join(CASES)}, got {list(self.cases)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("rep_ms", "warmup_ms"):
+            value = getattr(self, name)
+            # bool is a number to Python, never a time; `not > 0` also catches NaN
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+
+
 @dataclass
 class Cell:
     """One provider in one case: what to time and the useful forward FLOPs."""
@@ -342,11 +372,13 @@ def _speedups(rows: list[dict[str, Any]], baseline: str) -> None:
 
 
 def _run_case(
-    name: str, cells: list[Cell], shape: str, args: argparse.Namespace, device
+    name: str, cells: list[Cell], shape: str, cfg: FeaturesConfig
 ) -> list[dict[str, Any]]:
+    """One row per cell of a case, speedups against its baseline; the cells' tensors freed."""
+    device = cfg.device
     rows = []
     for cell in cells:
-        row = {"case": name, "shape": shape, **_measure(cell, device, args.warmup_ms, args.rep_ms)}
+        row = {"case": name, "shape": shape, **_measure(cell, device, cfg.warmup_ms, cfg.rep_ms)}
         rows.append(row)
     baseline = next((c.provider for c in cells if c.baseline), None)
     if baseline is not None:
@@ -358,41 +390,41 @@ def _run_case(
     return rows
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(cfg: FeaturesConfig) -> list[dict[str, Any]]:
     """Every requested case, one row per provider."""
-    device = args.device
-    dtype = DTYPES[args.dtype] if device.type == "cuda" else torch.float32
+    device = cfg.device
+    dtype = DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32
     gpu = device.type == "cuda"
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
     rows: list[dict[str, Any]] = []
-    for case in args.cases:
+    for case in cfg.cases:
         size = SIZES[case][0 if gpu else 1]
         if case == "gqa":
             for batch, n in size["shapes"]:
                 shape = f"B{batch} Hq{size['heads']} Hkv{size['kv_heads']} N{n} d{size['d']}"
                 cells = gqa_cells(size, batch, n, dtype, device, gen)
-                rows += _run_case(case, cells, shape, args, device)
+                rows += _run_case(case, cells, shape, cfg)
         elif case == "varlen":
             cells, lens = varlen_cells(size, dtype, device, gen)
             shape = f"{len(lens)} docs {'+'.join(map(str, lens))} H{size['heads']} d{size['d']}"
-            rows += _run_case(case, cells, shape, args, device)
+            rows += _run_case(case, cells, shape, cfg)
         elif case == "window":
-            cells = window_cells(size, dtype, device, gen, with_mask=not args.no_mask)
+            cells = window_cells(size, dtype, device, gen, with_mask=cfg.window_mask)
             shape = f"B{size['batch']} H{size['heads']} N{size['n']} W{size['window']} d{size['d']}"
-            rows += _run_case(case, cells, shape, args, device)
+            rows += _run_case(case, cells, shape, cfg)
         elif case == "kvcache":
             cells, lens = kvcache_cells(size, dtype, device, gen)
             shape = (
                 f"B{size['batch']} Hq{size['heads']} Hkv{size['kv_heads']} Nq1 "
                 f"S{size['rows']} filled {'+'.join(map(str, lens))} d{size['d']}"
             )
-            rows += _run_case(case, cells, shape, args, device)
+            rows += _run_case(case, cells, shape, cfg)
         else:
             for b, h, h_kv, keys in size["shapes"]:
                 heads = f"H{h}" if h == h_kv else f"Hq{h} Hkv{h_kv}"
                 shape = f"B{b} {heads} Nq1 Nk{keys} d{size['d']}"
                 cells = decode_cells((b, h, h_kv, keys), size["d"], dtype, device, gen)
-                rows += _run_case(case, cells, shape, args, device)
+                rows += _run_case(case, cells, shape, cfg)
     return rows
 
 
@@ -424,16 +456,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_from_args(a: argparse.Namespace) -> FeaturesConfig:
+    """The parsed flags as a config: every case when none is named, each once."""
+    device = a.device or torch.device(_cli.default_device())
+    rep, warm = a.rep_ms, a.warmup_ms
+    if device.type == "cpu":  # the smoke run: tiny sizes, short timings
+        rep, warm = min(rep, 20.0), min(warm, 5.0)
+    return FeaturesConfig(
+        device=device,
+        cases=tuple(dict.fromkeys(a.cases)) or CASES,
+        dtype=a.dtype,
+        rep_ms=rep,
+        warmup_ms=warm,
+        window_mask=not a.no_mask,
+        seed=a.seed,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The CLI: parse, run the cases, print and save the table; 1 if a cell erred."""
     args = build_parser().parse_args(argv)
-    args.cases = list(dict.fromkeys(args.cases)) or list(CASES)
-    args.device = args.device or torch.device(_cli.default_device())
-    if args.device.type == "cpu":  # the smoke run: tiny sizes, short timings
-        args.rep_ms, args.warmup_ms = min(args.rep_ms, 20.0), min(args.warmup_ms, 5.0)
-    rows = run(args)
+    cfg = config_from_args(args)
+    rows = run(cfg)
     dev = report.run_metadata()["device"]
     report.print_table(
-        rows, COLUMNS, title=f"attention features on {dev}, {args.dtype}, do_bench median ms"
+        rows, COLUMNS, title=f"attention features on {dev}, {cfg.dtype}, do_bench median ms"
     )
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)
     return 1 if any(str(r["status"]).startswith("error") for r in rows) else 0

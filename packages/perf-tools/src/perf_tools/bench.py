@@ -430,6 +430,22 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     return specs
 
 
+def _profile(args: argparse.Namespace) -> int:
+    """`--profile DIR`: `perf_tools.profile` on these flags, mapped to its typed config here
+    (no Namespace crosses into profile)."""
+    from perf_tools.profile import ProfileConfig, main_from_bench
+
+    return main_from_bench(ProfileConfig(
+        out=args.profile, sizes=args.sizes, contexts=args.contexts, device=args.device,
+        overrides=args.overrides, attentions=args.attentions, matmuls=args.matmuls,
+        compiles=args.compiles, precisions=args.precisions, modes=args.modes,
+        overlaps=args.overlaps, opt_states=args.opt_states, weights=args.weights,
+        batch=args.batch, warmup=args.warmup, steps=args.steps, seed=args.seed,
+        quiet=args.quiet, fused_loss=args.fused_loss, act_ckpt=args.activation_checkpointing,
+        compile_backend=args.compile_backend, csv_path=args.csv, json_path=args.json,
+    ))  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- output
 
 
@@ -462,9 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_tf32(True)
     set_blas(args.blas)
     if args.profile is not None:
-        from perf_tools import profile
-
-        return profile.main_from_bench(args)
+        return _profile(args)
     opts = BenchOptions(
         device=args.device,
         batch=args.batch,

@@ -37,6 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,48 @@ COLUMNS = [
     "peak_mem_gib",
     "note",
 ]
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig:
+    """What one benchmark runs (the CLI's flags, typed): every size x batch size x provider,
+    lm_core's providers once per attention backend."""
+
+    sizes: tuple[str, ...] = ("small", "xl")
+    batch_sizes: tuple[int, ...] = (1, 16)
+    providers: tuple[str, ...] = PROVIDERS
+    attention: tuple[str, ...] = ("sdpa",)
+    prompt_len: int = 128
+    new_tokens: int = 256  # the first comes from the prefill: at least 2
+    repeats: int = 3
+    dtype: str | None = None  # a DTYPES key; None: bf16 on CUDA, else fp32
+    device: torch.device | None = None  # None: cuda when visible, else cpu
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            object.__setattr__(self, "device", torch.device(_cli.default_device()))
+        if self.dtype is None:
+            object.__setattr__(self, "dtype", "bf16" if self.device.type == "cuda" else "fp32")
+        for name, allowed in (
+            ("sizes", size_names()),
+            ("providers", PROVIDERS),
+            ("attention", ATTENTIONS),
+        ):
+            bad = set(getattr(self, name)) - set(allowed)
+            if bad or not getattr(self, name):
+                raise ValueError(f"{name}: expected some of {tuple(allowed)}, got {sorted(bad)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch_sizes: expected positive sizes, got {self.batch_sizes}")
+        for name in ("prompt_len", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.new_tokens < 2:  # the CLI's message: it names the flag
+            raise ValueError(
+                f"--new-tokens: expected at least 2 (one from the prefill), got {self.new_tokens}"
+            )
 
 
 class CellSkippedError(Exception):
@@ -139,12 +182,12 @@ def time_hf(hf_model: Any, provider: str, prompt: torch.Tensor, new_tokens: int,
 
 
 def _row(
-    size: str, batch: int, provider: str, args: argparse.Namespace, attention: str = "sdpa"
+    size: str, batch: int, provider: str, cfg: DecodeBenchConfig, attention: str = "sdpa"
 ) -> dict[str, Any]:
     """A row with every column, the measured ones empty."""
     row: dict[str, Any] = dict.fromkeys(COLUMNS)
-    row.update(size=size, batch=batch, provider=provider, attention=attention, dtype=args.dtype)
-    row.update(prompt=args.prompt_len, new_tokens=args.new_tokens)
+    row.update(size=size, batch=batch, provider=provider, attention=attention, dtype=cfg.dtype)
+    row.update(prompt=cfg.prompt_len, new_tokens=cfg.new_tokens)
     return row
 
 
@@ -180,29 +223,29 @@ def _measure(row: dict[str, Any], fn: Callable[[], tuple[float, float, float]], 
     )
 
 
-def run_size(size: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_size(size: str, cfg: DecodeBenchConfig) -> list[dict[str, Any]]:
     """Every batch size x provider for one model size."""
-    device, dtype = args.device, DTYPES[args.dtype]
-    config = resolve_config(size, context_length=args.prompt_len + args.new_tokens)
+    device, dtype = cfg.device, DTYPES[cfg.dtype]
+    config = resolve_config(size, context_length=cfg.prompt_len + cfg.new_tokens)
     rows = []
-    ours = [p for p in args.providers if not p.startswith("hf")]
-    theirs = [p for p in args.providers if p.startswith("hf")]
-    for attention in args.attention if ours else ():
+    ours = [p for p in cfg.providers if not p.startswith("hf")]
+    theirs = [p for p in cfg.providers if p.startswith("hf")]
+    for attention in cfg.attention if ours else ():
         from lm_core.generation import cast_weights
 
         torch.manual_seed(0)
         ours_config = resolve_config(
-            size, context_length=args.prompt_len + args.new_tokens, attention=attention
+            size, context_length=cfg.prompt_len + cfg.new_tokens, attention=attention
         )
         model = cast_weights(build_model(ours_config, device), dtype).eval()
-        for batch in args.batch_sizes:
-            prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), device=device)
+        for batch in cfg.batch_sizes:
+            prompt = torch.randint(0, config.vocab_size, (batch, cfg.prompt_len), device=device)
             for provider in ours:
-                row = _row(size, batch, provider, args, attention)
-                fn = partial(time_ours, model, provider, prompt, args.new_tokens, args.repeats)
+                row = _row(size, batch, provider, cfg, attention)
+                fn = partial(time_ours, model, provider, prompt, cfg.new_tokens, cfg.repeats)
                 _measure(row, fn, device)
                 rows.append(row)
-                _progress(row, args)
+                _progress(row, cfg)
         del model
     if theirs:
         from perf_tools.hf_baseline import MissingBaselineError, available, build_hf_llama_lm
@@ -215,17 +258,17 @@ def run_size(size: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 hf_model = build_hf_llama_lm(config, device, dtype)
             except MissingBaselineError as exc:
                 ok, note = False, str(exc)
-        for batch in args.batch_sizes:
-            prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), device=device)
+        for batch in cfg.batch_sizes:
+            prompt = torch.randint(0, config.vocab_size, (batch, cfg.prompt_len), device=device)
             for provider in theirs:
-                row = _row(size, batch, provider, args)
+                row = _row(size, batch, provider, cfg)
                 if not ok:
                     row["note"] = f"skipped: {note}"
                 else:
-                    fn = partial(time_hf, hf_model, provider, prompt, args.new_tokens, args.repeats)
+                    fn = partial(time_hf, hf_model, provider, prompt, cfg.new_tokens, cfg.repeats)
                     _measure(row, fn, device)
                 rows.append(row)
-                _progress(row, args)
+                _progress(row, cfg)
         del hf_model
     gc.collect()
     if device.type == "cuda":
@@ -233,8 +276,8 @@ def run_size(size: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _progress(row: dict[str, Any], args: argparse.Namespace) -> None:
-    if args.quiet:
+def _progress(row: dict[str, Any], cfg: DecodeBenchConfig) -> None:
+    if cfg.quiet:
         return
     what = row.get("note") or f"{row['tokens_per_s']:,.0f} tokens/s"
     name = f"{row['provider']} {row['attention']}"
@@ -293,27 +336,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_from_args(a: argparse.Namespace) -> DecodeBenchConfig:
+    """The parsed flags as a config; unset lists take their defaults."""
+    return DecodeBenchConfig(
+        sizes=tuple(_cli.flatten(a.sizes) or DecodeBenchConfig.sizes),
+        batch_sizes=tuple(_cli.flatten(a.batch_sizes) or DecodeBenchConfig.batch_sizes),
+        providers=tuple(_cli.flatten(a.providers) or PROVIDERS),
+        attention=tuple(_cli.flatten(a.attention) or DecodeBenchConfig.attention),
+        prompt_len=a.prompt_len,
+        new_tokens=a.new_tokens,
+        repeats=a.repeats,
+        dtype=a.dtype,
+        device=a.device,
+        quiet=a.quiet,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.sizes = _cli.flatten(args.sizes) or ["small", "xl"]
-    args.batch_sizes = _cli.flatten(args.batch_sizes) or [1, 16]
-    args.providers = _cli.flatten(args.providers) or list(PROVIDERS)
-    args.attention = list(dict.fromkeys(_cli.flatten(args.attention) or ["sdpa"]))
-    args.device = args.device or torch.device(_cli.default_device())
-    if args.dtype is None:
-        args.dtype = "bf16" if args.device.type == "cuda" else "fp32"
-    if args.new_tokens < 2:
-        parser.error(
-            f"--new-tokens: expected at least 2 (one from the prefill), got {args.new_tokens}"
-        )
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     allow_recompiles()  # one compiled decode step per model and batch size
     rows = []
-    for size in args.sizes:
-        rows.extend(run_size(size, args))
+    for size in cfg.sizes:
+        rows.extend(run_size(size, cfg))
     title = (
-        f"greedy decode, prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"{args.dtype}, {args.device.type}"
+        f"greedy decode, prompt {cfg.prompt_len} + {cfg.new_tokens} new tokens, "
+        f"{cfg.dtype}, {cfg.device.type}"
     )
     report.print_table(rows, COLUMNS, title=title)
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from perf_tools import _cli, report
@@ -172,60 +172,149 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model(args: argparse.Namespace) -> tuple[ModelDims, int]:
-    custom = (args.d_model, args.d_ff, args.num_layers)
-    if all(v is None for v in custom):
-        try:
-            return model_preset(args.size)
-        except ValueError as exc:
-            raise ValueError(f"--size: {exc}") from None
-    if any(v is None for v in custom):
-        raise ValueError("custom model: give all of --d-model, --d-ff and --num-layers")
-    heads = args.num_heads or max(1, args.d_model // 128)
-    if args.d_model % heads:
-        raise ValueError(f"--num-heads: {heads} does not divide --d-model {args.d_model}")
+@dataclass(frozen=True)
+class PlanConfig:
+    """What one plan computes (the CLI's flags, typed). The model: custom dims when all of
+    d_model, d_ff and num_layers are given, else the preset `size`; the hardware: the `gpu`
+    preset with each field that is not None overriding its value."""
+
+    size: str = "8B"
+    d_model: int | None = None
+    d_ff: int | None = None
+    num_layers: int | None = None
+    vocab_size: int = 10_000  # custom models only (FFN-only ones have none)
+    num_heads: int | None = None  # custom models; None: d_model // 128
+    ffn_only: bool = False
+    global_batch: int = 4 * 2**20  # tokens per step
+    seq: int | None = None  # None: the preset's (2048 for custom models)
+    devices: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    micro_batch: int | None = None  # None: the fastest that fits
+    comm_dtype: str = "bf16"
+    gpu: str = "H100"
+    flops: float | None = None  # FLOP/s per GPU
+    memory: float | None = None  # GB per GPU
+    bandwidth: float | None = None  # bytes/s, both intra- and inter-node
+    intra_bandwidth: float | None = None
+    inter_bandwidth: float | None = None
+    gpus_per_node: int | None = None
+    usable_memory: float = 0.9
+
+    def __post_init__(self) -> None:
+        # Sorted and unique: one plan per N, in order.
+        object.__setattr__(self, "devices", tuple(sorted(set(self.devices))))
+        ints = ("d_model", "d_ff", "num_layers", "vocab_size", "num_heads", "global_batch")
+        for name in (*ints, "seq", "micro_batch", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value}")
+        for name in ("flops", "memory", "bandwidth", "intra_bandwidth", "inter_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: expected a positive number, got {value}")
+        if not self.devices or self.devices[0] < 1:
+            raise ValueError(f"devices: expected positive counts, got {self.devices}")
+        if self.comm_dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"comm_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {self.comm_dtype!r}"
+            )
+        if self.gpu not in HARDWARE:
+            raise ValueError(f"gpu: expected one of {', '.join(HARDWARE)}, got {self.gpu!r}")
+        if not 0 < self.usable_memory <= 1:
+            raise ValueError(
+                f"usable_memory: expected a fraction in (0, 1], got {self.usable_memory}"
+            )
+        # The model last, on checked values. Its messages are the CLI's (plan.main prints
+        # them), so they name the flags the user typed.
+        custom = (self.d_model, self.d_ff, self.num_layers)
+        if all(v is None for v in custom):
+            try:
+                model_preset(self.size)
+            except ValueError as exc:
+                raise ValueError(f"--size: {exc}") from None
+        elif any(v is None for v in custom):
+            raise ValueError("custom model: give all of --d-model, --d-ff and --num-layers")
+        elif self.d_model % self.heads():
+            raise ValueError(
+                f"--num-heads: {self.heads()} does not divide --d-model {self.d_model}"
+            )
+
+    def heads(self) -> int:
+        """Attention heads of a custom model: num_heads, else one per 128 of d_model."""
+        return self.num_heads or max(1, (self.d_model or 0) // 128)
+
+
+def config_from_args(a: argparse.Namespace) -> PlanConfig:
+    """The parsed flags as a config (ValueError: a bad combination, named)."""
+    return PlanConfig(
+        size=a.size,
+        d_model=a.d_model,
+        d_ff=a.d_ff,
+        num_layers=a.num_layers,
+        vocab_size=a.vocab_size,
+        num_heads=a.num_heads,
+        ffn_only=a.ffn_only,
+        global_batch=a.global_batch,
+        seq=a.seq,
+        devices=tuple(_cli.flatten(a.devices)),
+        micro_batch=a.micro_batch,
+        comm_dtype=a.comm_dtype,
+        gpu=a.gpu,
+        flops=a.flops,
+        memory=a.memory,
+        bandwidth=a.bandwidth,
+        intra_bandwidth=a.intra_bandwidth,
+        inter_bandwidth=a.inter_bandwidth,
+        gpus_per_node=a.gpus_per_node,
+        usable_memory=a.usable_memory,
+    )
+
+
+def _model(cfg: PlanConfig) -> tuple[ModelDims, int]:
+    """(dims, default sequence length) of the config's model."""
+    if cfg.d_model is None or cfg.d_ff is None or cfg.num_layers is None:
+        return model_preset(cfg.size)
     dims = ModelDims(
         "custom",
-        args.d_model,
-        args.d_ff,
-        args.num_layers,
-        0 if args.ffn_only else args.vocab_size,
-        heads,
-        ffn_only=args.ffn_only,
+        cfg.d_model,
+        cfg.d_ff,
+        cfg.num_layers,
+        0 if cfg.ffn_only else cfg.vocab_size,
+        cfg.heads(),
+        ffn_only=cfg.ffn_only,
     )
     return dims, 2048
 
 
-def _hardware(args: argparse.Namespace) -> Hardware:
-    hw = HARDWARE[args.gpu]
+def _hardware(cfg: PlanConfig) -> Hardware:
+    """The GPU preset with the config's overrides (named in the hardware's name)."""
+    hw = HARDWARE[cfg.gpu]
     fields: dict[str, Any] = {}
-    if args.flops is not None:
-        fields["flops"] = args.flops
-    if args.memory is not None:
-        fields["memory"] = args.memory * 1e9
-    if args.bandwidth is not None:
-        fields["intra_bw"] = fields["inter_bw"] = args.bandwidth
-    if args.intra_bandwidth is not None:
-        fields["intra_bw"] = args.intra_bandwidth
-    if args.inter_bandwidth is not None:
-        fields["inter_bw"] = args.inter_bandwidth
-    if args.gpus_per_node is not None:
-        fields["gpus_per_node"] = args.gpus_per_node
-    if args.usable_memory != hw.usable:
-        fields["usable"] = args.usable_memory
+    if cfg.flops is not None:
+        fields["flops"] = cfg.flops
+    if cfg.memory is not None:
+        fields["memory"] = cfg.memory * 1e9
+    if cfg.bandwidth is not None:
+        fields["intra_bw"] = fields["inter_bw"] = cfg.bandwidth
+    if cfg.intra_bandwidth is not None:
+        fields["intra_bw"] = cfg.intra_bandwidth
+    if cfg.inter_bandwidth is not None:
+        fields["inter_bw"] = cfg.inter_bandwidth
+    if cfg.gpus_per_node is not None:
+        fields["gpus_per_node"] = cfg.gpus_per_node
+    if cfg.usable_memory != hw.usable:
+        fields["usable"] = cfg.usable_memory
     if fields:
         hw = replace(hw, name=f"{hw.name} (overridden: {', '.join(sorted(fields))})", **fields)
     return hw
 
 
-def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+def run(cfg: PlanConfig) -> dict[str, list[dict[str, Any]]]:
     """The plan's tables as rows: 'plan' (every layout and N), 'max_n', 'setup'."""
-    dims, default_seq = _model(args)
-    seq = args.seq or default_seq
-    devices = sorted(set(_cli.flatten(args.devices)))
-    work = Workload(dims, args.global_batch, seq, Dtypes(comm=DTYPE_BYTES[args.comm_dtype]))
-    hw = _hardware(args)
-    rows = plan_rows(devices, work, hw, args.micro_batch)
+    dims, default_seq = _model(cfg)
+    seq = cfg.seq or default_seq
+    work = Workload(dims, cfg.global_batch, seq, Dtypes(comm=DTYPE_BYTES[cfg.comm_dtype]))
+    hw = _hardware(cfg)
+    rows = plan_rows(list(cfg.devices), work, hw, cfg.micro_batch)
     max_n = [max_compute_bound(s, work, hw) for s in STRATEGIES]
     setup = [
         {
@@ -237,7 +326,7 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             "heads": dims.num_heads,
             "vocab": dims.vocab_size,
             "seq": seq,
-            "global_batch_tokens": args.global_batch,
+            "global_batch_tokens": cfg.global_batch,
             "step_PFLOP": work.step_flops() / 1e15,
             "gpu": hw.name,
             "TFLOPs": hw.flops / 1e12,
@@ -271,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        out = run(args)
+        out = run(config_from_args(args))
     except ValueError as exc:
         parser.error(str(exc))
     setup = out["setup"][0]

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,14 @@ from perf_tools.cells import (
     run_sweep,
 )
 from perf_tools.flops import SOFTMAX_FLOPS_PER_ELEMENT, attention_substep_flops
-from perf_tools.model_args import add_model_args, add_step_args, resolve_model_args
-from perf_tools.steps import MODES, Annotator, lm_core_annotations
+from perf_tools.model_args import (
+    ATTENTIONS,
+    MATMULS,
+    add_model_args,
+    add_step_args,
+    resolve_model_args,
+)
+from perf_tools.steps import MODES, PRECISIONS, Annotator, lm_core_annotations
 from perf_tools.trace_analysis import (
     RangeIndex,
     attention_table,
@@ -127,18 +134,116 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     resolve_model_args(parser, args, gpu_default_sizes=("small",))
-    args.modes = _cli.flatten(args.mode) or list(MODES)
-    args.precisions = _cli.flatten(args.precision) or ["fp32"]
-    args.compiles = [bool(args.compile)]
     return args
 
 
-def _specs(args: argparse.Namespace) -> list[BenchSpec]:
-    attentions = [a or "naive" for a in args.attentions]
-    # bench --profile with --optimizer-overlap / --optimizer-state-dtype / --matmul-weights
-    overlaps = getattr(args, "overlaps", [False])
-    opt_states = getattr(args, "opt_states", ["fp32"])
-    weights = getattr(args, "weights", ["fp32"])
+_DTYPES = ("fp32", "bf16")  # AdamW's moments, held linear weights (bench's two choices)
+_ACT_CKPT = ("none", "sqrt", "optimal")
+_AXES = (  # the fields swept over (every combination is a configuration)
+    "sizes", "contexts", "attentions", "matmuls", "compiles", "precisions", "modes", "overlaps",
+    "opt_states", "weights",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What one profile run covers (the flags, typed): `config_from_args` builds it for
+    `python -m perf_tools.profile`, bench from its own flags for `bench --profile DIR`."""
+
+    out: Path  # per-configuration tables and traces, and the summary
+    sizes: tuple[str, ...]
+    contexts: tuple[int, ...]
+    device: torch.device | None = None  # None: cuda when visible, else cpu
+    overrides: dict[str, Any] = field(default_factory=dict)  # the presets' dims overridden
+    attentions: tuple[str | None, ...] = (None,)  # None: naive (sub-steps as their own kernels)
+    matmuls: tuple[str, ...] = ("default",)
+    compiles: tuple[bool | str, ...] = (False,)  # False, True (whole model), "blocks"
+    precisions: tuple[str, ...] = ("fp32",)
+    modes: tuple[str, ...] = MODES
+    # train rows only (bench --profile with --optimizer-overlap, --optimizer-state-dtype and
+    # --matmul-weights; held bf16 weights in bf16 train rows only)
+    overlaps: tuple[bool, ...] = (False,)
+    opt_states: tuple[str, ...] = ("fp32",)
+    weights: tuple[str, ...] = ("fp32",)
+    batch: int = 4
+    warmup: int = 3
+    steps: int = 3
+    seed: int = 0
+    top: int = 15  # kernels printed per configuration
+    trace: bool = True  # write trace.json.gz per configuration
+    quiet: bool = False
+    fused_loss: bool = False
+    act_ckpt: str | int = "none"
+    compile_backend: str = "inductor"
+    csv_path: Path | None = None  # the summary again, where the user asked for it
+    json_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "device", torch.device(self.device or _cli.default_device()))
+        for name in _AXES:  # lists welcome (the CLI's are), held as tuples
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        _one_of("attentions", self.attentions, (None, *ATTENTIONS))
+        _one_of("matmuls", self.matmuls, MATMULS)
+        _one_of("compiles", self.compiles, (False, True, "blocks"))
+        _one_of("precisions", self.precisions, PRECISIONS)
+        _one_of("modes", self.modes, MODES)
+        _one_of("overlaps", self.overlaps, (False, True))
+        _one_of("opt_states", self.opt_states, _DTYPES)
+        _one_of("weights", self.weights, _DTYPES)
+        for name in ("sizes", "contexts"):
+            if not getattr(self, name):
+                raise ValueError(f"{name}: expected at least one")
+        for name, low in (("batch", 1), ("warmup", 0), ("steps", 1), ("top", 1)):
+            _at_least(name, getattr(self, name), low)
+        for c in self.contexts:
+            _at_least("contexts", c, 1)
+        k = self.act_ckpt  # a policy or K, blocks per checkpointed group
+        if k not in _ACT_CKPT and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"act_ckpt: expected one of {_ACT_CKPT} or an int >= 1, got {k!r}")
+
+
+def _one_of(name: str, values: tuple[Any, ...], allowed: tuple[Any, ...]) -> None:
+    # types compared too: 1 == True, and compiles tells True (whole model) from other values
+    bad = [v for v in values if not any(v == a and type(v) is type(a) for a in allowed)]
+    if not values or bad:
+        raise ValueError(f"{name}: expected some of {allowed}, got {list(values)}")
+
+
+def _at_least(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
+def config_from_args(a: argparse.Namespace) -> ProfileConfig:
+    """The parsed flags (`parse_args`) as the run's config, with the command's defaults."""
+    return ProfileConfig(
+        out=a.out,
+        sizes=a.sizes,
+        contexts=a.contexts,
+        device=a.device,
+        overrides=a.overrides,
+        attentions=a.attentions,
+        matmuls=a.matmuls,
+        compiles=(bool(a.compile),),
+        precisions=_cli.flatten(a.precision) or ["fp32"],
+        modes=_cli.flatten(a.mode) or list(MODES),
+        batch=a.batch,
+        warmup=a.warmup,
+        steps=a.steps,
+        seed=a.seed,
+        top=a.top,
+        trace=not a.no_trace,
+        quiet=a.quiet,
+        fused_loss=a.fused_loss,
+        act_ckpt=a.activation_checkpointing,
+        csv_path=a.csv,
+        json_path=a.json,
+    )
+
+
+def _specs(cfg: ProfileConfig) -> list[BenchSpec]:
+    attentions = [a or "naive" for a in cfg.attentions]
     return [
         BenchSpec(
             OURS,
@@ -153,16 +258,16 @@ def _specs(args: argparse.Namespace) -> list[BenchSpec]:
             opt_state=state,
             weights=w,
         )
-        for size in args.sizes
+        for size in cfg.sizes
         for attention in attentions
-        for matmul in args.matmuls
-        for compiled in args.compiles
-        for precision in args.precisions
-        for context in sorted(args.contexts)
-        for mode in args.modes
-        for o in (overlaps if mode == "train" else [False])
-        for state in (opt_states if mode == "train" else ["fp32"])
-        for w in (weights if mode == "train" and precision == "bf16" else ["fp32"])
+        for matmul in cfg.matmuls
+        for compiled in cfg.compiles
+        for precision in cfg.precisions
+        for context in sorted(cfg.contexts)
+        for mode in cfg.modes
+        for o in (cfg.overlaps if mode == "train" else [False])
+        for state in (cfg.opt_states if mode == "train" else ["fp32"])
+        for w in (cfg.weights if mode == "train" and precision == "bf16" else ["fp32"])
     ]
 
 
@@ -317,44 +422,44 @@ def print_tables(
         )
 
 
-def run(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    """Profile every configuration of `args`; returns the summary rows."""
+def run(cfg: ProfileConfig) -> list[dict[str, Any]]:
+    """Profile every configuration of `cfg` into `cfg.out`; returns the summary rows."""
     opts = BenchOptions(
-        device=args.device,
-        batch=args.batch,
-        warmup=args.warmup,
-        steps=args.steps,
-        overrides=args.overrides,
-        seed=args.seed,
-        progress=not args.quiet,
-        fused_loss=getattr(args, "fused_loss", False),
-        act_ckpt=getattr(args, "activation_checkpointing", "none"),
-        compile_backend=getattr(args, "compile_backend", "inductor"),
+        device=cfg.device,
+        batch=cfg.batch,
+        warmup=cfg.warmup,
+        steps=cfg.steps,
+        overrides=dict(cfg.overrides),
+        seed=cfg.seed,
+        progress=not cfg.quiet,
+        fused_loss=cfg.fused_loss,
+        act_ckpt=cfg.act_ckpt,
+        compile_backend=cfg.compile_backend,
     )
-    profiler = Profiler(
-        out, top=getattr(args, "top", 15), trace=not getattr(args, "no_trace", False)
-    )
-    rows = run_sweep(_specs(args), opts, measure=profiler)
+    out = cfg.out
+    profiler = Profiler(out, top=cfg.top, trace=cfg.trace)
+    rows = run_sweep(_specs(cfg), opts, measure=profiler)
     cols = [c for c in SUMMARY_COLUMNS if any(r.get(c) is not None for r in rows) and c != "dir"]
     if not any(r.get("opt_overlap") for r in rows):
         cols.remove("opt_overlap")
     shown = [{**r, "top_item": _short(str(r.get("top_item") or "-"), 48)} for r in rows]
-    report.print_table(shown, cols, title=f"perf_tools.profile summary ({args.steps} steps each)")
+    report.print_table(shown, cols, title=f"perf_tools.profile summary ({cfg.steps} steps each)")
     out.mkdir(parents=True, exist_ok=True)
     report.save_rows(rows, csv_path=out / "summary.csv", json_path=out / "summary.json")
-    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
+    report.save_rows(rows, csv_path=cfg.csv_path, json_path=cfg.json_path)
     print(f"tables and traces: {out}/<config>/ (open trace.json.gz at https://ui.perfetto.dev)")
     return rows
 
 
-def main_from_bench(args: argparse.Namespace) -> int:
-    """`bench --profile DIR`: profile bench's configurations (naive attention by default)."""
-    return 1 if harness.has_errors(run(args, args.profile)) else 0
+def main_from_bench(cfg: ProfileConfig) -> int:
+    """`bench --profile DIR`: profile bench's configurations (naive attention by default);
+    bench maps its flags to `cfg`, so no argparse Namespace crosses between the modules."""
+    return 1 if harness.has_errors(run(cfg)) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    return 1 if harness.has_errors(run(args, args.out)) else 0
+    cfg = config_from_args(parse_args(argv))
+    return 1 if harness.has_errors(run(cfg)) else 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,32 +154,113 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def train_config(a: argparse.Namespace, out_dir: Path) -> Any:
+@dataclass(frozen=True)
+class TrainLoopConfig:
+    """One comparison (the flags, typed; `parse_args` fills the device-dependent defaults):
+    the model and step of both sides, the training run, the bench step."""
+
+    size: str
+    context: int
+    batch: int
+    precision: str  # fp32, or bf16 autocast
+    device: torch.device
+    steps: int  # the training run's
+    log_every: int
+    ckpt_every: int  # steps between saves (0: at the end only)
+    bench_steps: int
+    attention: str | None = None  # None: the preset's backend
+    compile: bool = False
+    cuda_graph: bool = False
+    fused_loss: bool = False
+    bf16_weights: bool = False
+    tf32: bool = False
+    seed: int = 0
+    grad_clip: float = 1.0  # 0: off, as the bench step
+    out_dir: Path | None = None  # None: a temporary directory, removed after
+    bench_warmup: int = 5
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.out_dir is not None:
+            object.__setattr__(self, "out_dir", Path(self.out_dir))
+        for name in ("context", "batch", "steps", "log_every", "bench_steps"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("ckpt_every", "bench_warmup"):
+            _at_least(name, getattr(self, name), 0)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
+        if self.attention is not None and self.attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
+        # the same checks as the CLI's (parse_args), for configs built in code
+        if self.cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, got {self.device}")
+        if self.steps < 2 * self.log_every:
+            raise ValueError(
+                f"steps: {self.steps} steps give fewer than 2 log windows of log_every "
+                f"{self.log_every}; the first window (compilation, warm-up) is not counted"
+            )
+        if self.grad_clip < 0:
+            raise ValueError(f"grad_clip: expected >= 0, got {self.grad_clip}")
+        if self.bf16_weights and self.precision != "bf16":
+            raise ValueError("bf16_weights: needs precision bf16")
+
+
+def _at_least(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
+def config_from_args(a: argparse.Namespace) -> TrainLoopConfig:
+    """The parsed flags (`parse_args`, defaults filled) as the comparison's config."""
+    return TrainLoopConfig(
+        size=a.size,
+        context=a.context,
+        batch=a.batch,
+        precision=a.precision,
+        device=a.device,
+        steps=a.steps,
+        log_every=a.log_every,
+        ckpt_every=a.ckpt_every,
+        bench_steps=a.bench_steps,
+        attention=a.attention,
+        compile=a.compile,
+        cuda_graph=a.cuda_graph,
+        fused_loss=a.fused_loss,
+        bf16_weights=a.bf16_weights,
+        tf32=a.tf32,
+        seed=a.seed,
+        grad_clip=a.grad_clip,
+        out_dir=a.out_dir,
+        bench_warmup=a.bench_warmup,
+    )
+
+
+def train_config(cfg: TrainLoopConfig, out_dir: Path) -> Any:
     """The `lm_core.train` options of this comparison."""
     from lm_core.train_config import TrainConfig
 
-    model: dict[str, Any] = {"size": a.size, "context_length": a.context}
-    if a.attention is not None:
-        model["attention"] = a.attention
+    model: dict[str, Any] = {"size": cfg.size, "context_length": cfg.context}
+    if cfg.attention is not None:
+        model["attention"] = cfg.attention
     return TrainConfig.from_dict(
         {
             "model": model,
             "data": {"synthetic": "random"},
             "training": {
-                "steps": a.steps,
-                "batch_size": a.batch,
-                "seed": a.seed,
-                "device": str(a.device),
-                "bf16": a.precision == "bf16",
-                "tf32": a.tf32,
-                "compile": a.compile,
-                "cuda_graph": a.cuda_graph,
-                "fused_loss": a.fused_loss,
-                "bf16_weights": a.bf16_weights,
+                "steps": cfg.steps,
+                "batch_size": cfg.batch,
+                "seed": cfg.seed,
+                "device": str(cfg.device),
+                "bf16": cfg.precision == "bf16",
+                "tf32": cfg.tf32,
+                "compile": cfg.compile,
+                "cuda_graph": cfg.cuda_graph,
+                "fused_loss": cfg.fused_loss,
+                "bf16_weights": cfg.bf16_weights,
             },
-            "optim": {"grad_clip": a.grad_clip},
-            "checkpoint": {"out_dir": str(out_dir), "every": a.ckpt_every, "overwrite": True},
-            "logging": {"every": a.log_every, "progress": False},
+            "optim": {"grad_clip": cfg.grad_clip},
+            "checkpoint": {"out_dir": str(out_dir), "every": cfg.ckpt_every, "overwrite": True},
+            "logging": {"every": cfg.log_every, "progress": False},
         }
     )
 
@@ -200,54 +282,54 @@ def loop_rates(history: Sequence[dict[str, Any]], tokens_per_step: int) -> dict[
     return {"steps": steps, "logged": tokens / seconds, "wall": tokens / wall}
 
 
-def bench_row(a: argparse.Namespace) -> dict[str, Any]:
+def bench_row(cfg: TrainLoopConfig) -> dict[str, Any]:
     """`perf_tools.bench`'s train cell for these settings."""
     from perf_tools.bench_dist import set_tf32
     from perf_tools.cells import OURS, BenchOptions, BenchSpec, run_sweep
 
-    if a.tf32:
+    if cfg.tf32:
         set_tf32(True)
     spec = BenchSpec(
-        OURS, a.size, a.attention, a.compile, a.precision, "train", a.context, a.cuda_graph,
-        weights="bf16" if a.bf16_weights else "fp32",
+        OURS, cfg.size, cfg.attention, cfg.compile, cfg.precision, "train", cfg.context,
+        cfg.cuda_graph, weights="bf16" if cfg.bf16_weights else "fp32",
     )  # fmt: skip
     opts = BenchOptions(
-        device=a.device,
-        batch=a.batch,
-        warmup=a.bench_warmup,
-        steps=a.bench_steps,
+        device=cfg.device,
+        batch=cfg.batch,
+        warmup=cfg.bench_warmup,
+        steps=cfg.bench_steps,
         overrides={},
-        seed=a.seed,
+        seed=cfg.seed,
         progress=False,
-        fused_loss=a.fused_loss,
+        fused_loss=cfg.fused_loss,
     )
     return run_sweep([spec], opts)[0]
 
 
-def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+def run(cfg: TrainLoopConfig) -> list[dict[str, Any]]:
     """The three rows (module docstring): the training run first, then the bench step."""
     from lm_core.train import run as train
 
-    tokens_per_step = a.batch * a.context
+    tokens_per_step = cfg.batch * cfg.context
     with tempfile.TemporaryDirectory(prefix="train_loop-") as tmp:
-        result = train(train_config(a, a.out_dir or Path(tmp)))
+        result = train(train_config(cfg, cfg.out_dir or Path(tmp)))
     rates = loop_rates(result.history, tokens_per_step)
     del result
     torch._dynamo.reset()  # the bench compiles its own model
     gc.collect()  # the run's model, optimizer and CUDA graph (its memory pool) go now
-    if a.device.type == "cuda":
+    if cfg.device.type == "cuda":
         torch.cuda.empty_cache()
-    bench = bench_row(a)
+    bench = bench_row(cfg)
     common = {
-        "size": a.size,
-        "precision": a.precision,
-        "compile": a.compile,
-        "cuda_graph": a.cuda_graph,
-        "bf16_weights": a.bf16_weights,
-        "batch": a.batch,
-        "context": a.context,
+        "size": cfg.size,
+        "precision": cfg.precision,
+        "compile": cfg.compile,
+        "cuda_graph": cfg.cuda_graph,
+        "bf16_weights": cfg.bf16_weights,
+        "batch": cfg.batch,
+        "context": cfg.context,
     }
-    rows = [{"what": BENCH, **common, "steps": a.bench_steps, "status": bench.get("status")}]
+    rows = [{"what": BENCH, **common, "steps": cfg.bench_steps, "status": bench.get("status")}]
     bench_tps = bench.get("tokens_per_s") if bench.get("status") == "ok" else None
     if bench_tps is not None:
         rows[0].update(ms_per_step=bench["mean_ms"], tokens_per_s=bench_tps, vs_bench=1.0)
@@ -269,14 +351,16 @@ def exit_on_sigterm() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    cfg = config_from_args(a)
     exit_on_sigterm()
-    rows = run(a)
+    rows = run(cfg)
     dev = report.run_metadata()["device"]
     title = (
-        f"perf_tools.train_loop on {dev}: {a.size}, batch {a.batch} x {a.context}, "
-        f"{a.precision}{', compiled' if a.compile else ''}"
-        f"{', CUDA graph' if a.cuda_graph else ''}; training run of {a.steps} steps (log every "
-        f"{a.log_every}, checkpoint every {a.ckpt_every}, first log window not counted)"
+        f"perf_tools.train_loop on {dev}: {cfg.size}, batch {cfg.batch} x {cfg.context}, "
+        f"{cfg.precision}{', compiled' if cfg.compile else ''}"
+        f"{', CUDA graph' if cfg.cuda_graph else ''}; training run of {cfg.steps} steps (log "
+        f"every {cfg.log_every}, checkpoint every {cfg.ckpt_every}, first log window not "
+        "counted)"
     )
     report.print_table(rows, COLUMNS, title=title)
     report.save_rows(rows, csv_path=a.csv, json_path=a.json)
