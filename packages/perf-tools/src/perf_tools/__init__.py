@@ -5,7 +5,8 @@ Read top-down:
 
 commands (`python -m perf_tools.<name>`, see COMMANDS; each a console script `perf-<name>`)
     bench, profile           model steps: `cells` (the sweep's cells, shared by both),
-                             `model_args` (their flags), `bench_dist` (bench on N ranks)
+                             `model_args` (their flags), `bench_args` (bench's flags and
+                             cells), `bench_dist` (bench on N ranks)
     train_loop               a real training run beside the bench step
     attention                attention calls (`attention_providers`); the naive sweep
                              (`attention_naive`)
