@@ -11,12 +11,10 @@ resumed run draws the same batches as an uninterrupted one.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,13 +23,6 @@ from torch import nn
 
 from lm_core import lowp_weights
 from lm_core.activation_ckpt import apply_activation_checkpointing, block_activation_ratio
-from lm_core.checkpoint import (
-    check_optimizer_state,
-    checked_model_state,
-    read_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
 from lm_core.compiling import compile_blocks
 from lm_core.data import (
     document_offsets,
@@ -40,13 +31,6 @@ from lm_core.data import (
     sample_starts,
     synthetic_tokens,
     to_device,
-)
-from lm_core.dcp_checkpoint import (
-    collectively,
-    is_dcp_checkpoint,
-    load_dcp_checkpoint,
-    read_dcp_meta,
-    save_dcp_checkpoint,
 )
 from lm_core.distributed import (
     DistEnv,
@@ -68,8 +52,9 @@ from lm_core.optim_overlap import OverlappedOptimizer
 from lm_core.run_dir import checkpoint_name, continue_metrics
 from lm_core.shared_dir import start_together
 from lm_core.train_checks import resolve_config
-from lm_core.train_config import RUN_RECORD, TrainConfig
+from lm_core.train_config import TrainConfig
 from lm_core.train_monitor import Monitor
+from lm_core.train_state import resume_run, save_run
 
 
 @dataclass
@@ -332,114 +317,6 @@ class _Log:
             self.file.close()
 
 
-def _save(
-    path: Path,
-    pm: ParallelModel,
-    optimizer: torch.optim.Optimizer,
-    step: int,
-    data: Data,
-    config: TrainConfig,
-    env: DistEnv,
-) -> None:
-    """Checkpoint. checkpoint.format "full": from rank 0, the full model and optimizer
-    states, as one process training alone would have them (sharded parameters gathered,
-    sharded optimizer state consolidated on rank 0 first: every rank takes part); "dcp": a
-    directory every rank writes its own shards to (`lm_core.dcp_checkpoint`)."""
-    # the run's options, for lm_core.generate (its tokenizer, the data's end-of-text id)
-    extra = {"data_generator": data.generator.get_state(), RUN_RECORD: config.to_dict()}
-    if config.checkpoint.format == "dcp":
-        save_dcp_checkpoint(path, pm, optimizer, step, config=config.model_config, extra=extra)
-        return
-    model_state = pm.full_state_dict()
-    optimizer_state = pm.full_optimizer_state_dict(optimizer)
-    if config.training.bf16_weights:  # the fp32 model; the masters are not saved twice
-        model_state = lowp_weights.with_masters(model_state, pm.model, optimizer)
-        optimizer_state = lowp_weights.without_masters(optimizer_state)
-
-    def write() -> None:
-        if env.is_main:
-            save_checkpoint(
-                path, model_state, optimizer_state, step, config=config.model_config, extra=extra
-            )
-
-    # a failed write (a full disk, no permission) raises on every rank: none waits for rank 0
-    collectively(write, None)
-
-
-def _group_shapes(
-    optimizer: torch.optim.Optimizer, param_shapes: list[tuple[int, ...]]
-) -> list[list[tuple[int, ...]]]:
-    """The full shapes of `param_shapes` (the model's parameters, in order) split as the
-    optimizer's groups are: the trainer builds every optimizer over the parameters in order."""
-    groups = getattr(optimizer, "caller_param_groups", optimizer.param_groups)
-    sizes = [len(g["params"]) for g in groups]
-    if sum(sizes) != len(param_shapes):
-        raise RuntimeError(
-            f"the optimizer holds {sum(sizes)} parameters, the model {len(param_shapes)}"
-        )
-    bounds = itertools.accumulate(sizes, initial=0)
-    return [param_shapes[a:b] for a, b in itertools.pairwise(bounds)]
-
-
-def _resume(
-    path: Path,
-    pm: ParallelModel,
-    optimizer: torch.optim.Optimizer,
-    data: Data,
-    config: TrainConfig,
-    param_shapes: list[tuple[int, ...]],
-) -> int:
-    """Restore model, optimizer, RNG and data-generator state from a checkpoint of any world
-    size and wrapper, of either format (a file: full states, see `_save`; a directory: a
-    sharded checkpoint, `lm_core.dcp_checkpoint`); returns its step. Every rank reads it.
-    Model and optimizer state are checked against the model (full shapes `param_shapes`, in
-    parameter order) before either is loaded."""
-    sharded = is_dcp_checkpoint(path)
-
-    def read() -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
-        payload = read_dcp_meta(path)[1] if sharded else read_checkpoint(path)
-        start = payload["step"]
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-            raise ValueError(f"checkpoint {path}: step is {start!r}, expected a non-negative int")
-        steps = config.training.steps
-        if start > steps:
-            raise ValueError(
-                f"checkpoint.resume (--resume): checkpoint is at step {start}, beyond "
-                f"training.steps (--steps) {steps}"
-            )
-        if sharded:
-            return payload, None
-        state = checked_model_state(payload, path, config.model_config, pm.full_shapes())
-        if payload["optimizer"] is None:
-            raise ValueError(f"checkpoint {path} holds no optimizer state")
-        check_optimizer_state(payload["optimizer"], _group_shapes(optimizer, param_shapes), path)
-        return payload, state
-
-    # each rank reads its host's copy; one that fails (a damaged copy) fails every rank here,
-    # before the load's collectives, where the others would wait for it
-    payload, state = collectively(read, None)
-    start = payload["step"]
-    if sharded:
-        load_dcp_checkpoint(path, pm, optimizer, config=config.model_config)
-        return _restore_generator(data, payload, start)
-    pm.load_full_state_dict(state)
-    try:
-        pm.load_full_optimizer_state_dict(optimizer, payload["optimizer"])
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise ValueError(
-            f"checkpoint {path}: optimizer state does not match this optimizer: {exc}"
-        ) from exc
-    restore_rng_state(payload["rng"])
-    return _restore_generator(data, payload, start)
-
-
-def _restore_generator(data: Data, payload: dict[str, Any], start: int) -> int:
-    generator_state = payload["extra"].get("data_generator")
-    if generator_state is not None:
-        data.generator.set_state(generator_state)
-    return start
-
-
 def train(config: TrainConfig) -> TrainResult:
     """Check `config` (`resolve_config`: ConfigError naming the option), then train as it
     says; returns a TrainResult. `lm_core.train.run` is the documented entry point."""
@@ -527,7 +404,9 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
         optimizer = build_optimizer(pm.parameters(), AdamW, config.parallel.zero, **hparams)
     start = 0
     if config.checkpoint.resume is not None:
-        start = _resume(config.checkpoint.resume, pm, optimizer, data, config, param_shapes)
+        start = resume_run(
+            config.checkpoint.resume, pm, optimizer, data.generator, config, param_shapes
+        )
     if t.bf16_weights:  # after loading: the masters are the loaded fp32 weights
         lowp_weights.hold_in_bf16(lowp_weights.matmul_weights(model))
     # captured after the resume: the graph holds the parameters and optimizer state in place
@@ -583,10 +462,10 @@ def _train(config: TrainConfig, env: DistEnv) -> TrainResult:
                 monitor.sample(done)
                 t_last = time.perf_counter()
             if ckpt_path is not None and ckpt_every and done % ckpt_every == 0:
-                _save(ckpt_path, pm, optimizer, done, data, config, env)
+                save_run(ckpt_path, pm, optimizer, done, data.generator, config, env)
                 t_last = time.perf_counter()
         if ckpt_path is not None and (not ckpt_every or result.step % ckpt_every):
-            _save(ckpt_path, pm, optimizer, result.step, data, config, env)
+            save_run(ckpt_path, pm, optimizer, result.step, data.generator, config, env)
     finally:
         log.close()
         monitor.close()
