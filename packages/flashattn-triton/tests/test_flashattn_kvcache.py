@@ -482,3 +482,29 @@ def test_bad_inputs(backend, no_launch):
         fa.flash_attention_kvcache(q, k, v, ok, k=new.requires_grad_(), v=new, backend=backend)
     with pytest.raises(RuntimeError, match="computes no gradients"):
         fa.flash_attention_kvcache(q.requires_grad_(), k, v, ok, backend=backend)
+
+
+@needs_interpreter
+def test_returned_lse_does_not_hold_the_split_workspace(small_tiles, monkeypatch):
+    """A split decode call's lse is a view of the workspace that also held the splits'
+    partial outputs; the lse handed to the caller owns only its own floats, with the same
+    values."""
+    monkeypatch.setattr(configs, "DECODE_MIN_KEYS", 1)
+    q, k, v = _cache(2, 4, 2, 3, 200)
+    raw = launch.forward(q, k, v, True, 0.25)[1]  # the launcher's view, for contrast
+    assert raw.untyped_storage().nbytes() > raw.numel() * 4, "no split workspace: test is moot"
+    calls = {
+        "flash_attention": lambda: fa.flash_attention(
+            q, k, v, causal=True, softmax_scale=0.25, return_lse=True, backend="triton"
+        ),
+        "flash_attention_kvcache": lambda: fa.flash_attention_kvcache(
+            q, k, v, 150, causal=True, softmax_scale=0.25, return_lse=True, backend="triton"
+        ),
+    }
+    for name, call in calls.items():
+        _, lse = call()
+        assert lse.untyped_storage().nbytes() == lse.numel() * 4, name
+        assert lse.shape == (2, 4, 3), name
+    torch.testing.assert_close(fa.flash_attention(
+        q, k, v, causal=True, softmax_scale=0.25, return_lse=True, backend="triton"
+    )[1], raw)  # fmt: skip
