@@ -106,7 +106,7 @@ def train_with_a_fault(
     checkpoint's write ("save") or read ("resume") failing on rank `fault_rank` only, as a
     full disk or a damaged copy on one host would. Per run: None, or the error it raised
     (type name, message)."""
-    from lm_core import trainer
+    from lm_core import train_state
     from lm_core.train import main
 
     torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def train_with_a_fault(
                     raise OSError(28, "No space left on device")
                 raise ValueError("checkpoint: damaged copy on this host")
 
-            setattr(trainer, "save_checkpoint" if where == "save" else "read_checkpoint", fail)
+            setattr(train_state, "save_checkpoint" if where == "save" else "read_checkpoint", fail)
         try:
             main(argv)
         except Exception as exc:
