@@ -99,23 +99,13 @@ def flash_attention(
             return CheckedFlashAttention.apply(q, k, v, causal, scale)
         else:
             o, lse = WindowedFlashAttention.apply(q, k, v, causal, scale, *window)
-        return (o, _own_lse(lse)) if return_lse else o
+        return (o, lse) if return_lse else o
     if plain:
         return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)
     left, right = _check_window_and_lse(window_size, return_lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     o, lse = TorchAttention.apply(q, k, v, causal, scale, left, right)
     return (o, lse) if return_lse else o
-
-
-def _own_lse(lse: torch.Tensor) -> torch.Tensor:
-    """The log-sum-exp as handed to the caller. A split decode call's lse is a view of the
-    workspace that also held the splits' partial outputs (``launch_common.workspace_layout``),
-    which a kept lse would keep alive (up to tens of MB for 16-query grouped calls); such an
-    lse is copied out. Compiled graphs keep the op's output as it is."""
-    if _compiling() or lse.untyped_storage().nbytes() <= lse.numel() * lse.element_size():
-        return lse
-    return lse.clone()
 
 
 def _builds_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -255,7 +245,6 @@ def flash_attention_kvcache(
             o, lse = ops.kvcache_fwd_launch(*args)
         else:
             o, lse = launch_kvcache.forward_kvcache(*args, k, v)
-            lse = _own_lse(lse) if return_lse else lse
     else:
         if k is not None:
             cache_seqlens = append_kv_torch(k, v, k_cache, v_cache, cache_seqlens)

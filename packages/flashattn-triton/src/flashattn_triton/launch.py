@@ -114,18 +114,19 @@ def forward(
     o = out_like(q)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     feat = None
     if window_left != -1 or window_right != -1 or k.shape[1] != h:
         feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
-    if o.numel() == 0 or n_k == 0:  # no query, or no key (every row is empty)
-        lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
-        return (o, lse) if o.numel() == 0 else (o.zero_(), lse.fill_(float("-inf")))
+    if o.numel() == 0:
+        return o, lse
+    if n_k == 0:  # no key at all: every row is empty
+        return o.zero_(), lse.fill_(float("-inf"))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS:
         group = 1 if feat is None else feat.group
         if group * n_q <= C.DECODE_MAX_ROWS:
-            return _decode(q, k, v, o, causal, softmax_scale, feat, call)
-    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+            return _decode(q, k, v, o, lse, causal, softmax_scale, feat, call)
 
     def launch_jit() -> None:
         # Hopper, d = 128, long enough: the Gluon forward (gluon_fwd) when it applies.
@@ -153,7 +154,7 @@ def forward(
 
     key = _layout_key((q, k, v), "fwd", causal, softmax_scale, feat) if q.is_cuda else None
     _launch_planned(key, (q, k, v), (o, lse), launch_jit)
-    remember_call(_CALLS, call, key, None)
+    remember_call(_CALLS, call, key, ())
     return o, lse
 
 
@@ -187,19 +188,15 @@ def replay_forward(
     remembered = _CALLS.get(call)
     if remembered is None:
         return None
-    replay, layout = remembered
+    replay, scratch = remembered
     q = tensors[0]
     o = torch.empty_like(q)
-    addresses = [t.data_ptr() for t in tensors]
-    addresses.append(o.data_ptr())
-    if layout is None:  # lse alone
-        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        addresses.append(lse.data_ptr())
-    else:  # lse and the scratch buffers in one workspace (``workspace_layout``)
-        offsets, total, lse_strides = layout
-        ws = torch.empty(total, dtype=torch.float32, device=q.device)
-        lse = ws.as_strided(q.shape[:-1], lse_strides)
-        base = ws.data_ptr()
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    addresses = [t.data_ptr() for t in (*tensors, o, lse)]
+    if scratch:  # the decode splits' partial results: one workspace (``workspace_layout``)
+        offsets, total = scratch
+        workspace = q.new_empty(total, dtype=torch.float32)
+        base = workspace.data_ptr()
         addresses += [base + 4 * offset for offset in offsets]
     if replay_call(_CALLS, call, replay, addresses, len(tensors)):
         return o, lse
@@ -213,9 +210,10 @@ def _gluon_fwd(*args) -> bool:
     return gluon_fwd.try_fwd(*args)
 
 
-# Repeated forward calls by call key (``launch_plans.call_key``): the replay and the shapes
-# of the float32 scratch buffers it writes besides o and lse (the decode splits' partials).
-# ``launch_kvcache`` keeps its calls here too: their keys hold four tensors, these three.
+# Repeated forward calls by call key (``launch_plans.call_key``): the replay and the layout
+# (``workspace_layout``) of the float32 workspace it writes besides o and lse: the decode
+# splits' partial results, () where there are none.
+# ``launch_kvcache`` keeps its calls here too: their keys hold four to six tensors, these three.
 _CALLS: dict[tuple, tuple] = keyed_cache()
 
 # Decode launches by launch-plan key: (tile config, splits, keys per split, first key).
@@ -241,7 +239,7 @@ def _decode_plan(q, k, feat: Features | None) -> tuple[C.TileConfig, int, int, i
 
 
 def _decode(
-    q, k, v, o, causal: bool, softmax_scale: float, feat: Features | None,
+    q, k, v, o, lse, causal: bool, softmax_scale: float, feat: Features | None,
     call: tuple | None = None, seqlens: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] = (),
 ):  # fmt: skip
@@ -268,15 +266,14 @@ def _decode(
             _DECODE_PLANS[key] = plan
     cfg, splits, keys_per_split, key_lo = plan
     added = new_kv[0].shape[2] if new_kv else 0
-    if splits > 1:  # lse and the splits' partial results: one float32 allocation
-        shapes = ((b, h, n_q), (b, h, splits, n_q, d), (b, h, splits, n_q))
-        lse, o_part, lse_part = workspace_views(shapes, q.device)
-        offsets, total = workspace_layout(shapes)
-        layout = (offsets, total, lse.stride())
+    if splits > 1:
+        shapes = ((b, h, splits, n_q, d), (b, h, splits, n_q))
+        o_part, lse_part = workspace_views(shapes, q.device)  # one allocation
+        scratch = workspace_layout(shapes)
         outputs = (o, lse, o_part, lse_part)
     else:
-        lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
-        o_part = lse_part = layout = None
+        o_part = lse_part = None
+        scratch = ()
         outputs = (o, lse)
 
     def launch_jit() -> None:
@@ -306,5 +303,5 @@ def _decode(
             )  # fmt: skip
 
     _launch_planned(key, inputs, outputs, launch_jit)
-    remember_call(_CALLS, call, key, layout)
+    remember_call(_CALLS, call, key, scratch)
     return o, lse

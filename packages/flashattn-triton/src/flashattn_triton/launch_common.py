@@ -41,9 +41,10 @@ WORKSPACE_ALIGN = 32
 @functools.lru_cache(maxsize=1024)
 def workspace_layout(shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], int]:
     """Element offsets of float32 buffers of ``shapes`` placed one after another in one
-    workspace, each from a 128-byte boundary, and the workspace's length: a decode call's
-    log-sum-exp and split buffers take one allocation instead of three (allocations were a
-    quarter of a decode call's launcher time on an H200 host)."""
+    workspace, each from a 128-byte boundary, and the workspace's length: a split decode
+    call's two scratch buffers take one allocation (allocations were a quarter of a decode
+    call's launcher time on an H200 host). The outputs stay allocations of their own, so that
+    nothing a caller keeps holds the scratch."""
     offsets, total = [], 0
     for shape in shapes:
         offsets.append(total)

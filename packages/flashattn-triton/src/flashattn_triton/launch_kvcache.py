@@ -81,21 +81,20 @@ def forward_kvcache(
     o = out_like(q)
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
     feat = features(h, k.shape[1], causal, window_left, window_right, n_q, n_k)
-    if o.numel() == 0 or n_k == 0:
-        lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
-        if n_k == 0:  # an empty cache: every row is empty
-            return o.zero_(), lse.fill_(float("-inf"))
-        if new_kv and k_new.numel() > 0:  # no query: only the new rows to store
+    if o.numel() == 0:  # no query: only the new rows to store
+        if new_kv and n_k > 0 and k_new.numel() > 0:
             append_kv(*(_unit_last_stride(t) for t in new_kv), k, v, seqlens.contiguous())
         return o, lse
+    if n_k == 0:  # an empty cache: every row is empty
+        return o.zero_(), lse.fill_(float("-inf"))
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     new_kv = tuple(_unit_last_stride(t) for t in new_kv)
     seqlens = seqlens.contiguous()
     inputs = (q, k, v, seqlens, *new_kv)
     if n_q <= C.DECODE_MAX_Q and n_k >= C.DECODE_MIN_KEYS and feat.group * n_q <= C.DECODE_MAX_ROWS:
-        return _decode(q, k, v, o, feat.causal, softmax_scale, feat, call, seqlens, new_kv)
-    lse = torch.empty((b, h, n_q), dtype=torch.float32, device=q.device)
+        return _decode(q, k, v, o, lse, feat.causal, softmax_scale, feat, call, seqlens, new_kv)
     block_d = C.block_d_for(d)
     added = new_kv[0].shape[2] if new_kv else 0
 
@@ -117,5 +116,5 @@ def forward_kvcache(
 
     key = _layout_key(inputs, "kvcache_fwd", softmax_scale, feat) if q.is_cuda else None
     _launch_planned(key, inputs, (o, lse), launch_jit)
-    remember_call(_CALLS, call, key, None)
+    remember_call(_CALLS, call, key, ())
     return o, lse
