@@ -143,3 +143,15 @@ def test_config_from_args_maps_the_flags_and_names_a_bad_field() -> None:
     assert acc.model_from_config(cfg) == acc.preset("xl")
     with pytest.raises(ValueError, match=r"^attention: expected sdpa or naive"):
         acc.AccountingConfig(attention="flash")
+
+
+def test_config_holds_tuples_and_refuses_bools_and_bare_strs():
+    """Lists are held as tuples (the frozen config hashes); a bool is not a device count, a
+    bare str not a list of sizes."""
+    cfg = acc.AccountingConfig(devices=[1, 2], device_memory_gb=[80.0])
+    assert (cfg.devices, cfg.device_memory_gb) == ((1, 2), (80.0,))
+    assert hash(cfg) == hash(acc.AccountingConfig(devices=(1, 2), device_memory_gb=(80.0,)))
+    bad = [({"devices": [True]}, "devices"), ({"device_memory_gb": "80"}, "device_memory_gb")]
+    for change, field in bad:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            acc.AccountingConfig(**change)

@@ -93,3 +93,20 @@ def test_config_from_args_fills_defaults_and_names_a_bad_field():
     assert cfg.nprocs == (2, 4, 6)
     with pytest.raises(ValueError, match=r"^iters: expected a positive integer"):
         allreduce.AllReduceConfig(backends=("gloo",), iters=0)
+
+
+def test_config_holds_tuples_and_refuses_bools_and_bare_strs():
+    """Lists are held as tuples (the frozen config hashes); a bool or a float is not a count,
+    a bare str not a list of backends."""
+    cfg = allreduce.AllReduceConfig(backends=["gloo"], nprocs=[1, 2], sizes_mb=[1.0])
+    assert (cfg.backends, cfg.nprocs, cfg.sizes_mb) == (("gloo",), (1, 2), (1.0,))
+    assert hash(cfg) == hash(allreduce.AllReduceConfig(("gloo",), (1, 2), (1.0,)))
+    bad = [
+        ({"iters": True}, "iters"),
+        ({"warmup": 2.5}, "warmup"),
+        ({"nprocs": [True]}, "nprocs"),
+        ({"backends": "gloo"}, "backends: expected a list or tuple"),
+    ]
+    for change, start in bad:
+        with pytest.raises(ValueError, match=f"^{start}"):
+            allreduce.AllReduceConfig(**{"backends": ("gloo",)} | change)

@@ -135,3 +135,12 @@ def test_config_from_args():
     assert not cfg.window_mask
     assert (cfg.rep_ms, cfg.warmup_ms) == (20.0, 5.0)  # the CPU smoke run: short timings
     assert af.config_from_args(parse(["--device", "cpu"])).cases == af.CASES
+
+
+def test_config_refuses_a_bare_str_and_infinite_times():
+    """A bare str is not a list of cases (not 'g', 'q', 'a'); a time must be finite."""
+    assert af.FeaturesConfig(device="cpu", cases=["gqa"]).cases == ("gqa",)
+    with pytest.raises(ValueError, match=r"^cases: expected a list or tuple"):
+        af.FeaturesConfig(device="cpu", cases="gqa")
+    with pytest.raises(ValueError, match=r"^warmup_ms: "):
+        af.FeaturesConfig(device="cpu", warmup_ms=float("inf"))

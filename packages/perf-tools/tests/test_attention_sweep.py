@@ -164,3 +164,31 @@ def test_batch_sizes_the_inputs_and_labels_the_rows(tmp_path, monkeypatch):
     assert sweep._shape_label(row) == "2x32"
     with pytest.raises(ValueError, match="batch"):
         sweep.SweepConfig(shapes=((1, 8),), batch=0)
+
+
+def test_config_normalizes_device_and_sequences():
+    """A device name becomes a torch.device (cpu or cuda only); lists are held as tuples, so
+    the config hashes; a bare str or a bool is refused."""
+    cfg = sweep.SweepConfig(shapes=[[1, 8]], head_dims=[16], device="cpu")
+    assert (cfg.device, cfg.shapes, cfg.head_dims) == (torch.device("cpu"), ((1, 8),), (16,))
+    assert hash(cfg) == hash(sweep.SweepConfig(shapes=((1, 8),), head_dims=(16,), device="cpu"))
+    bad = [
+        ({"device": "meta"}, "device"),
+        ({"providers": "ours"}, "providers: expected a list or tuple"),
+        ({"rounds": True}, "rounds"),
+    ]
+    for change, start in bad:
+        with pytest.raises(ValueError, match=f"^{start}"):
+            sweep.SweepConfig(**{"shapes": ((1, 8),), "device": "cpu"} | change)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "x"])
+def test_time_flags_refuse_what_no_timing_can_use(value, capsys):
+    """--rep-ms / --warmup-ms (every command's positive numbers, `_cli.positive_float`): a
+    value that is not a positive finite number is an argparse error naming the flag."""
+    with pytest.raises(SystemExit) as exc:
+        sweep.build_parser().parse_args(["--rep-ms", value])
+    assert exc.value.code == 2
+    assert (
+        f"argument --rep-ms: expected a positive number, got {value!r}" in capsys.readouterr().err
+    )

@@ -250,3 +250,19 @@ def test_common_options_before_or_after_the_subcommand(cmd, tmp_path):
     assert neither.device is None
     both = build_parser().parse_args(["--seed", "1", cmd, "--seed", "2"])
     assert both.seed == 2
+
+
+def test_configs_refuse_bare_strs_infinite_times_and_hash():
+    """A bare str is not a list of sizes (not '6', '4'); a time must be finite; lists are
+    held as tuples, so the config hashes."""
+    from perf_tools.attention_naive import NaiveConfig
+
+    ok = {"device": "cpu", "batch": 1, "seq": [16], "d": [16], "dtypes": ["fp32"]}
+    ok["providers"] = ["naive"]
+    assert hash(NaiveConfig(**ok)) == hash(NaiveConfig(**ok))
+    with pytest.raises(ValueError, match=r"^seq: expected a list or tuple"):
+        NaiveConfig(**ok | {"seq": "64"})
+    with pytest.raises(ValueError, match=r"^dtypes: expected a list or tuple"):
+        NaiveConfig(**ok | {"dtypes": "fp32"})
+    with pytest.raises(ValueError, match=r"^rep_ms: "):
+        attention.FlashConfig(**ok, rep_ms=float("inf"))

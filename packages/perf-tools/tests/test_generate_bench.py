@@ -109,3 +109,23 @@ def test_config_from_args_fills_defaults_and_names_a_bad_field():
     assert cfg.dtype == "fp32"  # the default off CUDA
     with pytest.raises(ValueError, match=r"^providers: expected some of .*'vllm'"):
         generate_bench.DecodeBenchConfig(device=torch.device("cpu"), providers=("vllm",))
+
+
+def test_config_normalizes_device_and_sequences():
+    """A device name becomes a torch.device (cpu or cuda only); lists become tuples, each value
+    once (as the CLI's), so the frozen config hashes; a bare str or a bool is refused."""
+    cfg = generate_bench.DecodeBenchConfig(
+        sizes=["tiny"], batch_sizes=[1, 1], attention=["sdpa", "sdpa"], device="cpu"
+    )
+    assert (cfg.device, cfg.dtype) == (torch.device("cpu"), "fp32")
+    assert (cfg.sizes, cfg.batch_sizes, cfg.attention) == (("tiny",), (1,), ("sdpa",))
+    assert hash(cfg) == hash(generate_bench.DecodeBenchConfig(("tiny",), (1,), device="cpu"))
+    bad = [
+        ({"device": "meta"}, "device"),
+        ({"sizes": "tiny"}, "sizes: expected a list or tuple"),
+        ({"repeats": True}, "repeats"),
+        ({"batch_sizes": (1.5,)}, "batch_sizes"),
+    ]
+    for change, start in bad:
+        with pytest.raises(ValueError, match=f"^{start}"):
+            generate_bench.DecodeBenchConfig(**{"device": "cpu"} | change)

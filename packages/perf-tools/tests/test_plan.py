@@ -260,3 +260,11 @@ def test_config_from_args_maps_the_flags_and_names_a_bad_field():
     assert (cfg.gpu, cfg.memory, cfg.seq, cfg.global_batch) == ("H200", 95.0, 512, 4 * 2**20)
     with pytest.raises(ValueError, match=r"^usable_memory: expected a fraction in \(0, 1\]"):
         plan.PlanConfig(usable_memory=1.5)
+
+
+def test_config_refuses_bools_and_bare_strs():
+    """A bool is not a device count, a bare str not a list of them."""
+    assert plan.PlanConfig(devices=[16, 8, 8]).devices == (8, 16)
+    for devices in ([8, True], "8"):
+        with pytest.raises(ValueError, match=r"^devices: "):
+            plan.PlanConfig(devices=devices)

@@ -127,3 +127,20 @@ def test_config_maps_flags_and_names_a_bad_field(tmp_path):
         profile.ProfileConfig(out=tmp_path, sizes=["tiny"], contexts=[16], steps=0)
     with pytest.raises(ValueError, match=r"^compiles: "):
         profile.ProfileConfig(out=tmp_path, sizes=["tiny"], contexts=[16], compiles=[1])
+
+
+def test_config_normalizes_device_and_refuses_bad_values(tmp_path):
+    """A device name becomes a torch.device, cpu or cuda only; a bare str is not a list of
+    sizes (not 't', 'i', 'n', 'y'); a bool is not an int."""
+    ok = {"out": tmp_path, "sizes": ["tiny"], "contexts": [8]}
+    cfg = profile.ProfileConfig(**ok, device="cpu")
+    assert (cfg.device.type, cfg.sizes, cfg.contexts) == ("cpu", ("tiny",), (8,))
+    bad = [
+        ({"device": "meta"}, "device"),
+        ({"sizes": "tiny"}, "sizes"),
+        ({"modes": "train"}, "modes"),
+        ({"seed": True}, "seed"),
+    ]
+    for change, field in bad:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            profile.ProfileConfig(**ok | change)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from perf_tools import train_loop
 
@@ -106,3 +107,15 @@ def test_sigterm_removes_the_temporary_checkpoint_folder(tmp_path):
         proc.kill()
         proc.wait()
     assert not list(tmp_path.glob("train_loop-*")), list(tmp_path.iterdir())
+
+
+def test_config_normalizes_device_and_refuses_bad_values():
+    """A device name becomes a torch.device, cpu or cuda only; a bool is not an int; the
+    config (no dict in it) hashes."""
+    cfg = train_loop.config_from_args(train_loop.parse_args(TINY))
+    named = dataclasses.replace(cfg, device="cpu")
+    assert named.device == cfg.device == torch.device("cpu")
+    assert hash(named) == hash(dataclasses.replace(named))
+    for change, field in [({"device": "meta"}, "device"), ({"seed": True}, "seed")]:
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            dataclasses.replace(cfg, **change)

@@ -1,13 +1,16 @@
 """Argument types and option groups shared by the perf_tools commands.
 
 Every type raises `argparse.ArgumentTypeError`, so a bad value ends with argparse's usual
-"argument --steps: ..." message that names the flag and the expected value.
+"argument --steps: ..." message that names the flag and the expected value. The ``config_*``
+checks at the end are the configs' (`__post_init__`): each returns the value normalized or
+raises ValueError("<field>: expected ..., got ...").
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,12 +36,12 @@ def nonneg_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A float > 0."""
+    """A finite float > 0 (inf and nan are refused here, not later in a traceback)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
@@ -138,3 +141,71 @@ def config_device(value: object, field: str = "device") -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{field}: expected cpu or cuda, got {dev}")
     return dev
+
+
+def config_int(field: str, value: object, low: int | None = None) -> int:
+    """An int >= ``low``; a bool is refused (True is 1 to Python, never a count here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        words = "an integer" if low is None else f"an integer >= {low}"
+        words = "a positive integer" if low == 1 else words
+        raise ValueError(f"{field}: expected {words}, got {value!r}")
+    return value
+
+
+def config_number(
+    field: str,
+    value: object,
+    low: float | None = None,
+    *,
+    closed: bool = False,
+    high: float | None = None,
+    expected: str | None = None,
+    finite: bool = True,
+) -> float:
+    """An int or float (not a bool, not NaN; not infinite unless ``finite`` is False) above
+    ``low`` (at least it when ``closed``) and at most ``high``; ``expected`` words the message
+    (default: from the bounds)."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and value == value
+    if ok and finite:
+        ok = math.isfinite(value)  # type: ignore[arg-type]
+    if ok and low is not None:
+        ok = value >= low if closed else value > low  # type: ignore[operator]
+    if ok and high is not None:
+        ok = value <= high  # type: ignore[operator]
+    if not ok:
+        if expected is None:
+            expected = "a finite number"
+            if low == 0 and not closed and high is None:
+                expected = "a positive number"
+            elif low is not None and high is not None:
+                expected = f"a number in {'[' if closed else '('}{low:g}, {high:g}]"
+            elif low is not None:
+                expected = f"a number {'>=' if closed else '>'} {low:g}"
+            elif high is not None:
+                expected = f"a number <= {high:g}"
+        raise ValueError(f"{field}: expected {expected}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def config_tuple(
+    field: str,
+    values: object,
+    allowed: Sequence[Any] | None = None,
+    *,
+    empty: bool = False,
+    unique: bool = False,
+) -> tuple[Any, ...]:
+    """A sequence field as a tuple (a list is welcome; a bare str is refused, not split into
+    letters), each value one of ``allowed`` (type too: True is not 1) when given, at least one
+    value unless ``empty``, repeats dropped (order kept) with ``unique``."""
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ValueError(f"{field}: expected a list or tuple of values, got {values!r}")
+    out = tuple(dict.fromkeys(values)) if unique else tuple(values)
+    if not out and not empty:
+        raise ValueError(f"{field}: expected at least one value, got {out}")
+    if allowed is not None:
+        bad = [v for v in out if not any(v == a and type(v) is type(a) for a in allowed)]
+        if bad:
+            options = ", ".join(map(str, allowed))
+            raise ValueError(f"{field}: expected some of {options}, got {bad}")
+    return out

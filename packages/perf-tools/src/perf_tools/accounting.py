@@ -349,6 +349,7 @@ class AccountingConfig:
     batch: int = 1  # sequences per device
     seq: int = 1
     dtypes: Dtypes = Dtypes()
+    # lists are accepted for these two, held as tuples
     device_memory_gb: tuple[float, ...] = (80.0, 95.0)
     devices: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
     sharded_activations: float = 0.5
@@ -358,22 +359,23 @@ class AccountingConfig:
         if self.attention not in ("sdpa", "naive"):
             raise ValueError(f"attention: expected sdpa or naive, got {self.attention!r}")
         for name in ("batch", "seq", "num_heads", "d_model", "d_ff", "num_layers"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value}")
-        if not self.devices or min(self.devices) < 1:
-            raise ValueError(f"devices: expected positive counts, got {self.devices}")
-        if not self.device_memory_gb or min(self.device_memory_gb) <= 0:
-            raise ValueError(
-                f"device_memory_gb: expected positive sizes, got {self.device_memory_gb}"
-            )
+            if getattr(self, name) is not None:
+                _cli.config_int(name, getattr(self, name), 1)
+        _cli.config_int("vocab_size", self.vocab_size, 0)
+        # lists are accepted and held as tuples, so the frozen config hashes
+        devices = _cli.config_tuple("devices", self.devices)
+        object.__setattr__(
+            self, "devices", tuple(_cli.config_int("devices", n, 1) for n in devices)
+        )
+        sizes = _cli.config_tuple("device_memory_gb", self.device_memory_gb)
+        sizes = tuple(_cli.config_number("device_memory_gb", gb, 0) for gb in sizes)
+        object.__setattr__(self, "device_memory_gb", sizes)
         # These messages are the CLI's (accounting.main prints them), so they name the
         # flags the user typed; the checks above are argparse's there.
-        if not 0.0 <= self.sharded_activations <= 1.0:
-            raise ValueError(
-                "--sharded-activations: expected a fraction in [0, 1], "
-                f"got {self.sharded_activations}"
-            )
+        _cli.config_number(
+            "--sharded-activations", self.sharded_activations, 0, closed=True, high=1,
+            expected="a fraction in [0, 1]",
+        )  # fmt: skip
         custom = (self.d_model, self.d_ff, self.num_layers)
         if any(v is not None for v in custom) and any(v is None for v in custom):
             raise ValueError("custom model: give all of --d-model, --d-ff and --num-layers")

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 class AllReduceConfig:
     """What one sweep runs (the CLI's flags, typed)."""
 
-    backends: tuple[str, ...]
+    backends: tuple[str, ...]  # these three: lists are accepted, held as tuples
     nprocs: tuple[int, ...] = (2, 4, 6)
     sizes_mb: tuple[float, ...] | None = None  # None: each backend's defaults (sizes_for)
     warmup: int = 5
@@ -109,18 +109,17 @@ class AllReduceConfig:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        if not self.backends or set(self.backends) - set(BACKENDS):
-            raise ValueError(f"backends: expected some of {BACKENDS}, got {self.backends}")
-        if not self.nprocs or min(self.nprocs) < 1:
-            raise ValueError(f"nprocs: expected positive process counts, got {self.nprocs}")
-        if self.sizes_mb is not None and (not self.sizes_mb or min(self.sizes_mb) <= 0):
-            raise ValueError(f"sizes_mb: expected positive sizes, got {self.sizes_mb}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup: expected an integer >= 0, got {self.warmup}")
-        if self.iters < 1:
-            raise ValueError(f"iters: expected a positive integer, got {self.iters}")
-        if not self.budget_s > 0:
-            raise ValueError(f"budget_s: expected a positive number, got {self.budget_s}")
+        # lists are accepted and held as tuples, so the frozen config hashes
+        object.__setattr__(self, "backends", _cli.config_tuple("backends", self.backends, BACKENDS))
+        nprocs = _cli.config_tuple("nprocs", self.nprocs)
+        object.__setattr__(self, "nprocs", tuple(_cli.config_int("nprocs", n, 1) for n in nprocs))
+        if self.sizes_mb is not None:
+            sizes = _cli.config_tuple("sizes_mb", self.sizes_mb)
+            sizes = tuple(_cli.config_number("sizes_mb", mb, 0) for mb in sizes)
+            object.__setattr__(self, "sizes_mb", sizes)
+        _cli.config_int("warmup", self.warmup, 0)
+        _cli.config_int("iters", self.iters, 1)
+        _cli.config_number("budget_s", self.budget_s, 0, finite=False)  # inf: no budget
 
 
 def config_from_args(a: argparse.Namespace) -> AllReduceConfig:

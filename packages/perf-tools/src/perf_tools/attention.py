@@ -157,11 +157,8 @@ class FlashConfig(AttentionGrid):
         super().__post_init__()
         for name in ("rep_ms", "warmup_ms", "peak_tflops"):
             value = getattr(self, name)
-            if value is None and name == "peak_tflops":
-                continue
-            # bool is a number to Python, never a time here; `not > 0` also catches NaN
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+            if value is not None or name != "peak_tflops":
+                _cli.config_number(name, value, 0)
         if self.leaderboard and not self.causal:
             raise ValueError("causal: the leaderboard shape is causal, got causal=False")
 

@@ -78,8 +78,8 @@ SIZES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 class FeaturesConfig:
     """What one run measures (the CLI's flags, typed)."""
 
-    device: torch.device
-    cases: tuple[str, ...] = CASES  # run in this order
+    device: torch.device  # a name ('cpu', 'cuda:0') is accepted, held as a torch.device
+    cases: tuple[str, ...] = CASES  # run in this order (a list is accepted, held as a tuple)
     dtype: str = "bf16"  # on CUDA; the CPU smoke run is float32 whatever this says
     rep_ms: float = 200.0  # do_bench rep
     warmup_ms: float = 50.0  # do_bench warm-up
@@ -89,19 +89,12 @@ class FeaturesConfig:
     def __post_init__(self) -> None:
         # a device name or a list of cases is accepted; stored as a torch.device and a tuple
         object.__setattr__(self, "device", _cli.config_device(self.device))
-        object.__setattr__(self, "cases", tuple(self.cases))
-        bad = [c for c in self.cases if c not in CASES]
-        if not self.cases or bad:
-            raise ValueError(f"cases: expected some of {', '.join(CASES)}, got {list(self.cases)}")
+        object.__setattr__(self, "cases", _cli.config_tuple("cases", self.cases, CASES))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("rep_ms", "warmup_ms"):
-            value = getattr(self, name)
-            # bool is a number to Python, never a time; `not > 0` also catches NaN
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+            _cli.config_number(name, getattr(self, name), 0)
+        _cli.config_int("seed", self.seed)
 
 
 @dataclass

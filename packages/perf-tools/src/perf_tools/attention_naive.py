@@ -33,27 +33,13 @@ MiB = 2**20
 NAIVE_PROVIDERS = ("naive", "naive-compiled")
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    # bool is an int to Python, never a size or a count here
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-
-
-def _check_choices(name: str, values: tuple[Any, ...], options: tuple[str, ...]) -> None:
-    if not values:
-        raise ValueError(f"{name}: expected at least one of {', '.join(options)}")
-    bad = [v for v in values if v not in options]
-    if bad:
-        raise ValueError(f"{name}: expected some of {', '.join(options)}, got {bad}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class AttentionGrid:
     """The cells an attention sweep measures: every provider x dtype x d x seq at one batch."""
 
-    device: torch.device
+    device: torch.device  # a name ('cpu', 'cuda:0') is accepted, held as a torch.device
     batch: int
-    seq: tuple[int, ...]
+    seq: tuple[int, ...]  # lists are accepted, held as tuples
     d: tuple[int, ...]
     dtypes: tuple[str, ...]  # names, keys of DTYPES
     providers: tuple[str, ...]  # names, from attention_providers.PROVIDERS
@@ -65,18 +51,15 @@ class AttentionGrid:
         # lists and device names are accepted and stored as tuples / a torch.device, so that a
         # frozen config compares (and hashes) by value
         object.__setattr__(self, "device", _cli.config_device(self.device))
-        for name in ("seq", "d", "dtypes", "providers"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        _check_int("batch", self.batch, 1)
+        _cli.config_int("batch", self.batch, 1)
         for name in ("seq", "d"):
-            if not getattr(self, name):
-                raise ValueError(f"{name}: expected at least one value")
-            for value in getattr(self, name):
-                _check_int(name, value, 1)
-        _check_choices("dtypes", self.dtypes, tuple(DTYPES))
-        _check_choices("providers", self.providers, PROVIDERS)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: expected an int, got {self.seed!r}")
+            values = _cli.config_tuple(name, getattr(self, name))
+            object.__setattr__(self, name, tuple(_cli.config_int(name, v, 1) for v in values))
+        object.__setattr__(self, "dtypes", _cli.config_tuple("dtypes", self.dtypes, tuple(DTYPES)))
+        object.__setattr__(
+            self, "providers", _cli.config_tuple("providers", self.providers, PROVIDERS)
+        )
+        _cli.config_int("seed", self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +71,8 @@ class NaiveConfig(AttentionGrid):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_int("passes", self.passes, 1)
-        _check_int("warmup", self.warmup, 0)
+        _cli.config_int("passes", self.passes, 1)
+        _cli.config_int("warmup", self.warmup, 0)
 
 
 def naive_grid(gpu: bool, quick: bool) -> dict[str, Any]:

@@ -69,13 +69,14 @@ _SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 class SweepConfig:
     """What one sweep runs (the CLI's flags, typed)."""
 
-    shapes: tuple[tuple[int, int], ...]
+    shapes: tuple[tuple[int, int], ...]  # (heads, N); the sequences: lists held as tuples
     head_dims: tuple[int, ...] = (64, 128)
     causal: tuple[bool, ...] = (True, False)
     modes: tuple[str, ...] = MODES
     providers: tuple[str, ...] = PROVIDERS
     dtype: torch.dtype = torch.bfloat16
-    device: torch.device | None = None  # None: cuda when visible, else cpu
+    # normalized to a torch.device (a name is accepted); None: cuda when visible, else cpu
+    device: torch.device | str | None = None
     rep_ms: float = 200.0
     warmup_ms: float = 50.0
     graphed: bool = False
@@ -86,17 +87,34 @@ class SweepConfig:
     batch: int = 1  # sequences per call: q, k, v are (batch, heads, N, d)
 
     def __post_init__(self) -> None:
-        if self.device is None:
-            object.__setattr__(self, "device", torch.device(_cli.default_device()))
-        bad = set(self.providers) - set(PROVIDERS)
-        if bad:
-            raise ValueError(f"providers: expected some of {PROVIDERS}, got {sorted(bad)}")
-        if set(self.modes) - set(MODES):
-            raise ValueError(f"modes: expected some of {MODES}, got {self.modes}")
-        if self.rounds < 1:
-            raise ValueError(f"rounds: expected at least 1, got {self.rounds}")
-        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"batch: expected a positive int, got {self.batch!r}")
+        device = self.device if self.device is not None else _cli.default_device()
+        object.__setattr__(self, "device", _cli.config_device(device))
+        # lists are accepted and held as tuples, so the frozen config hashes
+        shapes = _cli.config_tuple("shapes", self.shapes)
+        for shape in shapes:
+            pair = _cli.config_tuple("shapes", shape)
+            if len(pair) != 2:
+                raise ValueError(f"shapes: expected (heads, N) pairs, got {shape!r}")
+            for n in pair:
+                _cli.config_int("shapes", n, 1)
+        object.__setattr__(self, "shapes", tuple(tuple(shape) for shape in shapes))
+        head_dims = _cli.config_tuple("head_dims", self.head_dims)
+        object.__setattr__(
+            self, "head_dims", tuple(_cli.config_int("head_dims", d, 1) for d in head_dims)
+        )
+        for name, allowed in (
+            ("causal", (True, False)),
+            ("modes", MODES),
+            ("providers", PROVIDERS),
+            ("autograd_threads", (True, False)),
+        ):
+            object.__setattr__(self, name, _cli.config_tuple(name, getattr(self, name), allowed))
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"dtype: expected a torch.dtype, got {self.dtype!r}")
+        for name in ("rep_ms", "warmup_ms"):
+            _cli.config_number(name, getattr(self, name), 0)
+        _cli.config_int("rounds", self.rounds, 1)
+        _cli.config_int("batch", self.batch, 1)
 
 
 def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., torch.Tensor]:

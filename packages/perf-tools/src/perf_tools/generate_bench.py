@@ -75,6 +75,7 @@ class DecodeBenchConfig:
     """What one benchmark runs (the CLI's flags, typed): every size x batch size x provider,
     lm_core's providers once per attention backend."""
 
+    # the sweep's axes: lists are accepted, held as tuples without repeats
     sizes: tuple[str, ...] = ("small", "xl")
     batch_sizes: tuple[int, ...] = (1, 16)
     providers: tuple[str, ...] = PROVIDERS
@@ -83,29 +84,31 @@ class DecodeBenchConfig:
     new_tokens: int = 256  # the first comes from the prefill: at least 2
     repeats: int = 3
     dtype: str | None = None  # a DTYPES key; None: bf16 on CUDA, else fp32
-    device: torch.device | None = None  # None: cuda when visible, else cpu
+    # normalized to a torch.device (a name is accepted); None: cuda when visible, else cpu
+    device: torch.device | str | None = None
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        if self.device is None:
-            object.__setattr__(self, "device", torch.device(_cli.default_device()))
+        device = self.device if self.device is not None else _cli.default_device()
+        object.__setattr__(self, "device", _cli.config_device(device))
         if self.dtype is None:
             object.__setattr__(self, "dtype", "bf16" if self.device.type == "cuda" else "fp32")
+        # lists are accepted and held as tuples, each value once (as the CLI's)
         for name, allowed in (
             ("sizes", size_names()),
+            ("batch_sizes", None),
             ("providers", PROVIDERS),
             ("attention", ATTENTIONS),
         ):
-            bad = set(getattr(self, name)) - set(allowed)
-            if bad or not getattr(self, name):
-                raise ValueError(f"{name}: expected some of {tuple(allowed)}, got {sorted(bad)}")
+            values = _cli.config_tuple(name, getattr(self, name), allowed, unique=True)
+            object.__setattr__(self, name, values)
+        for b in self.batch_sizes:
+            _cli.config_int("batch_sizes", b, 1)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {self.dtype!r}")
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch_sizes: expected positive sizes, got {self.batch_sizes}")
         for name in ("prompt_len", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+            _cli.config_int(name, getattr(self, name), 1)
+        _cli.config_int("new_tokens", self.new_tokens)
         if self.new_tokens < 2:  # the CLI's message: it names the flag
             raise ValueError(
                 f"--new-tokens: expected at least 2 (one from the prefill), got {self.new_tokens}"

@@ -200,29 +200,26 @@ class PlanConfig:
     usable_memory: float = 0.9
 
     def __post_init__(self) -> None:
-        # Sorted and unique: one plan per N, in order.
-        object.__setattr__(self, "devices", tuple(sorted(set(self.devices))))
+        # Sorted and unique: one plan per N, in order (a list is accepted).
+        devices = _cli.config_tuple("devices", self.devices)
+        devices = {_cli.config_int("devices", n, 1) for n in devices}
+        object.__setattr__(self, "devices", tuple(sorted(devices)))
         ints = ("d_model", "d_ff", "num_layers", "vocab_size", "num_heads", "global_batch")
         for name in (*ints, "seq", "micro_batch", "gpus_per_node"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name}: expected a positive integer, got {value}")
+            if getattr(self, name) is not None:
+                _cli.config_int(name, getattr(self, name), 1)
         for name in ("flops", "memory", "bandwidth", "intra_bandwidth", "inter_bandwidth"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: expected a positive number, got {value}")
-        if not self.devices or self.devices[0] < 1:
-            raise ValueError(f"devices: expected positive counts, got {self.devices}")
+            if getattr(self, name) is not None:
+                _cli.config_number(name, getattr(self, name), 0)
         if self.comm_dtype not in DTYPE_BYTES:
             raise ValueError(
                 f"comm_dtype: expected one of {', '.join(DTYPE_BYTES)}, got {self.comm_dtype!r}"
             )
         if self.gpu not in HARDWARE:
             raise ValueError(f"gpu: expected one of {', '.join(HARDWARE)}, got {self.gpu!r}")
-        if not 0 < self.usable_memory <= 1:
-            raise ValueError(
-                f"usable_memory: expected a fraction in (0, 1], got {self.usable_memory}"
-            )
+        _cli.config_number(
+            "usable_memory", self.usable_memory, 0, high=1, expected="a fraction in (0, 1]"
+        )
         # The model last, on checked values. Its messages are the CLI's (plan.main prints
         # them), so they name the flags the user typed.
         custom = (self.d_model, self.d_ff, self.num_layers)

@@ -153,7 +153,8 @@ class ProfileConfig:
     out: Path  # per-configuration tables and traces, and the summary
     sizes: tuple[str, ...]
     contexts: tuple[int, ...]
-    device: torch.device | None = None  # None: cuda when visible, else cpu
+    # normalized to a torch.device (a name is accepted); None: cuda when visible, else cpu
+    device: torch.device | str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # the presets' dims overridden
     attentions: tuple[str | None, ...] = (None,)  # None: naive (sub-steps as their own kernels)
     matmuls: tuple[str, ...] = ("default",)
@@ -180,39 +181,24 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out", Path(self.out))
-        object.__setattr__(self, "device", torch.device(self.device or _cli.default_device()))
+        device = self.device if self.device is not None else _cli.default_device()
+        object.__setattr__(self, "device", _cli.config_device(device))
+        allowed: dict[str, tuple[Any, ...] | None] = {
+            "sizes": None, "contexts": None, "attentions": (None, *ATTENTIONS),
+            "matmuls": MATMULS, "compiles": (False, True, "blocks"), "precisions": PRECISIONS,
+            "modes": MODES, "overlaps": (False, True), "opt_states": _DTYPES, "weights": _DTYPES,
+        }  # fmt: skip
         for name in _AXES:  # lists welcome (the CLI's are), held as tuples
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        _one_of("attentions", self.attentions, (None, *ATTENTIONS))
-        _one_of("matmuls", self.matmuls, MATMULS)
-        _one_of("compiles", self.compiles, (False, True, "blocks"))
-        _one_of("precisions", self.precisions, PRECISIONS)
-        _one_of("modes", self.modes, MODES)
-        _one_of("overlaps", self.overlaps, (False, True))
-        _one_of("opt_states", self.opt_states, _DTYPES)
-        _one_of("weights", self.weights, _DTYPES)
-        for name in ("sizes", "contexts"):
-            if not getattr(self, name):
-                raise ValueError(f"{name}: expected at least one")
-        for name, low in (("batch", 1), ("warmup", 0), ("steps", 1), ("top", 1)):
-            _at_least(name, getattr(self, name), low)
+            values = _cli.config_tuple(name, getattr(self, name), allowed[name])
+            object.__setattr__(self, name, values)
         for c in self.contexts:
-            _at_least("contexts", c, 1)
+            _cli.config_int("contexts", c, 1)
+        for name, low in (("batch", 1), ("warmup", 0), ("steps", 1), ("top", 1)):
+            _cli.config_int(name, getattr(self, name), low)
+        _cli.config_int("seed", self.seed)
         k = self.act_ckpt  # a policy or K, blocks per checkpointed group
         if k not in _ACT_CKPT and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"act_ckpt: expected one of {_ACT_CKPT} or an int >= 1, got {k!r}")
-
-
-def _one_of(name: str, values: tuple[Any, ...], allowed: tuple[Any, ...]) -> None:
-    # types compared too: 1 == True, and compiles tells True (whole model) from other values
-    bad = [v for v in values if not any(v == a and type(v) is type(a) for a in allowed)]
-    if not values or bad:
-        raise ValueError(f"{name}: expected some of {allowed}, got {list(values)}")
-
-
-def _at_least(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
 
 
 def config_from_args(a: argparse.Namespace) -> ProfileConfig:

@@ -147,7 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             f"argument --steps: {a.steps} steps give fewer than 2 log windows of --log-every "
             f"{a.log_every}; the first window (compilation, warm-up) is not counted"
         )
-    if a.grad_clip < 0:
+    if not a.grad_clip >= 0:  # NaN too
         parser.error(f"argument --grad-clip: expected >= 0, got {a.grad_clip}")
     if a.bf16_weights and a.precision != "bf16":
         parser.error("argument --bf16-weights: needs --precision bf16")
@@ -163,7 +163,7 @@ class TrainLoopConfig:
     context: int
     batch: int
     precision: str  # fp32, or bf16 autocast
-    device: torch.device
+    device: torch.device  # a name ('cpu', 'cuda:0') is accepted, held as a torch.device
     steps: int  # the training run's
     log_every: int
     ckpt_every: int  # steps between saves (0: at the end only)
@@ -180,13 +180,14 @@ class TrainLoopConfig:
     bench_warmup: int = 5
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device", torch.device(self.device))
+        object.__setattr__(self, "device", _cli.config_device(self.device))
         if self.out_dir is not None:
             object.__setattr__(self, "out_dir", Path(self.out_dir))
         for name in ("context", "batch", "steps", "log_every", "bench_steps"):
-            _at_least(name, getattr(self, name), 1)
+            _cli.config_int(name, getattr(self, name), 1)
         for name in ("ckpt_every", "bench_warmup"):
-            _at_least(name, getattr(self, name), 0)
+            _cli.config_int(name, getattr(self, name), 0)
+        _cli.config_int("seed", self.seed)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, got {self.precision!r}")
         if self.attention is not None and self.attention not in ATTENTIONS:
@@ -199,15 +200,11 @@ class TrainLoopConfig:
                 f"steps: {self.steps} steps give fewer than 2 log windows of log_every "
                 f"{self.log_every}; the first window (compilation, warm-up) is not counted"
             )
-        if self.grad_clip < 0:
-            raise ValueError(f"grad_clip: expected >= 0, got {self.grad_clip}")
+        _cli.config_number(  # inf: never clips
+            "grad_clip", self.grad_clip, 0, closed=True, expected=">= 0", finite=False
+        )
         if self.bf16_weights and self.precision != "bf16":
             raise ValueError("bf16_weights: needs precision bf16")
-
-
-def _at_least(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainLoopConfig:
