@@ -6,10 +6,32 @@ CPU timings from oversubscribing the cores (which makes tiny ops 100x slower, no
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Triton fixes a @triton.jit function as interpreted or compiled when it is defined, from
+# TRITON_INTERPRET at that moment. Some tests unset it (to check what runs without a GPU or
+# the interpreter); had one of them been the first in a worker to import a kernel module
+# (lm_core's shared `_triton_util` helpers, say), kernels defined later under the interpreter
+# would call compiled helpers and fail ("Cannot call @triton.jit'd outside of the scope of a
+# kernel"). So every kernel module is imported here, in the mode the session runs in.
+for _name in (
+    "lm_core._triton_util",
+    "lm_core.tf32x3_triton",
+    "lm_core.adamw_triton",
+    "lm_core.swiglu_triton",
+    "lm_core.rmsnorm_triton",
+    "lm_core.fused_loss_triton",
+    "lm_core.qkv_rope_triton",
+    "flashattn_triton.kernels",
+):
+    with contextlib.suppress(Exception):  # not installed, or no Triton: nothing to define
+        importlib.import_module(_name)
 
 
 @pytest.fixture
