@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lm_core._cli import as_field, as_flag
 from lm_core.checkpoint import checked_model_state, read_checkpoint
 from lm_core.config import ATTENTION_BACKENDS, ModelConfig
 from lm_core.generation import Decoder, cast_weights, check_sampling
@@ -98,16 +99,8 @@ class GenerateConfig:
         if isinstance(self.prompts, str):  # tuple("text") would be its characters
             raise ValueError(f"prompts: expected a sequence of strings, got {self.prompts!r}")
         set_(self, "prompts", tuple(self.prompts))
-        _check(vars(self), _as_field)
+        _check(vars(self), as_field)
         set_(self, "device", _device(self.device))
-
-
-def _as_field(name: str) -> str:
-    return name
-
-
-def _as_flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _device(spec: torch.device | str) -> torch.device:
@@ -119,7 +112,7 @@ def _device(spec: torch.device | str) -> torch.device:
 
 def _check(c: Mapping[str, Any], name: Callable[[str], str]) -> None:
     """ValueError for the first bad value of a GenerateConfig's fields `c`; `name` says how
-    to call a field (`_as_field`, or the CLI's `_as_flag`), so one set of checks serves both."""
+    to call a field (`as_field`, or the CLI's `as_flag`), so one set of checks serves both."""
     if not c["checkpoint"].is_file():
         raise ValueError(f"{name('checkpoint')}: file not found: {c['checkpoint']}")
     if c["tokenizer"] is not None and not c["tokenizer"].is_file():
@@ -165,7 +158,7 @@ def config_from_args(ns: argparse.Namespace) -> GenerateConfig:
         "compile": ns.compile,
         "cuda_graph": ns.cuda_graph,
     }
-    _check(fields, _as_flag)  # first, so that the error names the flag, not the field
+    _check(fields, as_flag)  # first, so that the error names the flag, not the field
     return GenerateConfig(**fields)
 
 

@@ -19,9 +19,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from lm_core._cli import as_field, as_flag
 from lm_core.text_io import DOC_END, DocumentReader
 from lm_core.tokenizer import EOT_TOKEN, MIN_BPE_VOCAB, TextTokenizer, train_bpe
 
@@ -109,7 +111,7 @@ class TokenizerTrainConfig(_InputConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "out", Path(self.out))
-        _check_train(vars(self), _as_field)
+        _check_train(vars(self), as_field)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,22 +128,15 @@ class EncodeConfig(_InputConfig):
         super().__post_init__()
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
         object.__setattr__(self, "out", Path(self.out))
-        _check_encode(vars(self), _as_field)
+        _check_encode(vars(self), as_field)
 
 
 # Flags whose names are not the field's with dashes.
 _FLAGS = {"inputs": "--input"}
+_as_flag = partial(as_flag, renamed=_FLAGS)
 
 
-def _as_field(name: str) -> str:
-    return name
-
-
-def _as_flag(name: str) -> str:
-    return _FLAGS.get(name) or "--" + name.replace("_", "-")
-
-
-# The checks take a config's fields and how to call a field (`_as_field`, or the CLI's
+# The checks take a config's fields and how to call a field (`as_field`, or the CLI's
 # `_as_flag`), so one set of checks gives both the config's errors and the command line's.
 def _check_inputs(c: Mapping[str, Any], name: Callable[[str], str]) -> None:
     if not c["inputs"]:

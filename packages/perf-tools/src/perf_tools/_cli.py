@@ -131,6 +131,20 @@ def device_arg(text: str) -> torch.device:
     return dev
 
 
+def model_dim_fields(a: argparse.Namespace) -> dict[str, Any]:
+    """The model-dimension flags accounting and plan share (--size, --d-model, --d-ff,
+    --num-layers, --vocab-size, --num-heads, --ffn-only) as their configs' fields."""
+    return {
+        "size": a.size,
+        "d_model": a.d_model,
+        "d_ff": a.d_ff,
+        "num_layers": a.num_layers,
+        "vocab_size": a.vocab_size,
+        "num_heads": a.num_heads,
+        "ffn_only": a.ffn_only,
+    }
+
+
 def config_device(value: object, field: str = "device") -> torch.device:
     """A config's device (a torch.device or its name) as a torch.device; ValueError naming
     ``field`` unless it is cpu or cuda (configs check values, not this machine's GPUs)."""

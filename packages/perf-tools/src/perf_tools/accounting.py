@@ -480,13 +480,7 @@ def tables(cfg: AccountingConfig) -> dict[str, list[dict[str, Any]]]:
 def config_from_args(a: argparse.Namespace) -> AccountingConfig:
     """The parsed flags as a config (ValueError: a bad combination, named)."""
     return AccountingConfig(
-        size=a.size,
-        d_model=a.d_model,
-        d_ff=a.d_ff,
-        num_layers=a.num_layers,
-        vocab_size=a.vocab_size,
-        num_heads=a.num_heads,
-        ffn_only=a.ffn_only,
+        **_cli.model_dim_fields(a),
         attention=a.attention,
         batch=a.batch,
         seq=a.seq,

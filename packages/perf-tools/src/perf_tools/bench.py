@@ -66,6 +66,7 @@ from perf_tools.model_args import (
     GPU_DEFAULT_SIZES,
     MATMULS,
     add_model_args,
+    profile_fields,
     resolve_model_args,
 )
 
@@ -176,13 +177,9 @@ def _profile(args: argparse.Namespace) -> int:
     from perf_tools.profile import ProfileConfig, main_from_bench
 
     return main_from_bench(ProfileConfig(
-        out=args.profile, sizes=args.sizes, contexts=args.contexts, device=args.device,
-        overrides=args.overrides, attentions=args.attentions, matmuls=args.matmuls,
-        compiles=args.compiles, precisions=args.precisions, modes=args.modes,
-        overlaps=args.overlaps, opt_states=args.opt_states, weights=args.weights,
-        batch=args.batch, warmup=args.warmup, steps=args.steps, seed=args.seed,
-        quiet=args.quiet, fused_loss=args.fused_loss, act_ckpt=args.activation_checkpointing,
-        compile_backend=args.compile_backend, csv_path=args.csv, json_path=args.json,
+        **profile_fields(args), out=args.profile, compiles=args.compiles,
+        precisions=args.precisions, modes=args.modes, overlaps=args.overlaps,
+        opt_states=args.opt_states, weights=args.weights, compile_backend=args.compile_backend,
     ))  # fmt: skip
 
 

@@ -3,13 +3,15 @@
 `add_model_args` (which model: preset or custom dims, context, attention backend, matmul, fused
 loss, activation checkpointing, device) and `add_step_args` (which steps: --mode, --precision)
 add the flags; `resolve_model_args` fills the defaults that depend on the device and checks
-what argparse cannot (a custom model's dims, d_model divisible by the heads).
+what argparse cannot (a custom model's dims, d_model divisible by the heads); `profile_fields`
+maps the flags both commands parse alike to `ProfileConfig` fields.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -141,6 +143,28 @@ def resolve_model_args(
             parser.error(
                 f"argument --attention: expected one of {', '.join(ATTENTIONS)}; got {a!r}"
             )
+
+
+def profile_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The `ProfileConfig` fields of the flags bench and profile parse alike (the model's,
+    resolved; batch, warmup, steps, seed; the output's); each maps its other flags itself."""
+    return {
+        "sizes": args.sizes,
+        "contexts": args.contexts,
+        "device": args.device,
+        "overrides": args.overrides,
+        "attentions": args.attentions,
+        "matmuls": args.matmuls,
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "seed": args.seed,
+        "quiet": args.quiet,
+        "fused_loss": args.fused_loss,
+        "act_ckpt": args.activation_checkpointing,
+        "csv_path": args.csv,
+        "json_path": args.json,
+    }
 
 
 def add_step_args(

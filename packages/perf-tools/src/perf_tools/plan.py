@@ -243,13 +243,7 @@ class PlanConfig:
 def config_from_args(a: argparse.Namespace) -> PlanConfig:
     """The parsed flags as a config (ValueError: a bad combination, named)."""
     return PlanConfig(
-        size=a.size,
-        d_model=a.d_model,
-        d_ff=a.d_ff,
-        num_layers=a.num_layers,
-        vocab_size=a.vocab_size,
-        num_heads=a.num_heads,
-        ffn_only=a.ffn_only,
+        **_cli.model_dim_fields(a),
         global_batch=a.global_batch,
         seq=a.seq,
         devices=tuple(_cli.flatten(a.devices)),

@@ -51,6 +51,7 @@ from perf_tools.model_args import (
     MATMULS,
     add_model_args,
     add_step_args,
+    profile_fields,
     resolve_model_args,
 )
 from perf_tools.steps import MODES, PRECISIONS, Annotator, lm_core_annotations
@@ -204,27 +205,13 @@ class ProfileConfig:
 def config_from_args(a: argparse.Namespace) -> ProfileConfig:
     """The parsed flags (`parse_args`) as the run's config, with the command's defaults."""
     return ProfileConfig(
+        **profile_fields(a),
         out=a.out,
-        sizes=a.sizes,
-        contexts=a.contexts,
-        device=a.device,
-        overrides=a.overrides,
-        attentions=a.attentions,
-        matmuls=a.matmuls,
         compiles=(bool(a.compile),),
         precisions=_cli.flatten(a.precision) or ["fp32"],
         modes=_cli.flatten(a.mode) or list(MODES),
-        batch=a.batch,
-        warmup=a.warmup,
-        steps=a.steps,
-        seed=a.seed,
         top=a.top,
         trace=not a.no_trace,
-        quiet=a.quiet,
-        fused_loss=a.fused_loss,
-        act_ckpt=a.activation_checkpointing,
-        csv_path=a.csv,
-        json_path=a.json,
     )
 
 
