@@ -12,6 +12,7 @@ import threading
 import torch
 
 from . import configs as C
+from . import fastlaunch
 from .options import get_options
 
 
@@ -98,6 +99,8 @@ def head_group_args(t: torch.Tensor, bh: int, n_rows: int, block_d: int) -> dict
 def tma_usable(t: torch.Tensor) -> bool:
     """Whether a (B, H, N, d) tensor can be read through a TMA descriptor: a Hopper or newer
     GPU (or Triton's interpreter), a 16-byte aligned base and 16-byte multiple strides."""
+    if fastlaunch.tracing():  # a traced graph's wrap_triton nodes carry no host descriptors
+        return False
     index = t.get_device()
     if index >= 0:
         if cuda_major(index) < 9:
@@ -105,11 +108,17 @@ def tma_usable(t: torch.Tensor) -> bool:
     elif not interpreting():
         return False
     elem = t.element_size()
-    return (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
-    )
+    return t.stride(-1) == 1 and aligned16(t) and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether t's first element sits on a 16-byte boundary. While a compiled graph is
+    traced (``fastlaunch.traced``: fake tensors, no address) its storage offset decides:
+    compiled graphs allocate 16-byte aligned buffers and copy graph inputs that are not
+    (inductor's misaligned-input check)."""
+    if fastlaunch.tracing():
+        return t.storage_offset() * t.element_size() % 16 == 0
+    return t.data_ptr() % 16 == 0
 
 
 _thread = threading.local()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, launch_varlen, ops  # ops registers torch.ops.flashattn_triton.*
+from . import launch, launch_varlen, ops, traced_ops  # both register torch.ops.flashattn_triton.*
 from ._checks import check_qkv, check_triton_dtype_and_dim, resolve_scale
+from .options import get_options
 
 
 def _compiling() -> bool:
@@ -18,19 +19,27 @@ def _compiling() -> bool:
     return compiler is not None and compiler.is_compiling()
 
 
+def _traced(*tensors: torch.Tensor) -> bool:
+    """Whether a compiled graph calls the traced ops (``traced_ops``) rather than the opaque
+    ones: ``Options.traced_compile`` and static sizes."""
+    return get_options().traced_compile and traced_ops.static_sizes(*tensors)
+
+
 def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
-    """The forward launcher: through its op when torch.compile traces (no graph break),
-    called directly in eager mode (skips the op dispatcher's per-call cost). ``window``:
-    (left, right), for the windowed calls only."""
+    """The forward launcher: through an op when torch.compile traces (no graph break; see
+    ``_traced``), called directly in eager mode (skips the op dispatcher's per-call cost).
+    ``window``: (left, right), for the windowed calls only."""
     if _compiling():
-        return ops.fwd_launch(q4, k4, v4, causal, scale, *window)
+        op = traced_ops.fwd_traced if _traced(q4, k4, v4) else ops.fwd_launch
+        return op(q4, k4, v4, causal, scale, *window)
     return launch.forward(q4, k4, v4, causal, scale, *window)
 
 
 def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float, *window: int):
     """The backward launcher, dispatched like ``_fwd``."""
     if _compiling():
-        return ops.bwd_launch(do4, q4, k4, v4, o4, lse, causal, scale, *window)
+        op = traced_ops.bwd_traced if _traced(do4, q4, k4, v4, o4) else ops.bwd_launch
+        return op(do4, q4, k4, v4, o4, lse, causal, scale, *window)
     return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale, *window)
 
 

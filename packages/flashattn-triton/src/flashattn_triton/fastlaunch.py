@@ -18,10 +18,11 @@ path for good. A replay that raises is dropped the same way, with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,35 @@ DIRECT = True
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
-    """``kernel[grid](*args, **kwargs)``, noted by the active ``Recorder`` of this thread."""
+    """``kernel[grid](*args, **kwargs)``, noted by the active ``Recorder`` of this thread;
+    inside ``traced()``, through ``torch.library.wrap_triton`` (nothing returned)."""
+    if getattr(_local, "tracing", False):
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return None
     compiled = kernel[grid](*args, **kwargs)
     recorder = getattr(_local, "recorder", None)
     if recorder is not None:
         recorder.note(kernel, grid, args, kwargs, compiled)
     return compiled
+
+
+def tracing() -> bool:
+    """Whether this thread runs inside ``traced()`` (a ``traced_ops`` body: tensors may be
+    fake, with no address; launches become graph nodes under torch.compile)."""
+    return getattr(_local, "tracing", False)
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[None]:
+    """Launch through ``torch.library.wrap_triton`` inside the block (a ``triton_op`` body),
+    so that torch.compile records each Triton kernel instead of running it; the launchers
+    then skip everything that reads addresses (launch plans, alignment by pointer)."""
+    outer = tracing()
+    _local.tracing = True
+    try:
+        yield
+    finally:
+        _local.tracing = outer
 
 
 class Recorder:

@@ -268,8 +268,8 @@ def _decode(
     added = new_kv[0].shape[2] if new_kv else 0
     if splits > 1:
         shapes = ((b, h, splits, n_q, d), (b, h, splits, n_q))
-        o_part, lse_part = workspace_views(shapes, q.device)  # one allocation
-        scratch = workspace_layout(shapes)
+        scratch = workspace_layout(shapes)  # remembered for replays
+        o_part, lse_part = workspace_views(shapes, q.device, scratch)  # one allocation
         outputs = (o, lse, o_part, lse_part)
     else:
         o_part = lse_part = None

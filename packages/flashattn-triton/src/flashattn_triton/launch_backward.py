@@ -148,11 +148,14 @@ def _stats_buffers(
 
 # The constant padding rows of ``_stats_buffers`` by (device, length): +inf (L, L in log2
 # units), then 0 (D). Made and kept outside CUDA graph capture only (a tensor made while
-# capturing lives in the graph's memory pool).
+# capturing lives in the graph's memory pool) and outside traced graphs (fake tensors there;
+# a kept real one would be a constant of the graph), where they are made functionally.
 _PADDING_ROWS: dict[tuple, torch.Tensor] = {}
 
 
 def _padding_rows(like: torch.Tensor, pad: int) -> torch.Tensor:
+    if fastlaunch.tracing():
+        return torch.cat((like.new_full((1, pad), float("inf")), like.new_zeros((1, pad))))
     key = (like.device, pad)
     rows = _PADDING_ROWS.get(key)
     if rows is None:

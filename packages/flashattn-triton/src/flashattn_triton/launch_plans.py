@@ -77,7 +77,7 @@ def _layout_key(inputs: tuple[torch.Tensor, ...], *flags) -> tuple | None:
     where launches must go through Triton's dispatch (``Options.fast_launch`` off,
     autotuning, a device other than the current one)."""
     opts = get_options()
-    if not opts.fast_launch or opts.autotune:
+    if not opts.fast_launch or opts.autotune or fastlaunch.tracing():
         return None
     q = inputs[0]
     index = q.get_device()
@@ -97,7 +97,7 @@ def call_key(tensors: tuple[torch.Tensor, ...], *flags) -> tuple | None:
     launches also depend on torch's matmul precision setting, read per call by
     ``_layout_key``)."""
     q = tensors[0]
-    if q.dtype == torch.float32 or not q.is_cuda:
+    if q.dtype == torch.float32 or not q.is_cuda or fastlaunch.tracing():
         return None
     align = 0
     for i, t in enumerate(tensors):
@@ -147,7 +147,7 @@ def _launch_planned(
     launches recorded for ``key`` with these buffers (``fastlaunch.PlanCache``). Buffers
     that alias each other or outputs off 16-byte alignment take the dispatch path (a
     replay maps arguments to buffers by address)."""
-    if inputs[0].is_cuda:
+    if inputs[0].is_cuda and not fastlaunch.tracing():
         _D.ensure_context()
     if key is not None:
         addresses = [t.data_ptr() for t in inputs + outputs]

@@ -34,6 +34,7 @@ ENV_VARS = {
     "tile_configs": "FLASHATTN_TRITON_CONFIGS",
     "autotune": "FLASHATTN_TRITON_AUTOTUNE",
     "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
+    "traced_compile": "FLASHATTN_TRITON_TRACED_COMPILE",
 }
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -62,6 +63,9 @@ class Options:
     fast_launch: after the first call per input layout, launch the compiled kernels directly
         from a cached plan (skips Triton's per-call argument binding); False always goes
         through Triton's JIT dispatch.
+    traced_compile: under torch.compile, let the compiler trace the launchers and launch the
+        Triton kernels itself (``traced_ops``: no Python of ours per compiled call) where
+        sizes are static; False calls one opaque op per forward and backward instead.
     """
 
     backward: str = "auto"
@@ -71,6 +75,7 @@ class Options:
     tile_configs: str = ""
     autotune: bool = False
     fast_launch: bool = True
+    traced_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:
@@ -80,7 +85,7 @@ class Options:
                 f"fp32_precision must be None or one of {FP32_PRECISIONS}, "
                 f"got {self.fp32_precision!r}"
             )
-        for name in ("gluon", "autotune", "fast_launch"):
+        for name in ("gluon", "autotune", "fast_launch", "traced_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "head_group", _head_group(self.head_group))
@@ -124,7 +129,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Options:
         if raw is None:
             continue
         value: object = raw.strip()
-        if name in ("gluon", "autotune", "fast_launch"):
+        if name in ("gluon", "autotune", "fast_launch", "traced_compile"):
             low = raw.strip().lower()
             if low not in _TRUE + _FALSE:
                 raise ValueError(f"{var} must be 1 or 0, got {raw!r}")

@@ -1,0 +1,61 @@
+"""The dense launchers as ``torch.library.triton_op``s, for compiled graphs.
+
+With ``Options.traced_compile`` on, the autograd.Functions' compiled graphs call
+``flashattn_triton::fwd_traced`` / ``bwd_traced`` instead of the opaque ``fwd_launch`` /
+``bwd_launch`` (``ops``). torch.compile traces into these: the launcher runs once, at compile
+time, with fake tensors (``fastlaunch.traced``), and each of its Triton kernel launches
+becomes a node of the graph that inductor launches itself. A compiled call then runs none of
+our Python: no checks, no plan lookup, no per-call launcher. Sizes must be static (a
+symbolic size would reach the launchers' tile tables): the Functions use the opaque ops for
+dynamic shapes, for packed sequences and for the KV-cache calls.
+
+Called eagerly (outside torch.compile) the ops launch as the launchers do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op
+
+from . import fastlaunch, launch
+from .ops import NAMESPACE
+
+
+@triton_op(f"{NAMESPACE}::fwd_traced", mutates_args=())
+def fwd_traced(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``launch.forward`` with its launches recorded for torch.compile (see the module)."""
+    with fastlaunch.traced():
+        return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
+
+
+@triton_op(f"{NAMESPACE}::bwd_traced", mutates_args=())
+def bwd_traced(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``launch.backward`` with its launches recorded for torch.compile (see the module)."""
+    with fastlaunch.traced():
+        return launch.backward(
+            do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right
+        )
+
+
+def static_sizes(*tensors: torch.Tensor) -> bool:
+    """Whether every size and stride is a plain int (no symbolic size from dynamic shapes)."""
+    return all(type(s) is int for t in tensors for s in (*t.shape, *t.stride()))

@@ -1,0 +1,157 @@
+"""``traced_ops``: the launchers traced for torch.compile (``Options.traced_compile``).
+
+On a CPU machine nothing compiled can run, but the trace can: AOTAutograd traces the ops on
+fake CUDA tensors (a subprocess without TRITON_INTERPRET, whose kernels are real JIT
+functions, with an H100's facts), which checks that the launchers read no address while
+traced and record each kernel as a graph node; the ops also run eagerly under the
+interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashattn_triton as fa
+from flashattn_triton import launch, traced_ops
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+_TRACE = r"""
+import contextlib, json, re, sys, warnings
+import torch
+from flashattn_triton import _device, gluon_dkdv, launch, launch_backward, launch_plans
+from flashattn_triton import traced_ops  # registers the ops
+from torch._functorch.aot_autograd import aot_function
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+# An H100's facts (no GPU here): 132 SMs, 228 KB of shared memory per SM, sm_90, 50 MB of L2.
+_device._cuda_sm_count = lambda i: 132
+_device._cuda_smem_per_sm = lambda i: 228 * 1024
+_device.cuda_major = gluon_dkdv.cuda_major = lambda i: 9
+_device._cuda_l2_bytes = lambda i: 50 * 2**20
+launch_plans._device_guard = lambda t: contextlib.nullcontext()
+h, n, d, window = (int(x) for x in sys.argv[1:5])
+graphs = []
+
+def keep(gm, example_inputs):
+    graphs.append(gm.code)
+    raise SystemExit(0)  # traced: running it needs a GPU
+
+with FakeTensorMode(), warnings.catch_warnings():
+    warnings.simplefilter("error")  # e.g. a Gluon kernel "failing to compile" while traced
+    q, k, v = (
+        torch.empty(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        for _ in range(3)
+    )
+    win = (window, 0) if window >= 0 else ()
+
+    def both(q, k, v):
+        o, lse = torch.ops.flashattn_triton.fwd_traced(q, k, v, True, d**-0.5, *win)
+        return torch.ops.flashattn_triton.bwd_traced(o, q, k, v, o, lse, True, d**-0.5, *win)
+
+    try:
+        aot_function(both, fw_compiler=keep)(q, k, v)
+    except SystemExit:
+        pass
+code = graphs[0]
+idx = sorted({int(i) for i in re.findall(r"kernel_idx = (\d+)", code)})
+names = [kernel_side_table.get_kernel(i).fn.__name__ for i in idx]
+print(json.dumps({
+    "kernels": names,
+    "data_ptr_free": "data_ptr" not in code,
+    "tma": "'USE_TMA': True" in code,
+    "plans": len(launch_plans._PLANS), "calls": len(launch._CALLS),
+    "schemes": len(launch_backward._BWD_SCHEMES), "padding": len(launch_backward._PADDING_ROWS),
+    "gluon_failed": len(gluon_dkdv._FAILED), "gluon_compiled": len(gluon_dkdv._COMPILED),
+}))
+"""
+
+
+def _trace(h: int, n: int, d: int, window: int = -1) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _TRACE, str(h), str(n), str(d), str(window)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("h", "n", "d", "window", "kernels"),
+    [
+        # d = 64: the dQ kernel computes D itself (no preprocess launch)
+        (8, 512, 64, -1, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        # d = 128 on "Hopper" with 4096 keys: Gluon kernels eagerly, Triton ones when traced
+        (4, 4096, 128, -1, [
+            "attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dq_kernel",
+            "attn_bwd_dkdv_kernel",
+        ]),
+        # a sliding window (padded row statistics, lengths off 256, trace on GPUs only: a
+        # CPU build of torch cannot index fake CUDA tensors made inside the trace)
+        (2, 512, 64, 64, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+    ],
+)  # fmt: skip
+def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, window, kernels):
+    """Traced on fake CUDA tensors, forward + backward become Triton kernel nodes (Gluon
+    kernels and TMA loads, whose host descriptors the nodes cannot carry, make way for
+    Triton's kernels with pointer loads), and no
+    launch plan, remembered call, scheme, padding buffer or Gluon compile record is kept
+    from the fake tensors."""
+    got = _trace(h, n, d, window)
+    assert sorted(got.pop("kernels")) == sorted(kernels)
+    assert got == {
+        "data_ptr_free": True, "tma": False, "plans": 0, "calls": 0, "schemes": 0, "padding": 0,
+        "gluon_failed": 0, "gluon_compiled": 0,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_traced_ops_run_eagerly_like_the_launchers(causal):
+    """Outside torch.compile the ops launch as the launchers do (interpreter, float32)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    do = torch.randn(1, 2, 40, 16)
+    o, lse = traced_ops.fwd_traced(q, k, v, causal, 0.25)
+    o_ref, lse_ref = launch.forward(q, k, v, causal, 0.25)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_ref, rtol=0, atol=0)
+    grads = traced_ops.bwd_traced(do, q, k, v, o, lse, causal, 0.25)
+    for g, ref in zip(grads, launch.backward(do, q, k, v, o, lse, causal, 0.25)):
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
+
+
+def test_static_sizes_refuses_symbolic_sizes():
+    """Dynamic shapes keep the opaque ops: a symbolic size would reach the tile tables."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    real = torch.empty(2, 3, 4, 8)
+    assert traced_ops.static_sizes(real, real.transpose(1, 2))
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    sym = mode.from_tensor(real, source=ConstantSource("x"), symbolic_context=ctx)
+    assert not traced_ops.static_sizes(real, sym)
+
+
+def test_traced_compile_option_from_env():
+    from flashattn_triton.options import from_env
+
+    assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "1"}).traced_compile is True
+    assert from_env({}).traced_compile is fa.Options().traced_compile
+    with pytest.raises(ValueError, match="FLASHATTN_TRITON_TRACED_COMPILE"):
+        from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "maybe"})
