@@ -38,6 +38,9 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``, noted by the active ``Recorder`` of this thread;
     inside ``traced()``, through ``torch.library.wrap_triton`` (nothing returned)."""
     if getattr(_local, "tracing", False):
+        # torch.compile takes num_warps / num_stages as launch options but would pass a
+        # register cap on as a kernel argument: traced launches go without it.
+        kwargs.pop("maxnreg", None)
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
         return None
     compiled = kernel[grid](*args, **kwargs)
