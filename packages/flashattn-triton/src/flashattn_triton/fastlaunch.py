@@ -38,16 +38,27 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
     """``kernel[grid](*args, **kwargs)``, noted by the active ``Recorder`` of this thread;
     inside ``traced()``, through ``torch.library.wrap_triton`` (nothing returned)."""
     if getattr(_local, "tracing", False):
-        # torch.compile takes num_warps / num_stages as launch options but would pass a
-        # register cap on as a kernel argument: traced launches go without it.
-        kwargs.pop("maxnreg", None)
-        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        _launch_traced(kernel, grid, args, kwargs)
         return None
     compiled = kernel[grid](*args, **kwargs)
     recorder = getattr(_local, "recorder", None)
     if recorder is not None:
         recorder.note(kernel, grid, args, kwargs, compiled)
     return compiled
+
+
+def _launch_traced(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``wrap_triton(kernel)[grid]`` with every kernel parameter passed, defaults included
+    (torch.compile's analysis of which tensors a kernel writes counts the arguments given),
+    and without a register cap (torch.compile would pass it on as a kernel argument)."""
+    signature = getattr(kernel, "signature", None)
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    params = {k: v for k, v in kwargs.items() if k not in options and k != "maxnreg"}
+    if isinstance(signature, inspect.Signature):
+        bound = signature.bind(*args, **params)
+        bound.apply_defaults()
+        args, params = (), dict(bound.arguments)
+    torch.library.wrap_triton(kernel)[grid](*args, **params, **options)
 
 
 def tracing() -> bool:
