@@ -262,12 +262,18 @@ def capture_launches(
     return log
 
 
-def compile_launch(fn, bound, num_warps, num_stages, cc, maxnreg=None):
+def compile_launch(fn, bound, num_warps, num_stages, cc, maxnreg=None, float64=False):
+    """Compile one captured launch; ``float64``: Python float arguments typed float64, as
+    torch.compile types them in the kernels it launches (``traced_ops``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig, consts, attrs = _signature(fn, bound)
+    if float64:
+        sig = {
+            k: "fp64" if isinstance(bound[k], float) and v == "fp32" else v for k, v in sig.items()
+        }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     t0 = time.time()
     opts = {"num_warps": num_warps, "num_stages": num_stages}
@@ -311,6 +317,11 @@ def main(argv=None) -> int:
     ap.add_argument("--varlen", type=int, default=0, help="B packed sequences of up to N tokens")
     ap.add_argument("--kvcache", action="store_true", help="a forward over a KV cache of --nk rows")
     ap.add_argument("--append", type=int, default=0, help="with --kvcache: new rows stored first")
+    ap.add_argument(
+        "--float64-scales",
+        action="store_true",
+        help="type float arguments float64, as torch.compile does for the kernels it launches",
+    )
     a = ap.parse_args(argv)
     from flashattn_triton import configs
 
@@ -329,7 +340,7 @@ def main(argv=None) -> int:
         meta = {k: v for k, v in bound.items() if k.startswith(("BLOCK", "EVEN"))}
         meta |= {k: v for k, v in bound.items() if k in features and v}
         try:
-            r = compile_launch(fn, bound, w, s, a.cc, maxnreg)
+            r = compile_launch(fn, bound, w, s, a.cc, maxnreg, a.float64_scales)
             cap = f" r{maxnreg}" if maxnreg else ""
             print(
                 f"{fn.__name__:28s} w{w} s{s}{cap} {meta} | {r['usage']} | wgmma {r['wgmma']} "
