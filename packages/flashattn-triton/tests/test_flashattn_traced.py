@@ -25,7 +25,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 _TRACE = r"""
 import contextlib, json, re, sys, warnings
 import torch
-from flashattn_triton import _device, gluon_dkdv, launch, launch_backward, launch_plans
+from flashattn_triton import _device, gluon_dkdv, launch, launch_backward, launch_common
+from flashattn_triton import launch_plans
 from flashattn_triton import traced_ops  # registers the ops
 from torch._functorch.aot_autograd import aot_function
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,7 +38,7 @@ _device._cuda_smem_per_sm = lambda i: 228 * 1024
 _device.cuda_major = gluon_dkdv.cuda_major = lambda i: 9
 _device._cuda_l2_bytes = lambda i: 50 * 2**20
 launch_plans._device_guard = lambda t: contextlib.nullcontext()
-h, n, d, window = (int(x) for x in sys.argv[1:5])
+h, n, d, window, n_k = (int(x) for x in sys.argv[1:6])
 graphs = []
 
 def keep(gm, example_inputs):
@@ -47,13 +48,15 @@ def keep(gm, example_inputs):
 with FakeTensorMode(), warnings.catch_warnings():
     warnings.simplefilter("error")  # e.g. a Gluon kernel "failing to compile" while traced
     q, k, v = (
-        torch.empty(2, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        for _ in range(3)
+        torch.empty(2, length, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        for length in (n, n_k, n_k)
     )
     win = (window, 0) if window >= 0 else ()
 
     def both(q, k, v):
         o, lse = torch.ops.flashattn_triton.fwd_traced(q, k, v, True, d**-0.5, *win)
+        if n % 256:  # padded row statistics: see the test's docstring
+            return o, lse
         return torch.ops.flashattn_triton.bwd_traced(o, q, k, v, o, lse, True, d**-0.5, *win)
 
     try:
@@ -65,21 +68,22 @@ idx = sorted({int(i) for i in re.findall(r"kernel_idx = (\d+)", code)})
 names = [kernel_side_table.get_kernel(i).fn.__name__ for i in idx]
 print(json.dumps({
     "kernels": names,
-    "data_ptr_free": "data_ptr" not in code,
     "tma": "'USE_TMA': True" in code,
     "maxnreg": "maxnreg" in code,
-    "plans": len(launch_plans._PLANS), "calls": len(launch._CALLS),
-    "schemes": len(launch_backward._BWD_SCHEMES), "padding": len(launch_backward._PADDING_ROWS),
+    "plans": len(launch_plans._PLANS),
+    "calls": len(launch._CALLS) + len(launch_backward._CALLS),
+    "choices": len(launch_backward._BWD_SCHEMES) + len(launch._DECODE_PLANS),
+    "shrunk": len(launch_common._SHRUNK), "padding": len(launch_backward._PADDING_ROWS),
     "gluon_failed": len(gluon_dkdv._FAILED), "gluon_compiled": len(gluon_dkdv._COMPILED),
 }))
 """
 
 
-def _trace(h: int, n: int, d: int, window: int = -1) -> dict:
+def _trace(h: int, n: int, d: int, window: int = -1, n_k: int | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run(
-        [sys.executable, "-c", _TRACE, str(h), str(n), str(d), str(window)],
+        [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n if n_k is None else n_k))],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -88,37 +92,40 @@ def _trace(h: int, n: int, d: int, window: int = -1) -> dict:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("h", "n", "d", "window", "kernels"),
+    ("h", "n", "d", "window", "n_k", "kernels"),
     [
         # d = 64: the dQ kernel computes D itself (no preprocess launch)
-        (8, 512, 64, -1, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        (8, 512, 64, -1, 512, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
         # d = 128 on "Hopper" with 4096 keys: Gluon kernels eagerly, Triton ones when traced
-        (4, 4096, 128, -1, [
+        (4, 4096, 128, -1, 4096, [
             "attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dq_kernel",
             "attn_bwd_dkdv_kernel",
         ]),
-        # a sliding window (padded row statistics, lengths off 256, trace on GPUs only: a
-        # CPU build of torch cannot index fake CUDA tensors made inside the trace)
-        (2, 512, 64, 64, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        # a sliding window
+        (2, 512, 64, 64, 512, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        # one query against 4096 keys, forward only: the split-KV decode kernels
+        (8, 1, 64, -1, 4096, ["attn_fwd_decode_kernel", "attn_fwd_combine_kernel"]),
     ],
 )  # fmt: skip
-def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, window, kernels):
+def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, window, n_k, kernels):
     """Traced on fake CUDA tensors, forward + backward become Triton kernel nodes (Gluon
     kernels and TMA loads, whose host descriptors the nodes cannot carry, make way for
-    Triton's kernels with pointer loads), and no
-    launch plan, remembered call, scheme, padding buffer or Gluon compile record is kept
-    from the fake tensors."""
-    got = _trace(h, n, d, window)
+    Triton's kernels with pointer loads; an address read would raise inside the trace), and
+    no launch plan, remembered call, per-key choice, shrunk tile, padding buffer or Gluon
+    compile record is kept from the fake tensors. (Backwards of query lengths off a multiple
+    of 256, whose row statistics are padded, trace on GPUs only: a CPU build of torch cannot
+    index fake CUDA tensors made inside the trace; the GPU test below runs one.)"""
+    got = _trace(h, n, d, window, n_k)
     assert sorted(got.pop("kernels")) == sorted(kernels)
     assert got == {
-        "data_ptr_free": True, "tma": False, "maxnreg": False, "plans": 0, "calls": 0,
-        "schemes": 0, "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,
+        "tma": False, "maxnreg": False, "plans": 0, "calls": 0, "choices": 0, "shrunk": 0,
+        "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,
     }  # fmt: skip
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_traced_ops_run_eagerly_like_the_launchers(causal):
-    """Outside torch.compile the ops launch as the launchers do (interpreter, float32)."""
+    """Outside torch.compile the ops give the launchers' results (interpreter, float32)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     do = torch.randn(1, 2, 40, 16)
@@ -147,6 +154,32 @@ def test_static_sizes_refuses_symbolic_sizes():
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
     sym = mode.from_tensor(real, source=ConstantSource("x"), symbolic_context=ctx)
     assert not traced_ops.static_sizes(real, sym)
+
+
+def test_compiled_graphs_use_traced_ops_only_where_they_can(set_options):
+    """The choice a compiled graph makes: the traced ops with ``traced_compile`` on, static
+    sizes and no autotuning (the autotuner would time fake tensors); else the opaque ops."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    from flashattn_triton.autograd import _use_traced_ops
+
+    real = torch.empty(1, 2, 64, 16)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    sym = mode.from_tensor(real, source=ConstantSource("q"), symbolic_context=ctx)
+    set_options(traced_compile=False)
+    assert not _use_traced_ops(real, real)
+    set_options(traced_compile=True)
+    assert _use_traced_ops(real, real)
+    assert not _use_traced_ops(sym, real)
+    set_options(traced_compile=True, autotune=True)
+    assert not _use_traced_ops(real, real)
 
 
 def test_traced_compile_option_from_env():
@@ -193,6 +226,8 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
         if name == "compiled":
             o, codes = run_and_get_code(fn, qq, kk, vv)
             assert not any("_launch.default" in c for c in codes)  # no opaque op
+            # no copy of an input: torch.compile knew which tensors each kernel writes
+            assert not any("clone" in c for c in codes)
         else:
             o = fn(qq, kk, vv)
         o.backward(do)

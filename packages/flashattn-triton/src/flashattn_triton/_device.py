@@ -108,17 +108,11 @@ def tma_usable(t: torch.Tensor) -> bool:
     elif not interpreting():
         return False
     elem = t.element_size()
-    return t.stride(-1) == 1 and aligned16(t) and all(s * elem % 16 == 0 for s in t.stride()[:-1])
-
-
-def aligned16(t: torch.Tensor) -> bool:
-    """Whether t's first element sits on a 16-byte boundary. While a compiled graph is
-    traced (``fastlaunch.traced``: fake tensors, no address) its storage offset decides:
-    compiled graphs allocate 16-byte aligned buffers and copy graph inputs that are not
-    (inductor's misaligned-input check)."""
-    if fastlaunch.tracing():
-        return t.storage_offset() * t.element_size() % 16 == 0
-    return t.data_ptr() % 16 == 0
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    )
 
 
 _thread = threading.local()

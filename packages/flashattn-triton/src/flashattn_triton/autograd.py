@@ -19,18 +19,20 @@ def _compiling() -> bool:
     return compiler is not None and compiler.is_compiling()
 
 
-def _traced(*tensors: torch.Tensor) -> bool:
+def _use_traced_ops(*tensors: torch.Tensor) -> bool:
     """Whether a compiled graph calls the traced ops (``traced_ops``) rather than the opaque
-    ones: ``Options.traced_compile`` and static sizes."""
-    return get_options().traced_compile and traced_ops.static_sizes(*tensors)
+    ones: ``Options.traced_compile``, no autotuning (the autotuner would time fake tensors)
+    and static sizes."""
+    opts = get_options()
+    return opts.traced_compile and not opts.autotune and traced_ops.static_sizes(*tensors)
 
 
 def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
     """The forward launcher: through an op when torch.compile traces (no graph break; see
-    ``_traced``), called directly in eager mode (skips the op dispatcher's per-call cost).
+    ``_use_traced_ops``), called directly in eager mode (skips the op dispatcher's per-call cost).
     ``window``: (left, right), for the windowed calls only."""
     if _compiling():
-        op = traced_ops.fwd_traced if _traced(q4, k4, v4) else ops.fwd_launch
+        op = traced_ops.fwd_traced if _use_traced_ops(q4, k4, v4) else ops.fwd_launch
         return op(q4, k4, v4, causal, scale, *window)
     return launch.forward(q4, k4, v4, causal, scale, *window)
 
@@ -38,7 +40,7 @@ def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
 def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float, *window: int):
     """The backward launcher, dispatched like ``_fwd``."""
     if _compiling():
-        op = traced_ops.bwd_traced if _traced(do4, q4, k4, v4, o4) else ops.bwd_launch
+        op = traced_ops.bwd_traced if _use_traced_ops(do4, q4, k4, v4, o4) else ops.bwd_launch
         return op(do4, q4, k4, v4, o4, lse, causal, scale, *window)
     return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale, *window)
 

@@ -52,13 +52,15 @@ def _launch_traced(kernel: Any, grid: tuple, args: tuple, kwargs: dict) -> None:
     (torch.compile's analysis of which tensors a kernel writes counts the arguments given),
     and without a register cap (torch.compile would pass it on as a kernel argument)."""
     signature = getattr(kernel, "signature", None)
-    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
-    params = {k: v for k, v in kwargs.items() if k not in options and k != "maxnreg"}
-    if isinstance(signature, inspect.Signature):
-        bound = signature.bind(*args, **params)
-        bound.apply_defaults()
-        args, params = (), dict(bound.arguments)
-    torch.library.wrap_triton(kernel)[grid](*args, **params, **options)
+    if not isinstance(signature, inspect.Signature):  # the interpreter's: launched as given
+        kwargs = {k: v for k, v in kwargs.items() if k != "maxnreg"}
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+        return
+    params = {k: v for k, v in kwargs.items() if k in signature.parameters}
+    options = {k: v for k, v in kwargs.items() if k not in params and k != "maxnreg"}
+    bound = signature.bind(*args, **params)
+    bound.apply_defaults()
+    torch.library.wrap_triton(kernel)[grid](**bound.arguments, **options)
 
 
 def tracing() -> bool:

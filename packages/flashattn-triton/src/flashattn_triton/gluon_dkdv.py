@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from . import fastlaunch
-from ._device import aligned16, cuda_major, head_group_args
+from ._device import cuda_major, head_group_args
 from .options import get_options
 
 LOG2E = 1.4426950408889634
@@ -443,7 +443,7 @@ def applies(*tensors: torch.Tensor, defaults: dict[int, dict] | None = None) -> 
 
 def _tma_ok(t: torch.Tensor) -> bool:
     elem = t.element_size()
-    return aligned16(t) and all(s * elem % 16 == 0 for s in t.stride()[:-1])
+    return t.data_ptr() % 16 == 0 and all(s * elem % 16 == 0 for s in t.stride()[:-1])
 
 
 def _desc(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
@@ -511,7 +511,10 @@ def rows_by_tma(lse: torch.Tensor, delta: torch.Tensor) -> bool:
     statistics have rows = n_q where n_q is a multiple of configs.STATS_ROWS, else are padded
     to one, so only direct callers with other lengths miss it."""
     return (
-        all(t.is_contiguous() and t.dtype == torch.float32 and aligned16(t) for t in (lse, delta))
+        all(
+            t.is_contiguous() and t.dtype == torch.float32 and t.data_ptr() % 16 == 0
+            for t in (lse, delta)
+        )
         and lse.shape[-1] % 4 == 0
     )
 
@@ -551,8 +554,7 @@ def run_guarded(kernel: str, key: tuple, launch: Callable[[], None]) -> bool:
             stacklevel=4,
         )
         return False
-    if not fastlaunch.tracing():  # traced: recorded for torch.compile, not compiled yet
-        _COMPILED.add(key)
+    _COMPILED.add(key)
     return True
 
 

@@ -129,6 +129,13 @@ def _load_streamed(
 
 
 @triton.jit
+def _f32(x):
+    """A float argument as float32: torch.compile passes Python floats to the kernels it
+    launches (``traced_ops``) as float64, Triton's own launches as float32 (a no-op there)."""
+    return tl.cast(x, tl.float32)
+
+
+@triton.jit
 def _grouped_program(head_group, GROUPED: tl.constexpr):
     """(batch*head index, tile index) of this program on a (B*H, tiles) grid, in an order
     that runs programs of head_group heads at a time: tile-major inside each group (so the
@@ -310,9 +317,7 @@ def attn_fwd_kernel(
     cache): CU_K holds each batch element's int32 key count, plus KV_ADD (the keys appended
     by ``kv_append_kernel`` just before), clamped to [0, n_k] (n_k: the cache's rows); masks
     align to that count."""
-    # torch.compile passes Python floats to the kernels it launches as float64: work in
-    # float32 as Triton's own launches do (a no-op there)
-    qk_scale = tl.cast(qk_scale, tl.float32)
+    qk_scale = _f32(qk_scale)
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     # Heaviest (last) query tiles first: with causal masks they have the most key tiles.
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
@@ -1032,10 +1037,8 @@ def attn_bwd_dkdv_kernel(
     each program sums the kv_group query heads that share its k/v head. WINDOW, VARLEN: as
     in ``attn_fwd_kernel`` (VARLEN: no unmasked reads past a sequence's rows).
     """
-    # torch.compile passes Python floats to the kernels it launches as float64: work in
-    # float32 as Triton's own launches do (a no-op there)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = _f32(qk_scale)
+    sm_scale = _f32(sm_scale)
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_n = tile * BLOCK_N
     stride_lse, stride_delta = _stats_strides(
@@ -1093,10 +1096,8 @@ def attn_bwd_dq_kernel(
     FUSE_DELTA it also computes the tile's D = rowsum(dO * O) and stores it, with L in log2
     units (LSE2), for the dK/dV kernel, which then runs after it (no preprocessing launch;
     see ``_dq_tile``). GQA, WINDOW, VARLEN: as in ``attn_fwd_kernel``."""
-    # torch.compile passes Python floats to the kernels it launches as float64: work in
-    # float32 as Triton's own launches do (a no-op there)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = _f32(qk_scale)
+    sm_scale = _f32(sm_scale)
     pid_bh, tile = _grouped_program(head_group, GROUPED)
     start_m = (tl.num_programs(1) - 1 - tile) * BLOCK_M
     b32 = pid_bh // n_heads
@@ -1154,10 +1155,8 @@ def attn_bwd_fused_kernel(
     With causal masks the key tile's work falls as t grows and the query tile's rises, so
     every program does about the same work.
     """
-    # torch.compile passes Python floats to the kernels it launches as float64: work in
-    # float32 as Triton's own launches do (a no-op there)
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = _f32(qk_scale)
+    sm_scale = _f32(sm_scale)
     pid_bh = tl.program_id(0)
     tile = tl.program_id(1)
     b32 = pid_bh // n_heads
@@ -1220,6 +1219,7 @@ def attn_fwd_decode_kernel(
     int32 key count, plus KV_ADD (keys appended just before), clamped to [0, n_k]; the
     splits then share that element's keys, from its window start (WINDOW) to that count,
     in whole tiles (key_lo, key_hi and keys_per_split unused)."""
+    qk_scale = _f32(qk_scale)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b32 = pid // n_kv_heads

@@ -1,8 +1,9 @@
 """Launchers: check, allocate, pick tiles and start the Triton kernels for (B, H, N, d) inputs.
 
-These functions run real kernels and are not traced by torch.compile (the custom ops in
-``ops`` wrap them). Triton is imported on first use, so importing the package costs nothing
-and the interpreter switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
+These functions run real kernels; compiled graphs call them through the opaque custom ops
+in ``ops``, or trace them on fake tensors through ``traced_ops`` (``Options.traced_compile``).
+Triton is imported on first use, so importing the package costs nothing and the interpreter
+switch ``TRITON_INTERPRET=1`` may be set any time before the first call.
 
 This module is the launchers' entry point: it holds the forward (``forward``, and the
 split-KV decode path ``_decode``) and re-exports ``backward`` (``launch_backward``: the

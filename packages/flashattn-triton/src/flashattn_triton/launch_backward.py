@@ -280,8 +280,9 @@ def backward(
         return dq, dk, dv
     if onepass:
         dq.copy_(dq_acc)
-    recipe = (*_stats_recipe(lse, lse_c, lse2, delta, packed), onepass)
-    remember_call(_CALLS, call, key, recipe)
+    if call is not None:
+        recipe = (*_stats_recipe(lse, lse_c, lse2, delta, packed), onepass)
+        remember_call(_CALLS, call, key, recipe)
     return dq, dk, dv
 
 

@@ -18,7 +18,7 @@ import torch
 
 from . import configs as C
 from . import fastlaunch
-from ._device import aligned16, interpreting, tma_usable
+from ._device import interpreting, tma_usable
 from ._device import kernels as _kernels
 from .options import get_options
 
@@ -170,12 +170,7 @@ def _packed_rows(lse2: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None
     """The (B*H, 2, R) float32 buffer behind the views lse2 = [:, 0], delta = [:, 1] of a
     packed ``_stats_buffers``, or None if they are not laid out so."""
     rows = lse2.shape[-1]
-    if fastlaunch.tracing():  # fake tensors: no addresses; views of one packed buffer
-        same = lse2._base is not None and delta._base is lse2._base
-        packed = same and delta.storage_offset() == lse2.storage_offset() + rows
-    else:
-        packed = delta.data_ptr() == lse2.data_ptr() + 4 * rows
-    if lse2.stride(-2) != 2 * rows or not packed:
+    if lse2.stride(-2) != 2 * rows or delta.data_ptr() != lse2.data_ptr() + 4 * rows:
         return None
     return lse2.as_strided((lse2.numel() // rows, 2, rows), (2 * rows, rows, 1))
 
@@ -216,7 +211,7 @@ def _stream_args(kind: str, cfg: C.TileConfig | None, args: dict, block_d: int) 
         # in whole query tiles.
         if kind in ("dkdv", "atomic") and args.get("PACKED_STATS") and C.STATS_TMA:
             rows = _packed_rows(args["LSE"], args["DELTA"])
-            if rows is not None and rows.shape[-1] % block == 0 and aligned16(rows):
+            if rows is not None and rows.shape[-1] % block == 0 and rows.data_ptr() % 16 == 0:
                 out.update(DESC_ROWS=_rows_descriptor(rows, block), STATS_TMA=True)
     return out
 

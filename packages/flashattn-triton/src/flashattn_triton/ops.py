@@ -18,7 +18,8 @@ Compiled graphs call ``fwd_launch``, ``bwd_launch``, ``varlen_fwd_launch``,
 launchers and fake implementations, registered without an autograd formula (the
 autograd.Functions of ``autograd``, which dynamo traces, own the backward) and without
 custom_op's Python wrappers, so that a compiled call goes from the dispatcher straight to
-the launcher.
+the launcher. With ``Options.traced_compile`` the dense forward and backward are traced
+instead (``traced_ops``: ``fwd_traced`` / ``bwd_traced``).
 
 All tensors are (B, H, N, d) (lse: (B, H, Nq) float32); k and v may have fewer heads than q
 (grouped-query attention), and dk, dv come back shaped like them. The varlen ops take

@@ -36,6 +36,7 @@ ENV_VARS = {
     "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
     "traced_compile": "FLASHATTN_TRITON_TRACED_COMPILE",
 }
+_BOOLS = ("gluon", "autotune", "fast_launch", "traced_compile")  # the on/off options
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -85,7 +86,7 @@ class Options:
                 f"fp32_precision must be None or one of {FP32_PRECISIONS}, "
                 f"got {self.fp32_precision!r}"
             )
-        for name in ("gluon", "autotune", "fast_launch", "traced_compile"):
+        for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "head_group", _head_group(self.head_group))
@@ -129,7 +130,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Options:
         if raw is None:
             continue
         value: object = raw.strip()
-        if name in ("gluon", "autotune", "fast_launch", "traced_compile"):
+        if name in _BOOLS:
             low = raw.strip().lower()
             if low not in _TRUE + _FALSE:
                 raise ValueError(f"{var} must be 1 or 0, got {raw!r}")

@@ -9,7 +9,9 @@ our Python: no checks, no plan lookup, no per-call launcher. Sizes must be stati
 symbolic size would reach the launchers' tile tables): the Functions use the opaque ops for
 dynamic shapes, for packed sequences and for the KV-cache calls.
 
-Called eagerly (outside torch.compile) the ops launch as the launchers do.
+Called eagerly (outside torch.compile) the ops run their launchers the same way, as traced:
+no launch plans, pointer loads, no Gluon kernels, no register caps. That is slower than the
+eager launchers; the ops are for compiled graphs.
 """
 
 from __future__ import annotations
