@@ -73,7 +73,7 @@ def tracing() -> bool:
 def traced() -> Iterator[None]:
     """Launch through ``torch.library.wrap_triton`` inside the block (a ``triton_op`` body),
     so that torch.compile records each Triton kernel instead of running it; the launchers
-    then skip everything that reads addresses (launch plans, alignment by pointer)."""
+    then skip everything that needs addresses (launch plans, TMA descriptors, Gluon)."""
     outer = tracing()
     _local.tracing = True
     try:
