@@ -192,3 +192,28 @@ def test_time_flags_refuse_what_no_timing_can_use(value, capsys):
     assert (
         f"argument --rep-ms: expected a positive number, got {value!r}" in capsys.readouterr().err
     )
+
+
+def test_compiled_providers_use_static_shapes(monkeypatch):
+    """Each shape compiles for itself (dynamic=False), as a model's fixed shapes do: with
+    automatic dynamic shapes every shape after a group's first would be traced symbolically,
+    and flashattn_triton's traced compiled graphs (static sizes only) would not be measured."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    for provider in sweep.PROVIDERS:
+        sweep._attention(provider, True, compiled=True)
+    assert len(seen) == len(sweep.PROVIDERS)
+    assert all(kw.get("dynamic") is False for kw in seen), seen
+
+
+def test_compiled_rows_record_the_traced_compile_option(monkeypatch):
+    times = {p: iter([1.0]) for p in sweep.PROVIDERS}
+    _fake_providers(monkeypatch, times)
+    monkeypatch.setattr(sweep, "_traced_compile", lambda: True)
+    cfg = sweep.SweepConfig(
+        shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("compiled",),
+        device=torch.device("cuda"), dtype=torch.float32, quiet=True,
+    )  # fmt: skip
+    monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
+    [row] = sweep.run_sweep(cfg)
+    assert row["traced_compile"] is True

@@ -1,7 +1,9 @@
 """Ours against SDPA where users feel it: `python -m perf_tools.attention_sweep`.
 
 For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
-compiled: the same function under `torch.compile`, default settings), every shape of the sweep
+compiled: the same function under `torch.compile` with static shapes, each shape compiled for
+itself as a model's fixed shapes are; rows record flashattn_triton's `traced_compile` option,
+settable by `FLASHATTN_TRITON_TRACED_COMPILE=1`), every shape of the sweep
 is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B from
 `--batch`, 1 by default), forward and backward (`torch.autograd.grad(o, (q, k, v), dO)`, so
 no gradient accumulation), median of
@@ -46,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from perf_tools import _cli, report
-from perf_tools._compile import allow_recompiles
+from perf_tools._compile import allow_recompiles, compile_for_bench
 
 # (heads, N) of the sweep; (32, 32768) is the 8B model's shape, swept at d = 128 only.
 SHAPES: tuple[tuple[int, int], ...] = (
@@ -127,7 +129,7 @@ def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., tor
         def ours(q, k, v):
             return flash_attention(q, k, v, causal=causal)
 
-        return torch.compile(ours) if compiled else ours
+        return compile_for_bench(ours) if compiled else ours
     if not compiled:
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -142,7 +144,7 @@ def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., tor
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    return torch.compile(sdpa_flash if provider == "sdpa-flash" else sdpa_cudnn)
+    return compile_for_bench(sdpa_flash if provider == "sdpa-flash" else sdpa_cudnn)
 
 
 @contextlib.contextmanager
@@ -224,6 +226,13 @@ def _shapes_for(d: int, cfg: SweepConfig) -> list[tuple[int, int]]:
     return [s for s in cfg.shapes if d == 128 or s not in D128_ONLY]
 
 
+def _traced_compile() -> bool:
+    """flashattn_triton's ``traced_compile`` option (compiled graphs launching its kernels)."""
+    from flashattn_triton import get_options
+
+    return get_options().traced_compile
+
+
 def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
     """One row per (mode, causal, d, heads, N, autograd threads): each provider's ms and ours /
     best SDPA."""
@@ -248,6 +257,8 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
                 row["autograd_threads"] = "on" if threads else "off"
             if cfg.batch != 1:
                 row["batch"] = cfg.batch
+            if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
+                row["traced_compile"] = _traced_compile()
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             label = f"{mode} causal={causal} d={d} {_shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
@@ -484,9 +495,9 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
 
 
 COLUMNS = (
-    "mode", "autograd_threads", "causal", "d", "batch", "heads", "N", "ours_ms", "sdpa-flash_ms",
-    "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min", "ours_vs_best_max", "ours_graphed_ms",
-    "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
+    "mode", "autograd_threads", "traced_compile", "causal", "d", "batch", "heads", "N",
+    "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
+    "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
 )  # fmt: skip
 
 
