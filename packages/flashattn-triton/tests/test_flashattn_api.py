@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,6 +93,23 @@ def test_bad_flags():
         fa.flash_attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="backend"):
         fa.FlashAttention(backend="nope")
+
+
+def test_environment_is_read_at_import_and_bad_values_wait_for_the_first_call():
+    # Read at import: a graph torch.compile traces must not make the first read (a changed
+    # global there would cost a recompile). A bad value must not break the import.
+    script = (
+        "import flashattn_triton as fa, flashattn_triton.options as o\n"
+        "print(o._current is not None and o._current.backward)\n"
+        "try:\n    fa.get_options()\nexcept ValueError as e:\n    print('error', e)\n"
+    )
+    for value, expected in (("split", "split"), ("magic", "False\nerror FLASHATTN_TRITON_BWD")):
+        env = {**os.environ, "FLASHATTN_TRITON_BWD": value}
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(expected), out.stdout
 
 
 def test_triton_backend_limits():

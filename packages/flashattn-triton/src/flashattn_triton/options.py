@@ -146,11 +146,16 @@ def from_env(environ: Mapping[str, str] | None = None) -> Options:
 
 
 _current: Options | None = None
+# Read at import, so that a graph torch.compile traces never makes the first read; a bad
+# variable is reported by the first call, not by the import.
+with contextlib.suppress(ValueError):
+    _current = from_env()
 _listeners: list[Callable[[], None]] = []
 
 
 def get_options() -> Options:
-    """The active options (read from the environment on the first call)."""
+    """The active options (read from the environment at import, or on the first call if a
+    variable was bad then)."""
     global _current
     if _current is None:
         _current = from_env()
