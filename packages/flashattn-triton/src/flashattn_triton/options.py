@@ -2,7 +2,7 @@
 
 ``Options`` holds the backward scheme, tile overrides, float32 matrix precision and the
 other launch choices. The active options are read once from ``FLASHATTN_TRITON_*``
-environment variables on first use (handy for experiments in a fresh process), and changed
+environment variables at import (handy for experiments in a fresh process), and changed
 in code with :func:`set_options` or, for a block, the :func:`use_options` context manager::
 
     import flashattn_triton as fa
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, fields, replace
 BWD_SCHEMES = ("auto", "split", "fused", "atomic", "onepass")
 FP32_PRECISIONS = ("tf32x3", "tf32", "ieee")
 
-# option name -> environment variable read on first use
+# option name -> environment variable read at import
 ENV_VARS = {
     "backward": "FLASHATTN_TRITON_BWD",
     "fp32_precision": "FLASHATTN_TRITON_FP32_PRECISION",
