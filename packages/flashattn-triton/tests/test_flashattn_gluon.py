@@ -74,6 +74,31 @@ def test_onepass_head_group(setting, rule, causal, sms, expected, monkeypatch, s
 
 
 @pytest.mark.parametrize(
+    ("setting", "rule", "h", "h_kv", "expected"),
+    [
+        ("auto", 3, 16, 8, 4),  # grouped-query heads: the L2 rule's group, rounded up to 2^k
+        ("auto", 6, 16, 8, 8),
+        ("auto", 5, 12, 6, 6),  # never more than the k/v heads
+        ("auto", 3, 16, 16, 3),  # one k/v head per q head: the rule's group as it is
+        (3, 3, 16, 8, 3),  # an explicit setting as it is
+    ],
+)
+def test_onepass_head_group_of_grouped_query_heads(setting, rule, h, h_kv, expected, monkeypatch,
+                                                   set_options):  # fmt: skip
+    """Where the L2 rule groups k/v heads of grouped-query attention, the group is rounded up
+    to a power of two (GQA_POW2_GROUPS) under ``head_group="auto"``."""
+    monkeypatch.setattr(gluon_bwd, "sm_count", lambda t: 132)
+    monkeypatch.setattr(
+        gluon_bwd, "head_group_args", lambda t, bh, rows, d: {"head_group": min(rule, bh)}
+    )
+    set_options(options.Options(head_group=setting))
+    q = torch.empty(1, h, 4096, 128, device="meta")
+    k = torch.empty(1, h_kv, 4096, 128, device="meta")
+    assert gluon_bwd.head_group(q, k, True) == expected
+    assert gluon_bwd.GQA_POW2_GROUPS is True
+
+
+@pytest.mark.parametrize(
     ("d", "b", "h", "n", "causal", "expected"),
     [
         (128, 1, 2, 2048, True, True),  # d = 128: MIN_KEYS

@@ -125,6 +125,28 @@ def test_onepass_grouped_query_heads(h, h_kv, causal, d, monkeypatch, onepass_ru
         assert err <= 1.5 * yard + 1e-4, f"{name}: {err:.3e} against split {yard:.3e}"
 
 
+@pytest.mark.parametrize(("rule", "expected"), [(3, 4), (6, 8)])
+def test_onepass_grouped_query_heads_in_head_groups(rule, expected, monkeypatch, onepass_runs):
+    """The L2 rule's k/v head groups, rounded up to a power of two for grouped-query heads
+    (3 -> 4 of 8 k/v heads: two whole groups; 6 -> 8: all of them), keep the split kernels'
+    accuracy."""
+    monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1)
+    monkeypatch.setattr(
+        gluon_bwd, "head_group_args", lambda t, bh, rows, d: {"head_group": min(rule, bh)}
+    )
+    q, k, v, do = _inputs(2, 16, 4, 777, 777, torch.bfloat16)
+    assert gluon_bwd.head_group(q, k, True) == expected
+    ours = _ours(q, k, v, do, True)
+    assert onepass_runs == [(2, 16, 777)]
+    monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1 << 40)
+    launch_plans.clear_plans()
+    split = _ours(q, k, v, do, True)
+    ref = reference_features(q, k, v, do, True)
+    for name in ("dq", "dk", "dv"):
+        err, yard = rel_err(ours[name], ref[name]), rel_err(split[name], ref[name])
+        assert err <= 1.5 * yard + 1e-4, f"{name}: {err:.3e} against split {yard:.3e}"
+
+
 def test_onepass_is_the_default_from_min_keys(onepass_runs, set_options):
     """``auto`` takes it from MIN_KEYS keys and not below; ``split`` never. At 16K tokens
     the gradients agree with the split kernels' (only the order of dQ's sums differs)."""

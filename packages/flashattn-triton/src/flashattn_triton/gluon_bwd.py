@@ -102,9 +102,8 @@ CAUSAL_MIN_WAVES = 8
 # Grouped-query heads: where the L2 rule groups k/v heads, its group is rounded up to a power
 # of two (GQA_POW2_GROUPS), so that groups tile the heads and still fit the L2 cache (at most
 # 2 * HEAD_GROUP_L2_SHARE of it). fwd+bwd on an H100, 32 q / 8 kv heads, d = 128, causal,
-# medians of five interleaved rounds, ms: 4 x 4096 (rule: 3 heads) 4.262, 4 heads 4.147,
-# SDPA 4.256; 8 x 2048 (rule: 6) 2.523, 8 heads 2.447, SDPA 2.542 (DESIGN, "Grouped-query
-# heads").
+# 4 x 4096: the rule's 3 heads 4.202 ms, rounded to 4 heads 4.091, SDPA 4.198 (DESIGN,
+# "One-pass backward", "Grouped-query heads").
 GQA_POW2_GROUPS = True
 
 
