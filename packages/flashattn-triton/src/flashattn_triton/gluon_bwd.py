@@ -446,7 +446,9 @@ def head_group(q: torch.Tensor, k: torch.Tensor, causal: bool, cap: int | None =
     """Heads whose programs run at a time (``launch_onepass``'s ``head_group``): the L2 rule's
     (``_device.head_group_args``, which reads ``Options.head_group``), and under "auto" at
     most ``cap`` (default MAX_HEAD_GROUP) where that rule keeps the plain order, unless the
-    grid is causal with fewer than CAUSAL_MIN_WAVES waves of 128-key programs."""
+    grid is causal with fewer than CAUSAL_MIN_WAVES waves of 128-key programs; with
+    grouped-query heads the rule's own groups are rounded up to a power of two
+    (GQA_POW2_GROUPS)."""
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ValueError(f"cap: expected a positive int (heads at a time), got {cap!r}")
     b, h, n_q, d = q.shape
