@@ -138,6 +138,27 @@ def test_fused_loss_and_activation_checkpointing_match_plain_training():
     assert np.isfinite(evals.evals[-1]["val_loss"])
 
 
+@pytest.mark.parametrize(("setting", "threads"), [("calling", False), ("device", True)])
+def test_backward_thread_holds_during_training_and_is_restored(setting, threads, monkeypatch):
+    # The flag sets process-wide autograd state: it must hold in every step and be undone
+    # when training returns, whatever it was.
+    from lm_core import trainer
+
+    seen = []
+    step = trainer.train_step
+
+    def recording_step(*args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", recording_step)
+    with torch.autograd.set_multithreading_enabled(not threads):
+        result = main([*FAST, "--steps", "2", "--backward-thread", setting])
+        assert torch._C._is_multithreading_enabled() is (not threads)
+    assert seen == [threads, threads]
+    assert np.isfinite(result.final_loss)
+
+
 def test_token_files_and_bf16(tmp_path):
     tokens = synthetic_tokens(20_000, 256, "pattern", seed=3).astype(np.uint16)
     tokens.tofile(tmp_path / "train.bin")
@@ -174,6 +195,7 @@ def test_token_files_and_bf16(tmp_path):
         (["--fsdp", "ours", "--zero"], "--zero"),
         (["--fsdp", "torch", "--zero", "--ddp", "none"], "already shards"),
         (["--matmul", "fp64"], "--matmul"),
+        (["--backward-thread", "gpu"], "--backward-thread"),
     ],
 )
 def test_bad_flags_exit_with_a_message_naming_the_flag(argv, flag, capsys):

@@ -331,7 +331,10 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         # first collective: every rank accepted the options (and sees one --out-dir for dcp)
         start_together(env, config.checkpoint.out_dir, config.checkpoint.format)
-        return _train(config, env)
+        # process-wide autograd state, restored on the way out
+        threads = config.training.backward_thread == "device"
+        with torch.autograd.set_multithreading_enabled(threads):
+            return _train(config, env)
     finally:
         teardown_distributed(env)
 

@@ -11,12 +11,20 @@ thread, interleaved rounds in one process, for:
 - ``ours``: ``flash_attention``;
 - ``ours, empty backward``: our forward, and a Python backward that launches nothing.
 
-    python python_node_probe.py OUT.json [--shape 128x512x64] [--rounds 5]
+With ``--bisect``, ours again with its backward's replayed launches (``replay_call``)
+replaced: by nothing (``no launches``: the allocations and the key lookup remain), by two
+releases of the interpreter lock without a system call (``two GIL releases``: hashing 4 KB,
+which CPython does with the lock released, as Triton's launcher releases it around each
+launch), and by the launches through ``compiled.run`` instead of the direct C launcher.
+
+    python python_node_probe.py OUT.json [--shape 128x512x64] [--rounds 5] [--bisect]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import statistics
 import sys
@@ -89,8 +97,9 @@ def main() -> int:
     ap.add_argument("--shape", default="128x512x64")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--bisect", action="store_true")
     a = ap.parse_args()
-    from flashattn_triton import flash_attention
+    from flashattn_triton import fastlaunch, flash_attention, launch_backward
 
     heads, n, d = (int(x) for x in a.shape.split("x"))
     shape = (1, heads, n, d)
@@ -119,6 +128,34 @@ def main() -> int:
     def ours_empty() -> None:
         torch.autograd.grad(OursEmptyBackward.apply(q, k, v, scale), (q, k, v), do)
 
+    replay_call = launch_backward.replay_call
+    block = b"x" * 4096
+
+    def no_launches(*args) -> bool:
+        return True
+
+    def gil_releases(*args) -> bool:
+        hashlib.sha256(block).digest()
+        hashlib.sha256(block).digest()
+        return True
+
+    @contextlib.contextmanager
+    def patched(replacement=None, direct=True):
+        launch_backward.replay_call = replacement or replay_call
+        fastlaunch.DIRECT = direct
+        try:
+            yield
+        finally:
+            launch_backward.replay_call = replay_call
+            fastlaunch.DIRECT = True
+
+    def ours_with(replacement=None, direct=True) -> Callable[[], None]:
+        def run() -> None:
+            with patched(replacement, direct):
+                ours()
+
+        return run
+
     cases = {
         "sdpa": sdpa,
         "sdpa in Python": sdpa_py(0),
@@ -126,6 +163,12 @@ def main() -> int:
         "ours": ours,
         "ours, empty backward": ours_empty,
     }
+    if a.bisect:
+        del cases["sdpa in Python, 3 GIL releases"]
+        cases["ours, patched, unchanged"] = ours_with()
+        cases["ours, backward: no launches"] = ours_with(no_launches)
+        cases["ours, backward: two GIL releases"] = ours_with(gil_releases)
+        cases["ours, launches through compiled.run"] = ours_with(direct=False)
     samples: dict[str, dict[str, list[float]]] = {
         name: {"device": [], "calling": []} for name in cases
     }
