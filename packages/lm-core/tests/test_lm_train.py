@@ -138,10 +138,15 @@ def test_fused_loss_and_activation_checkpointing_match_plain_training():
     assert np.isfinite(evals.evals[-1]["val_loss"])
 
 
-@pytest.mark.parametrize(("setting", "threads"), [("calling", False), ("device", True)])
-def test_backward_thread_holds_during_training_and_is_restored(setting, threads, monkeypatch):
+@pytest.mark.parametrize(
+    ("setting", "threads", "before"),
+    [("calling", False, True), ("device", True, False), (None, False, False)],
+)
+def test_backward_thread_holds_during_training_and_is_restored(
+    setting, threads, before, monkeypatch
+):
     # The flag sets process-wide autograd state: it must hold in every step and be undone
-    # when training returns, whatever it was.
+    # when training returns; without it training keeps the caller's setting.
     from lm_core import trainer
 
     seen = []
@@ -152,9 +157,10 @@ def test_backward_thread_holds_during_training_and_is_restored(setting, threads,
         return step(*args, **kwargs)
 
     monkeypatch.setattr(trainer, "train_step", recording_step)
-    with torch.autograd.set_multithreading_enabled(not threads):
-        result = main([*FAST, "--steps", "2", "--backward-thread", setting])
-        assert torch._C._is_multithreading_enabled() is (not threads)
+    flag = [] if setting is None else ["--backward-thread", setting]
+    with torch.autograd.set_multithreading_enabled(before):
+        result = main([*FAST, "--steps", "2", *flag])
+        assert torch._C._is_multithreading_enabled() is before
     assert seen == [threads, threads]
     assert np.isfinite(result.final_loss)
 

@@ -138,12 +138,12 @@ class TrainingOptions:
         "capture the whole step (forward, backward, clipping, AdamW, the LR) in one CUDA graph "
         "after 3 eager steps and replay it (one GPU; lm_core.graph_step)",
     )
-    backward_thread: Literal["device", "calling"] = _opt(
-        "device",
-        "where autograd runs the backward of CUDA tensors: device (torch's default: its "
-        "per-device thread) or calling (the training loop's thread; "
-        "torch.autograd.set_multithreading_enabled(False)); a host-bound step can gain or "
-        "lose by it: measure with perf_tools.bench --autograd-threads on off",
+    backward_thread: Literal["device", "calling"] | None = _opt(
+        None,
+        "where autograd runs the backward of CUDA tensors: device (its per-device thread) or "
+        "calling (the training loop's thread; torch.autograd.set_multithreading_enabled(False)); "
+        "a host-bound step can gain or lose by it: measure with perf_tools.bench "
+        "--autograd-threads on off [as torch is set: device]",
     )
     activation_checkpointing: str | int = _opt(
         "none",

@@ -331,9 +331,11 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         # first collective: every rank accepted the options (and sees one --out-dir for dcp)
         start_together(env, config.checkpoint.out_dir, config.checkpoint.format)
+        thread = config.training.backward_thread
+        if thread is None:  # as torch is set
+            return _train(config, env)
         # process-wide autograd state, restored on the way out
-        threads = config.training.backward_thread == "device"
-        with torch.autograd.set_multithreading_enabled(threads):
+        with torch.autograd.set_multithreading_enabled(thread == "device"):
             return _train(config, env)
     finally:
         teardown_distributed(env)
