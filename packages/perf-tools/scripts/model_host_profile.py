@@ -10,8 +10,13 @@ compiled, warm-up steps, then
   - the CUDA runtime / driver calls the host makes per step (torch.profiler: launches,
     allocations, copies, synchronizations) and the copies and fills the GPU runs: a
     synchronizing call inside a step would make the host wait for the GPU;
-  - dynamo's counters (graphs compiled, graph breaks): a break splits the compiled step.
-The pstats files and a JSON summary go to --out.
+  - dynamo's counters (graphs compiled, graph breaks): a break splits the compiled step;
+  - the wall time of each call of our launchers (``launch.forward`` / ``launch.backward``,
+    through which the compiled ops run too) by the thread that ran it, and a cProfile of
+    what runs inside ``launch.backward`` on that thread (cProfile above sees only the
+    calling thread, not autograd's device thread);
+each with the backward on autograd's device thread and, with ``--autograd-threads on off``,
+on the calling thread. The pstats files and a JSON summary go to --out.
 
   python packages/perf-tools/scripts/model_host_profile.py --size small --context 1024 \
       --batch 4 --compile
@@ -20,13 +25,16 @@ The pstats files and a JSON summary go to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import os
 import pstats
 import statistics
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -161,6 +169,108 @@ def _watched(stats: pstats.Stats, steps: int) -> dict[str, float]:
     return {k: {"calls_per_step": v[0], "cum_ms_per_step": round(v[1], 3)} for k, v in out.items()}
 
 
+@contextlib.contextmanager
+def _launcher_clock(steps: int, top: int) -> Iterator[dict]:
+    """Time every call of ``launch.forward`` / ``launch.backward`` inside the block, by the
+    thread that ran it, and profile the backward's calls per thread; fills the dict yielded
+    on exit: {"forward"/"backward": {thread: {calls_per_step, median_us, total_ms_per_step}},
+    "backward_profile": {thread: top functions by own time}}."""
+    from flashattn_triton import launch
+
+    main_thread = threading.get_ident()
+    samples: dict[tuple[str, str], list[float]] = {}
+    profiles: dict[str, cProfile.Profile] = {}
+    originals = {name: getattr(launch, name) for name in ("forward", "backward")}
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            thread = "calling" if threading.get_ident() == main_thread else "other"
+            prof = None
+            if name == "backward":
+                prof = profiles.setdefault(thread, cProfile.Profile())
+                prof.enable()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - t0
+                if prof is not None:
+                    prof.disable()
+                samples.setdefault((name, thread), []).append(elapsed * 1e6)
+
+        return call
+
+    result: dict = {}
+    for name, fn in originals.items():
+        setattr(launch, name, timed(name, fn))
+    try:
+        yield result
+    finally:
+        for name, fn in originals.items():
+            setattr(launch, name, fn)
+    for (name, thread), values in samples.items():
+        result.setdefault(name, {})[thread] = {
+            "calls_per_step": len(values) / steps,
+            "median_us": round(statistics.median(values), 1),
+            "total_ms_per_step": round(sum(values) / steps / 1e3, 3),
+        }
+    for thread, prof in profiles.items():
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+        result.setdefault("backward_profile", {})[thread] = text.getvalue()[-4000:]
+
+
+def _one(attention: str, args: argparse.Namespace) -> dict:
+    """Every measurement of one attention backend, in this process, on the current thread
+    setting."""
+    step = _step_fn(attention, args)
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    machine = _cpu_jiffies()
+    step_ms, host_ms = _time(step, args.steps)
+    busy, total = _cpu_jiffies()
+    process = _thread_report()
+    process["machine_cores_busy_steps"] = round(
+        (busy - machine[0]) / max(total - machine[1], 1) * os.cpu_count(), 2
+    )
+    cuda_calls = _cuda_calls(step, args.profile_steps)
+    launchers_by_thread = {}
+    if attention == "flash-triton":
+        with _launcher_clock(args.steps, args.top) as launchers_by_thread:
+            _time(step, args.steps)
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(args.profile_steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    threads = "device" if torch._C._is_multithreading_enabled() else "calling"
+    tag = f"{args.size}_{args.context}_{attention}_{'compiled' if args.compile else 'eager'}"
+    prof.dump_stats(args.out / f"{tag}_{threads}.pstats")
+    stats = pstats.Stats(prof)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
+    row = {
+        "attention": attention,
+        "compile": args.compile,
+        "backward_thread": threads,
+        "step_ms": round(step_ms, 3),
+        "host_ms": round(host_ms, 3),
+        "launchers": _watched(stats, args.profile_steps),
+        "launchers_by_thread": launchers_by_thread,
+        "cuda_calls": cuda_calls,
+        "dynamo": _dynamo_counters(),
+        "process": process,
+    }
+    print(json.dumps(row, indent=1))
+    print(text.getvalue()[-6000:])
+    del step
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="small")
@@ -174,49 +284,18 @@ def main() -> None:
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", type=Path, default=Path("runs/model_host_profile"))
+    p.add_argument(
+        "--autograd-threads", nargs="+", choices=("on", "off"), default=["on"],
+        help="on: the backward on autograd's device thread (torch's default); off: on the "
+        "calling thread; both: every backend measured under each",
+    )  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = []
-    for attention in args.attention:
-        step = _step_fn(attention, args)
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        machine = _cpu_jiffies()
-        step_ms, host_ms = _time(step, args.steps)
-        busy, total = _cpu_jiffies()
-        process = _thread_report()
-        process["machine_cores_busy_steps"] = round(
-            (busy - machine[0]) / max(total - machine[1], 1) * os.cpu_count(), 2
-        )
-        cuda_calls = _cuda_calls(step, args.profile_steps)
-        prof = cProfile.Profile()
-        torch.cuda.synchronize()
-        prof.enable()
-        for _ in range(args.profile_steps):
-            step()
-        torch.cuda.synchronize()
-        prof.disable()
-        tag = f"{args.size}_{args.context}_{attention}_{'compiled' if args.compile else 'eager'}"
-        prof.dump_stats(args.out / f"{tag}.pstats")
-        stats = pstats.Stats(prof)
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
-        row = {
-            "attention": attention,
-            "compile": args.compile,
-            "step_ms": round(step_ms, 3),
-            "host_ms": round(host_ms, 3),
-            "launchers": _watched(stats, args.profile_steps),
-            "cuda_calls": cuda_calls,
-            "dynamo": _dynamo_counters(),
-            "process": process,
-        }
-        summary.append(row)
-        print(json.dumps(row, indent=1))
-        print(text.getvalue()[-6000:])
-        del step
-        torch.cuda.empty_cache()
+    for setting in args.autograd_threads:
+        with torch.autograd.set_multithreading_enabled(setting == "on"):
+            for attention in args.attention:
+                summary.append(_one(attention, args))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
