@@ -13,8 +13,9 @@ compiled, warm-up steps, then
   - dynamo's counters (graphs compiled, graph breaks): a break splits the compiled step;
   - the wall time of each call of our launchers (``launch.forward`` / ``launch.backward``,
     through which the compiled ops run too) by the thread that ran it, and a cProfile of
-    what runs inside ``launch.backward`` on that thread (cProfile above sees only the
-    calling thread, not autograd's device thread);
+    what runs inside ``launch.backward``, enabled inside each call on whichever thread runs
+    it (the whole-step cProfile above is enabled on the calling thread, which before
+    Python 3.12 is all it sees);
 each with the backward on autograd's device thread and, with ``--autograd-threads on off``,
 on the calling thread. The pstats files and a JSON summary go to --out.
 
@@ -159,6 +160,13 @@ def _dynamo_counters() -> dict[str, object]:
     }
 
 
+def _top(prof: cProfile.Profile, top: int, chars: int) -> str:
+    """The last ``chars`` characters of ``prof``'s ``top`` functions by own time."""
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()[-chars:]
+
+
 def _watched(stats: pstats.Stats, steps: int) -> dict[str, float]:
     out = {}
     for (file, _line, name), (_cc, nc, _tt, ct, _callers) in stats.stats.items():
@@ -215,9 +223,7 @@ def _launcher_clock(steps: int, top: int) -> Iterator[dict]:
             "total_ms_per_step": round(sum(values) / steps / 1e3, 3),
         }
     for thread, prof in profiles.items():
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-        result.setdefault("backward_profile", {})[thread] = text.getvalue()[-4000:]
+        result.setdefault("backward_profile", {})[thread] = _top(prof, top, 4000)
 
 
 def _one(attention: str, args: argparse.Namespace) -> dict:
@@ -249,23 +255,20 @@ def _one(attention: str, args: argparse.Namespace) -> dict:
     threads = "device" if torch._C._is_multithreading_enabled() else "calling"
     tag = f"{args.size}_{args.context}_{attention}_{'compiled' if args.compile else 'eager'}"
     prof.dump_stats(args.out / f"{tag}_{threads}.pstats")
-    stats = pstats.Stats(prof)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.top)
     row = {
         "attention": attention,
         "compile": args.compile,
         "backward_thread": threads,
         "step_ms": round(step_ms, 3),
         "host_ms": round(host_ms, 3),
-        "launchers": _watched(stats, args.profile_steps),
+        "launchers": _watched(pstats.Stats(prof), args.profile_steps),
         "launchers_by_thread": launchers_by_thread,
         "cuda_calls": cuda_calls,
         "dynamo": _dynamo_counters(),
         "process": process,
     }
     print(json.dumps(row, indent=1))
-    print(text.getvalue()[-6000:])
+    print(_top(prof, args.top, 6000))
     del step
     torch.cuda.empty_cache()
     return row

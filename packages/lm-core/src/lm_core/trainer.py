@@ -331,11 +331,13 @@ def train(config: TrainConfig) -> TrainResult:
     try:
         # first collective: every rank accepted the options (and sees one --out-dir for dcp)
         start_together(env, config.checkpoint.out_dir, config.checkpoint.format)
-        thread = config.training.backward_thread
-        if thread is None:  # as torch is set
-            return _train(config, env)
+        thread = config.training.backward_thread  # None: as torch is set
         # process-wide autograd state, restored on the way out
-        with torch.autograd.set_multithreading_enabled(thread == "device"):
+        with (
+            contextlib.nullcontext()
+            if thread is None
+            else torch.autograd.set_multithreading_enabled(thread == "device")
+        ):
             return _train(config, env)
     finally:
         teardown_distributed(env)
