@@ -1,0 +1,197 @@
+"""A model train step under several settings in one process, interleaved rounds.
+
+Settings are the product of
+  - the variant: ``sdpa``, ``flash-triton`` (compiled graphs call our opaque ops) and
+    ``flash-triton-traced`` (compiled graphs launch our kernels themselves:
+    ``Options.traced_compile``);
+  - the backward's thread: ``device`` (autograd's device thread, torch's default) or
+    ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
+  - the CPUs: ``free`` (as started), ``one-core`` (every thread of the process pinned to
+    one CPU after warm-up, so the calling and device threads share its caches) or ``awake``
+    (``/dev/cpu_dma_latency`` held at 0, which keeps idle cores out of deep sleep states;
+    needs root, else the cells are skipped).
+Each variant is compiled once (``Options`` objects are reused, so a compiled graph's guards
+hold), then each round times every setting in turn: warm-up steps, then ``--steps``
+synchronized steps, median. Per-process noise (the host's speed drifts within a lease) hits
+every setting alike, which separate processes per setting do not give.
+
+  python packages/perf-tools/scripts/model_step_ab.py --compile --rounds 5 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import dataclasses
+import json
+import os
+import statistics
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from model_host_profile import _step_fn
+
+VARIANTS = ("sdpa", "flash-triton", "flash-triton-traced")
+THREADS = ("device", "calling")
+CPUS = ("free", "one-core", "awake")
+
+
+def _pin_all_threads(cpus: set[int]) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+@contextlib.contextmanager
+def _cpu_setting(name: str, allowed: set[int]) -> Iterator[bool]:
+    """Apply a CPU setting; yields False where it cannot be applied here."""
+    if name == "free":
+        yield True
+        return
+    if name == "one-core":
+        _pin_all_threads({sorted(allowed)[min(2, len(allowed) - 1)]})
+        try:
+            yield True
+        finally:
+            _pin_all_threads(allowed)
+        return
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+        os.write(fd, struct.pack("i", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _time_steps(step, steps: int) -> tuple[float, float]:
+    totals, hosts = [], []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        totals.append((time.perf_counter() - t0) * 1e3)
+        hosts.append((t1 - t0) * 1e3)
+    return statistics.median(totals), statistics.median(hosts)
+
+
+def _cells(rows: list[dict], variant: str, thread: str, cpu: str) -> list[dict]:
+    return [x for x in rows if (x["variant"], x["thread"], x["cpu"]) == (variant, thread, cpu)]
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--fused-loss", action="store_true")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--threads", nargs="+", choices=THREADS, default=list(THREADS))
+    p.add_argument("--cpus", nargs="+", choices=CPUS, default=list(CPUS))
+    p.add_argument("--warmup", type=int, default=5, help="compile and warm-up steps")
+    p.add_argument("--cell-warmup", type=int, default=3, help="untimed steps per cell")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("runs/model_step_ab"))
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from flashattn_triton import get_options, set_options
+
+    plain = get_options()
+    options = dict.fromkeys(args.variants, plain)
+    if "flash-triton-traced" in options:
+        options["flash-triton-traced"] = dataclasses.replace(plain, traced_compile=True)
+    steps = {}
+    for variant in args.variants:
+        set_options(options[variant])
+        attention = "sdpa" if variant == "sdpa" else "flash-triton"
+        steps[variant] = _step_fn(attention, args)
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            steps[variant]()
+        torch.cuda.synchronize()
+        print(f"{variant}: compiled and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
+    graphs_before = _graphs()
+    allowed = os.sched_getaffinity(0)
+
+    rows = []
+    for r in range(args.rounds):
+        for cpu in args.cpus:
+            for thread in args.threads:
+                for variant in args.variants:
+                    set_options(options[variant])
+                    with (
+                        _cpu_setting(cpu, allowed) as applied,
+                        torch.autograd.set_multithreading_enabled(thread == "device"),
+                    ):
+                        if not applied:
+                            continue
+                        for _ in range(args.cell_warmup):
+                            steps[variant]()
+                        step_ms, host_ms = _time_steps(steps[variant], args.steps)
+                    rows.append(
+                        {"round": r, "variant": variant, "thread": thread, "cpu": cpu,
+                         "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3)}
+                    )  # fmt: skip
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    set_options(plain)
+
+    with (args.out / "rounds.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = []
+    for cpu in args.cpus:
+        for thread in args.threads:
+            base = [x["step_ms"] for x in _cells(rows, "sdpa", thread, cpu)]
+            for variant in args.variants:
+                got = _cells(rows, variant, thread, cpu)
+                if not got:
+                    continue
+                ms = [x["step_ms"] for x in got]
+                med = statistics.median(ms)
+                ratios = [a / b for a, b in zip(ms, base)] if len(base) == len(ms) else []
+                summary.append(
+                    {"variant": variant, "thread": thread, "cpu": cpu,
+                     "median_ms": round(med, 3), "min_ms": min(ms), "max_ms": max(ms),
+                     "host_ms": round(statistics.median(x["host_ms"] for x in got), 3),
+                     "vs_sdpa": round(med / statistics.median(base), 3) if base else None,
+                     "vs_sdpa_rounds": [round(x, 3) for x in ratios]}
+                )  # fmt: skip
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "size": args.size, "context": args.context, "batch": args.batch,
+        "compile": args.compile, "rounds": args.rounds, "steps": args.steps,
+        "cpus_allowed": len(allowed),
+        "graphs_compiled_during_rounds": _graphs() - graphs_before,
+    }  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": summary}, indent=1))
+    print(json.dumps(meta))
+    names = ("median", "min", "max", "host", "vs_sdpa")
+    print(f"{'variant':22} {'thread':8} {'cpu':9} " + " ".join(f"{n:>8}" for n in names))
+    for s in summary:
+        print(
+            f"{s['variant']:22} {s['thread']:8} {s['cpu']:9} {s['median_ms']:8.2f} "
+            f"{s['min_ms']:8.2f} {s['max_ms']:8.2f} {s['host_ms']:8.2f} {s['vs_sdpa'] or 0:8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
