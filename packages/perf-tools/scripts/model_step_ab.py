@@ -6,7 +6,8 @@ Settings are the product of
     ``Options.traced_compile``);
   - the backward's thread: ``device`` (autograd's device thread, torch's default) or
     ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
-  - the CPUs: ``free`` (as started), ``one-core`` (every thread of the process pinned to
+  - the CPUs (each cell records the machine's steal time, CPU time a hypervisor gave
+    elsewhere, per step): ``free`` (as started), ``one-core`` (every thread of the process pinned to
     one CPU after warm-up, so the calling and device threads share its caches) or ``awake``
     (``/dev/cpu_dma_latency`` held at 0, which keeps idle cores out of deep sleep states;
     needs root, else the cells are skipped).
@@ -69,6 +70,13 @@ def _cpu_setting(name: str, allowed: set[int]) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+def _steal_s() -> float:
+    """CPU time the hypervisor gave to others, all cores, in seconds (/proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
 def _time_steps(step, steps: int) -> tuple[float, float]:
@@ -145,10 +153,13 @@ def main() -> None:
                             continue
                         for _ in range(args.cell_warmup):
                             steps[variant]()
+                        steal = _steal_s()
                         step_ms, host_ms = _time_steps(steps[variant], args.steps)
+                        steal = (_steal_s() - steal) * 1e3 / args.steps
                     rows.append(
                         {"round": r, "variant": variant, "thread": thread, "cpu": cpu,
-                         "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3)}
+                         "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
+                         "steal_ms_per_step": round(steal, 3)}
                     )  # fmt: skip
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     set_options(plain)
