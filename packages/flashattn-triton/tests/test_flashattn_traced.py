@@ -156,9 +156,18 @@ def test_static_sizes_refuses_symbolic_sizes():
     assert not traced_ops.static_sizes(real, sym)
 
 
+def _cuda(*shape: int) -> torch.Tensor:
+    """A fake CUDA tensor (no GPU needed): the launch choice reads only sizes and device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, device="cuda")
+
+
 def test_compiled_graphs_use_traced_ops_only_where_they_can(set_options):
-    """The choice a compiled graph makes: the traced ops with ``traced_compile`` on, static
-    sizes and no autotuning (the autotuner would time fake tensors); else the opaque ops."""
+    """The choice a compiled graph makes: the traced ops with ``traced_compile`` on (or
+    ``auto`` and a small call), static sizes, CUDA tensors and no autotuning (the autotuner
+    would time fake tensors); else the opaque ops."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
@@ -169,26 +178,66 @@ def test_compiled_graphs_use_traced_ops_only_where_they_can(set_options):
 
     from flashattn_triton.autograd import _use_traced_ops
 
-    real = torch.empty(1, 2, 64, 16)
+    real = _cuda(1, 2, 64, 16)
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    sym = mode.from_tensor(real, source=ConstantSource("q"), symbolic_context=ctx)
+    sym = mode.from_tensor(
+        torch.empty(1, 2, 64, 16), source=ConstantSource("q"), symbolic_context=ctx
+    )
+    cpu = torch.empty(1, 2, 64, 16)
     set_options(traced_compile=False)
-    assert not _use_traced_ops(real, real)
-    set_options(traced_compile=True)
-    assert _use_traced_ops(real, real)
-    assert not _use_traced_ops(sym, real)
-    set_options(traced_compile=True, autotune=True)
-    assert not _use_traced_ops(real, real)
+    assert not _use_traced_ops(True, real, real)
+    for on in (True, "auto"):
+        set_options(traced_compile=on, autotune=False)
+        assert _use_traced_ops(True, real, real)
+        assert not _use_traced_ops(True, sym, real)
+        assert not _use_traced_ops(True, cpu, cpu)  # the interpreter's launches need addresses
+        set_options(traced_compile=on, autotune=True)
+        assert not _use_traced_ops(True, real, real)
+
+
+def test_auto_traces_calls_up_to_the_work_limit(set_options):
+    """``traced_compile="auto"`` traces a call of B * H * Nq * Nk * d (halved when causal)
+    up to ``TRACED_MAX_WORK`` and keeps the opaque ops above it; the key length and the
+    query heads count (not the key / value heads of grouped-query attention)."""
+    from flashattn_triton.autograd import _use_traced_ops
+    from flashattn_triton.configs import TRACED_MAX_WORK
+
+    set_options(traced_compile="auto")
+    assert fa.Options().traced_compile == "auto"  # the default
+
+    shape = _cuda
+
+    # the small model's call (4 x 12 heads, 1024 tokens, d = 64), causal and not
+    q = shape(4, 12, 1024, 64)
+    assert _use_traced_ops(True, q, q) and _use_traced_ops(False, q, q)
+    # exactly at the limit (2 * 32 x 2048 x 2048 x 64 / 2 = 2**32), then one key more
+    q = shape(1, 32, 2048, 64)
+    assert 32 * 2048 * 2048 * 64 // 2 == TRACED_MAX_WORK
+    assert _use_traced_ops(True, q, q) and not _use_traced_ops(False, q, q)
+    assert not _use_traced_ops(True, q, shape(1, 32, 2049, 64))
+    # grouped-query heads: the work is the query heads'
+    assert not _use_traced_ops(True, shape(1, 64, 2048, 64), shape(1, 8, 2048, 64))
+    # the 8B model's call stays opaque; a short decode-like query against a long cache too
+    assert not _use_traced_ops(True, shape(1, 32, 32768, 128), shape(1, 8, 32768, 128))
+    assert _use_traced_ops(True, shape(1, 32, 1, 128), shape(1, 32, 32768, 128))
 
 
 def test_traced_compile_option_from_env():
     from flashattn_triton.options import from_env
 
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "1"}).traced_compile is True
-    assert from_env({}).traced_compile is fa.Options().traced_compile
+    assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "off"}).traced_compile is False
+    assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": " Auto "}).traced_compile == "auto"
+    assert from_env({}).traced_compile == fa.Options().traced_compile == "auto"
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_TRACED_COMPILE"):
         from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "maybe"})
+
+
+@pytest.mark.parametrize("bad", ["sometimes", 1, 0, None, "True"])
+def test_traced_compile_option_refuses_other_values(bad):
+    with pytest.raises(ValueError, match="traced_compile"):
+        fa.Options(traced_compile=bad)
 
 
 @pytest.mark.gpu

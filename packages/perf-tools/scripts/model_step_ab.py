@@ -1,9 +1,10 @@
 """A model train step under several settings in one process, interleaved rounds.
 
 Settings are the product of
-  - the variant: ``sdpa``, ``flash-triton`` (compiled graphs call our opaque ops) and
-    ``flash-triton-traced`` (compiled graphs launch our kernels themselves:
-    ``Options.traced_compile``);
+  - the variant: ``sdpa``, ``flash-triton`` (flashattn_triton's default options),
+    ``flash-triton-opaque`` (compiled graphs call our opaque ops: ``traced_compile=False``)
+    and ``flash-triton-traced`` (compiled graphs launch our kernels themselves at every
+    size: ``traced_compile=True``);
   - the backward's thread: ``device`` (autograd's device thread, torch's default) or
     ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
   - the CPUs (each cell records the machine's steal time, CPU time a hypervisor gave
@@ -36,7 +37,8 @@ from pathlib import Path
 import torch
 from model_host_profile import _step_fn
 
-VARIANTS = ("sdpa", "flash-triton", "flash-triton-traced")
+VARIANTS = ("sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced")
+CHANGES = {"flash-triton-opaque": False, "flash-triton-traced": True}  # traced_compile
 THREADS = ("device", "calling")
 CPUS = ("free", "one-core", "awake")
 
@@ -109,7 +111,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--fused-loss", action="store_true")
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=["sdpa", "flash-triton", "flash-triton-traced"],
+    )
     p.add_argument("--threads", nargs="+", choices=THREADS, default=list(THREADS))
     p.add_argument("--cpus", nargs="+", choices=CPUS, default=list(CPUS))
     p.add_argument("--warmup", type=int, default=5, help="compile and warm-up steps")
@@ -123,9 +130,10 @@ def main() -> None:
     from flashattn_triton import get_options, set_options
 
     plain = get_options()
-    options = dict.fromkeys(args.variants, plain)
-    if "flash-triton-traced" in options:
-        options["flash-triton-traced"] = dataclasses.replace(plain, traced_compile=True)
+    options = {
+        v: dataclasses.replace(plain, traced_compile=CHANGES[v]) if v in CHANGES else plain
+        for v in args.variants
+    }
     steps = {}
     for variant in args.variants:
         set_options(options[variant])

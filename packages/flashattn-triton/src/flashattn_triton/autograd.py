@@ -11,6 +11,7 @@ import torch
 
 from . import launch, launch_varlen, ops, traced_ops  # both register torch.ops.flashattn_triton.*
 from ._checks import check_qkv, check_triton_dtype_and_dim, resolve_scale
+from .configs import TRACED_MAX_WORK
 from .options import get_options
 
 
@@ -19,12 +20,21 @@ def _compiling() -> bool:
     return compiler is not None and compiler.is_compiling()
 
 
-def _use_traced_ops(*tensors: torch.Tensor) -> bool:
+def _use_traced_ops(causal: bool, q: torch.Tensor, k: torch.Tensor, *more: torch.Tensor) -> bool:
     """Whether a compiled graph calls the traced ops (``traced_ops``) rather than the opaque
-    ones: ``Options.traced_compile``, no autotuning (the autotuner would time fake tensors)
-    and static sizes."""
+    ones: ``Options.traced_compile`` (``auto``: a call of at most ``TRACED_MAX_WORK``), no
+    autotuning (the autotuner would time fake tensors), static sizes and CUDA tensors (the
+    interpreter's launches read addresses). ``q``, ``k``: (B, H, Nq, d), (B, Hkv, Nk, d)."""
     opts = get_options()
-    return opts.traced_compile and not opts.autotune and traced_ops.static_sizes(*tensors)
+    if opts.traced_compile is False or opts.autotune:
+        return False
+    if not traced_ops.static_sizes(q, k, *more) or not q.is_cuda:
+        return False
+    if opts.traced_compile == "auto":
+        b, h, n_q, d = q.shape
+        work = b * h * n_q * k.shape[2] * d
+        return (work // 2 if causal else work) <= TRACED_MAX_WORK
+    return True
 
 
 def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
@@ -32,7 +42,7 @@ def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
     ``_use_traced_ops``), called directly in eager mode (skips the op dispatcher's per-call cost).
     ``window``: (left, right), for the windowed calls only."""
     if _compiling():
-        op = traced_ops.fwd_traced if _use_traced_ops(q4, k4, v4) else ops.fwd_launch
+        op = traced_ops.fwd_traced if _use_traced_ops(causal, q4, k4, v4) else ops.fwd_launch
         return op(q4, k4, v4, causal, scale, *window)
     return launch.forward(q4, k4, v4, causal, scale, *window)
 
@@ -40,7 +50,8 @@ def _fwd(q4, k4, v4, causal: bool, scale: float, *window: int):
 def _bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float, *window: int):
     """The backward launcher, dispatched like ``_fwd``."""
     if _compiling():
-        op = traced_ops.bwd_traced if _use_traced_ops(do4, q4, k4, v4, o4) else ops.bwd_launch
+        traced = _use_traced_ops(causal, q4, k4, v4, do4, o4)
+        op = traced_ops.bwd_traced if traced else ops.bwd_launch
         return op(do4, q4, k4, v4, o4, lse, causal, scale, *window)
     return launch.backward(do4, q4, k4, v4, o4, lse, causal, scale, *window)
 

@@ -147,6 +147,16 @@ SMALL_GRID_MIN_SEQ = 16384
 FUSED_GRID_PER_SM = {16: 2, 32: 2, 64: 2, 128: 1}
 GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: not measured
 
+# Under torch.compile, ``traced_compile="auto"`` traces calls of at most this much work,
+# B * H * Nq * Nk * d (halved when causal), so that inductor launches their kernels (no
+# Python of ours per call) and keeps the opaque ops for larger ones. Traced kernels load by
+# pointers and never run the Gluon kernels: on an H100 they took 13-44 us more GPU time per
+# forward + backward up to this size (1.08-1.24x), and 14-635 us more above it, while in a
+# compiled small model (4 x 12 heads x 1024 x 64, causal) our launchers' Python cost
+# 150-280 us per forward + backward and the traced graph won 53 of 62 interleaved cells
+# against the opaque op (BENCHMARKS 3.3; DESIGN "Compiled graphs that launch our kernels").
+TRACED_MAX_WORK = 2**32
+
 # Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the
 # d = 128 forward's 128-row TMA tile is 1.09-1.33x faster from 512 programs up (H100, 132
 # SMs, kernel time) but was 0.59x at 128 programs and 0.75x on a one-wave causal grid in an

@@ -36,7 +36,7 @@ ENV_VARS = {
     "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
     "traced_compile": "FLASHATTN_TRITON_TRACED_COMPILE",
 }
-_BOOLS = ("gluon", "autotune", "fast_launch", "traced_compile")  # the on/off options
+_BOOLS = ("gluon", "autotune", "fast_launch")  # the on/off options
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -65,8 +65,10 @@ class Options:
         from a cached plan (skips Triton's per-call argument binding); False always goes
         through Triton's JIT dispatch.
     traced_compile: under torch.compile, let the compiler trace the launchers and launch the
-        Triton kernels itself (``traced_ops``: no Python of ours per compiled call) where
-        sizes are static; False calls one opaque op per forward and backward instead.
+        Triton kernels itself (``traced_ops``: no Python of ours per compiled call, but
+        pointer loads and no Gluon kernels) where sizes are static; False calls one opaque
+        op per forward and backward instead; ``auto`` traces the small calls, where host
+        time counts more than the kernels' (``configs.TRACED_MAX_WORK``).
     """
 
     backward: str = "auto"
@@ -76,7 +78,7 @@ class Options:
     tile_configs: str = ""
     autotune: bool = False
     fast_launch: bool = True
-    traced_compile: bool = False
+    traced_compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:
@@ -89,6 +91,10 @@ class Options:
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.traced_compile, bool) or self.traced_compile == "auto"):
+            raise ValueError(
+                f"traced_compile must be True, False or 'auto', got {self.traced_compile!r}"
+            )
         object.__setattr__(self, "head_group", _head_group(self.head_group))
         if not isinstance(self.tile_configs, str):
             raise TypeError(f"tile_configs must be a str, got {type(self.tile_configs).__name__}")
@@ -135,6 +141,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> Options:
             if low not in _TRUE + _FALSE:
                 raise ValueError(f"{var} must be 1 or 0, got {raw!r}")
             value = low in _TRUE
+        elif name == "traced_compile":
+            low = raw.strip().lower()
+            if low not in _TRUE + _FALSE + ("auto",):
+                raise ValueError(f"{var} must be 1, 0 or auto, got {raw!r}")
+            value = "auto" if low == "auto" else low in _TRUE
         elif name in ("backward", "fp32_precision"):
             value = raw.strip().lower()
         kwargs[name] = value
