@@ -156,6 +156,46 @@ def test_static_sizes_refuses_symbolic_sizes():
     assert not traced_ops.static_sizes(real, sym)
 
 
+def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch):
+    """Dynamic shapes, and floats torch.compile made symbolic on a recompile, reach the
+    traced ops' bodies as symbolic numbers that the launchers' caches cannot hash: there the
+    bodies call the opaque ops (seen from dynamo a symbolic int's type is int, so only the
+    bodies can tell). Concrete calls record Triton kernels as before."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    from flashattn_triton import ops
+
+    opaque = []
+    for name in ("fwd_launch", "bwd_launch"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name: opaque.append(_n) or _r(*a))
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    base = torch.empty(1, 2, 64, 16)
+    sym = [mode.from_tensor(base, source=ConstantSource(n), symbolic_context=ctx) for n in "qkv"]
+    with mode:
+        o, lse = torch.ops.flashattn_triton.fwd_traced(*sym, True, 0.25)
+        grads = torch.ops.flashattn_triton.bwd_traced(o, *sym, o, lse, True, 0.25)
+        assert opaque == ["fwd_launch", "bwd_launch"]
+        assert o.shape == sym[0].shape
+        assert [g.shape for g in grads] == [t.shape for t in sym]
+        source = ConstantSource("scale")
+        symbol = env.create_unspecified_symbol(0.25, source, dynamic_dim=DimDynamic.DYNAMIC)
+        scale = env.create_symfloatnode(symbol, hint=0.25, source=source)
+        plain = [mode.from_tensor(base) for _ in range(3)]
+        torch.ops.flashattn_triton.fwd_traced(*plain, True, scale)
+    assert opaque == ["fwd_launch", "bwd_launch", "fwd_launch"]
+    assert traced_ops._concrete(0.25, base)
+    assert not traced_ops._concrete(1, base)
+
+
 def _cuda(*shape: int) -> torch.Tensor:
     """A fake CUDA tensor (no GPU needed): the launch choice reads only sizes and device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -204,17 +244,18 @@ def test_auto_traces_calls_up_to_the_work_limit(set_options):
     from flashattn_triton.configs import TRACED_MAX_WORK
 
     set_options(traced_compile="auto")
-    assert fa.Options().traced_compile == "auto"  # the default
 
     shape = _cuda
 
     # the small model's call (4 x 12 heads, 1024 tokens, d = 64), causal and not
     q = shape(4, 12, 1024, 64)
-    assert _use_traced_ops(True, q, q) and _use_traced_ops(False, q, q)
+    assert _use_traced_ops(True, q, q)
+    assert _use_traced_ops(False, q, q)
     # exactly at the limit (2 * 32 x 2048 x 2048 x 64 / 2 = 2**32), then one key more
     q = shape(1, 32, 2048, 64)
-    assert 32 * 2048 * 2048 * 64 // 2 == TRACED_MAX_WORK
-    assert _use_traced_ops(True, q, q) and not _use_traced_ops(False, q, q)
+    assert TRACED_MAX_WORK == 32 * 2048 * 2048 * 64 // 2
+    assert _use_traced_ops(True, q, q)
+    assert not _use_traced_ops(False, q, q)
     assert not _use_traced_ops(True, q, shape(1, 32, 2049, 64))
     # grouped-query heads: the work is the query heads'
     assert not _use_traced_ops(True, shape(1, 64, 2048, 64), shape(1, 8, 2048, 64))
@@ -229,7 +270,7 @@ def test_traced_compile_option_from_env():
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "1"}).traced_compile is True
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "off"}).traced_compile is False
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": " Auto "}).traced_compile == "auto"
-    assert from_env({}).traced_compile == fa.Options().traced_compile == "auto"
+    assert from_env({}).traced_compile is fa.Options().traced_compile is False
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_TRACED_COMPILE"):
         from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "maybe"})
 
@@ -286,3 +327,32 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
         err_eager = (outs["eager"][name].double() - ref[name]).abs().max().item()
         err = (outs["compiled"][name].double() - ref[name]).abs().max().item()
         assert err <= 2 * err_eager + 1e-3, (name, err, err_eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("traced", [False, "auto", True])
+def test_compiled_recompiles_with_a_new_scale_and_length(set_options, traced):
+    """One compiled function called with a second scale, then a second length: torch.compile
+    recompiles with the float made symbolic, then with dynamic sizes, and the traced ops hand
+    those calls to the opaque ops. Every call's output and gradients match the eager call's
+    (the same kernels or the traced ones: bf16 rounding apart)."""
+    set_options(traced_compile=traced)
+    torch._dynamo.reset()
+
+    def attn(q, k, v, scale):
+        return fa.flash_attention(q, k, v, causal=True, softmax_scale=scale)
+
+    compiled = torch.compile(attn)
+    for n, scale in ((256, 0.125), (256, 0.1), (384, 0.1), (512, 0.09)):
+        torch.manual_seed(n)
+        q, k, v, do = (
+            torch.randn(2, 4, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        got = {}
+        for name, fn in (("eager", attn), ("compiled", compiled)):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            o = fn(qq, kk, vv, scale)
+            o.backward(do)
+            got[name] = (o.detach(), qq.grad, kk.grad, vv.grad)
+        for a, b in zip(got["eager"], got["compiled"]):
+            assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()

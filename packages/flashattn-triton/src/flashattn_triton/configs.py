@@ -150,11 +150,12 @@ GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: no
 # Under torch.compile, ``traced_compile="auto"`` traces calls of at most this much work,
 # B * H * Nq * Nk * d (halved when causal), so that inductor launches their kernels (no
 # Python of ours per call) and keeps the opaque ops for larger ones. Traced kernels load by
-# pointers and never run the Gluon kernels: on an H100 they took 13-44 us more GPU time per
+# pointers and never run the Gluon kernels: on an H100 they took 14-44 us more GPU time per
 # forward + backward up to this size (1.08-1.24x), and 14-635 us more above it, while in a
 # compiled small model (4 x 12 heads x 1024 x 64, causal) our launchers' Python cost
-# 150-280 us per forward + backward and the traced graph won 53 of 62 interleaved cells
-# against the opaque op (BENCHMARKS 3.3; DESIGN "Compiled graphs that launch our kernels").
+# 150-280 us per forward + backward, and the step with traced calls was faster than with
+# the opaque op in 62 of 72 interleaved cells (BENCHMARKS 3.3; DESIGN "Compiled graphs that
+# launch our kernels").
 TRACED_MAX_WORK = 2**32
 
 # Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the

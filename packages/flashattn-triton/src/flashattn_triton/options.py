@@ -66,9 +66,10 @@ class Options:
         through Triton's JIT dispatch.
     traced_compile: under torch.compile, let the compiler trace the launchers and launch the
         Triton kernels itself (``traced_ops``: no Python of ours per compiled call, but
-        pointer loads and no Gluon kernels) where sizes are static; False calls one opaque
-        op per forward and backward instead; ``auto`` traces the small calls, where host
-        time counts more than the kernels' (``configs.TRACED_MAX_WORK``).
+        pointer loads and no Gluon kernels) where sizes and the scale are concrete; False
+        calls one opaque op per forward and backward instead; ``auto`` traces the calls of
+        at most ``configs.TRACED_MAX_WORK`` (where host time counts more than the kernels'),
+        which makes host-bound compiled models faster.
     """
 
     backward: str = "auto"
@@ -78,7 +79,7 @@ class Options:
     tile_configs: str = ""
     autotune: bool = False
     fast_launch: bool = True
-    traced_compile: bool | str = "auto"
+    traced_compile: bool | str = False
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:

@@ -5,9 +5,10 @@ With ``Options.traced_compile`` on, the autograd.Functions' compiled graphs call
 ``bwd_launch`` (``ops``). torch.compile traces into these: the launcher runs once, at compile
 time, with fake tensors (``fastlaunch.traced``), and each of its Triton kernel launches
 becomes a node of the graph that inductor launches itself. A compiled call then runs none of
-our Python: no checks, no plan lookup, no per-call launcher. Sizes must be static (a
-symbolic size would reach the launchers' tile tables): the Functions use the opaque ops for
-dynamic shapes, for packed sequences and for the KV-cache calls.
+our Python: no checks, no plan lookup, no per-call launcher. Sizes and the scale must be
+concrete (a symbolic size or float would reach the launchers' tile tables and caches, which
+hash them): the ops' bodies hand symbolic ones to the opaque ops (``_concrete``), and the
+Functions use the opaque ops for packed sequences and the KV-cache calls.
 
 Called eagerly (outside torch.compile) the ops run their launchers the same way, as traced:
 no launch plans, pointer loads, no Gluon kernels, no register caps. That is slower than the
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
-from . import fastlaunch, launch
+from . import fastlaunch, launch, ops
 from .ops import NAMESPACE
 
 
@@ -34,6 +35,8 @@ def fwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``launch.forward`` with its launches recorded for torch.compile (see the module)."""
+    if not _concrete(softmax_scale, q, k, v):
+        return ops.fwd_launch(q, k, v, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
 
@@ -52,6 +55,8 @@ def bwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch.backward`` with its launches recorded for torch.compile (see the module)."""
+    if not _concrete(softmax_scale, do, q, k, v, o, lse):
+        return ops.bwd_launch(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.backward(
             do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right
@@ -59,5 +64,14 @@ def bwd_traced(
 
 
 def static_sizes(*tensors: torch.Tensor) -> bool:
-    """Whether every size and stride is a plain int (no symbolic size from dynamic shapes)."""
+    """Whether every size and stride is a plain int (no symbolic size from dynamic shapes).
+    Seen from dynamo a symbolic int's type is int, so under torch.compile this holds for
+    any sizes; the ops' bodies, which run on the fake tensors themselves, check again."""
     return all(type(s) is int for t in tensors for s in (*t.shape, *t.stride()))
+
+
+def _concrete(scale: float, *tensors: torch.Tensor) -> bool:
+    """Whether the scale is a plain float and every size and stride a plain int. torch.compile
+    makes a float argument symbolic when it recompiles a graph (automatic dynamic floats),
+    and sizes with dynamic shapes; the traced launchers need concrete ones."""
+    return type(scale) is float and static_sizes(*tensors)

@@ -2,9 +2,8 @@
 
 For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
 compiled: the same function under `torch.compile` with static shapes, each shape compiled for
-itself as a model's fixed shapes are; rows record flashattn_triton's `traced_compile` option:
-`auto` by default, which traces the small calls, and `FLASHATTN_TRITON_TRACED_COMPILE=1` or
-`0` to trace every call or none), every shape of the sweep
+itself as a model's fixed shapes are; rows record flashattn_triton's `traced_compile` option,
+settable by `FLASHATTN_TRITON_TRACED_COMPILE=1`, `0` or `auto`), every shape of the sweep
 is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B from
 `--batch`, 1 by default), forward and backward (`torch.autograd.grad(o, (q, k, v), dO)`, so
 no gradient accumulation), median of
