@@ -2,22 +2,24 @@
 
 Settings are the product of
   - the variant: ``sdpa``, ``flash-triton`` (flashattn_triton's default options),
-    ``flash-triton-opaque`` (compiled graphs call our opaque ops: ``traced_compile=False``)
-    and ``flash-triton-traced`` (compiled graphs launch our kernels themselves at every
-    size: ``traced_compile=True``);
+    ``flash-triton-opaque`` (compiled graphs call our opaque ops: ``traced_compile=False``),
+    ``flash-triton-traced`` (compiled graphs launch our kernels themselves at every size:
+    ``traced_compile=True``) and ``flash-triton-auto`` (``traced_compile="auto"``);
   - the backward's thread: ``device`` (autograd's device thread, torch's default) or
     ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
-  - the CPUs (each cell records the machine's steal time, CPU time a hypervisor gave
-    elsewhere, per step): ``free`` (as started), ``one-core`` (every thread of the process pinned to
-    one CPU after warm-up, so the calling and device threads share its caches) or ``awake``
+  - the CPUs: ``free`` (as started), ``one-core`` (every thread of the process pinned to one
+    CPU after warm-up, so the calling and device threads share its caches) or ``awake``
     (``/dev/cpu_dma_latency`` held at 0, which keeps idle cores out of deep sleep states;
-    needs root, else the cells are skipped).
+    needs root, else the cells are skipped). Each cell records the machine's steal time
+    (CPU time a hypervisor gave elsewhere) per step.
 Each variant is compiled once (``Options`` objects are reused, so a compiled graph's guards
 hold), then each round times every setting in turn: warm-up steps, then ``--steps``
 synchronized steps, median. Per-process noise (the host's speed drifts within a lease) hits
 every setting alike, which separate processes per setting do not give.
 
   python packages/perf-tools/scripts/model_step_ab.py --compile --rounds 5 --out DIR
+  python packages/perf-tools/scripts/model_step_ab.py --size xl --context 512 --blocks \
+      --variants sdpa flash-triton-opaque flash-triton-auto --threads device --cpus free
 """
 
 from __future__ import annotations
@@ -35,12 +37,41 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from model_host_profile import _step_fn
 
-VARIANTS = ("sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced")
-CHANGES = {"flash-triton-opaque": False, "flash-triton-traced": True}  # traced_compile
+VARIANTS = (
+    "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto"
+)  # fmt: skip
+CHANGES = {  # traced_compile
+    "flash-triton-opaque": False, "flash-triton-traced": True, "flash-triton-auto": "auto"
+}  # fmt: skip
 THREADS = ("device", "calling")
 CPUS = ("free", "one-core", "awake")
+
+
+def _step_fn(attention: str, args: argparse.Namespace):
+    """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core: the
+    bench's own cell step, eager, whole model compiled or compiled block by block."""
+    from perf_tools import cells
+    from perf_tools.models import resolve_config
+    from perf_tools.steps import Annotator
+
+    compiled = "blocks" if args.blocks else args.compile
+    config = resolve_config(args.size, context_length=args.context, attention=attention)
+    spec = cells.BenchSpec(
+        cells.OURS, args.size, attention, compiled, "bf16", "train", args.context
+    )
+    opts = cells.BenchOptions(
+        device=torch.device(args.device), batch=args.batch, warmup=args.warmup, steps=args.steps,
+        overrides={}, fused_loss=args.fused_loss,
+    )  # fmt: skip
+    model, runner = cells._build_runner(spec, config, opts, compiled)
+    step, _ = cells.make_cell_step(model, runner, spec, config, opts, Annotator(), None)
+    return step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _pin_all_threads(cpus: set[int]) -> None:
@@ -84,11 +115,11 @@ def _steal_s() -> float:
 def _time_steps(step, steps: int) -> tuple[float, float]:
     totals, hosts = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        _sync()
         totals.append((time.perf_counter() - t0) * 1e3)
         hosts.append((t1 - t0) * 1e3)
     return statistics.median(totals), statistics.median(hosts)
@@ -109,7 +140,9 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run of the script")
+    p.add_argument("--compile", action="store_true", help="the whole model compiled")
+    p.add_argument("--blocks", action="store_true", help="each block compiled (faster to build)")
     p.add_argument("--fused-loss", action="store_true")
     p.add_argument(
         "--variants",
@@ -142,7 +175,7 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(args.warmup):
             steps[variant]()
-        torch.cuda.synchronize()
+        _sync()
         print(f"{variant}: compiled and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
     graphs_before = _graphs()
     allowed = os.sched_getaffinity(0)
@@ -195,7 +228,7 @@ def main() -> None:
                      "vs_sdpa_rounds": [round(x, 3) for x in ratios]}
                 )  # fmt: skip
     meta = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "size": args.size, "context": args.context, "batch": args.batch,
         "compile": args.compile, "rounds": args.rounds, "steps": args.steps,
         "cpus_allowed": len(allowed),
