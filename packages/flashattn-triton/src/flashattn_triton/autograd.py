@@ -23,7 +23,8 @@ def _compiling() -> bool:
 def _use_traced_ops(causal: bool, q: torch.Tensor, k: torch.Tensor, *more: torch.Tensor) -> bool:
     """Whether a compiled graph calls the traced ops (``traced_ops``) rather than the opaque
     ones: ``Options.traced_compile`` (``auto``: a call of at most ``TRACED_MAX_WORK``), no
-    autotuning (the autotuner would time fake tensors), static sizes and CUDA tensors (the
+    autotuning (the autotuner would time fake tensors), static sizes (outside dynamo: under
+    it the traced ops' bodies check, ``traced_ops._concrete``) and CUDA tensors (the
     interpreter's launches read addresses). ``q``, ``k``: (B, H, Nq, d), (B, Hkv, Nk, d)."""
     opts = get_options()
     if opts.traced_compile is False or opts.autotune:

@@ -71,7 +71,7 @@ def static_sizes(*tensors: torch.Tensor) -> bool:
 
 
 def _concrete(scale: float, *tensors: torch.Tensor) -> bool:
-    """Whether the scale is a plain float and every size and stride a plain int. torch.compile
-    makes a float argument symbolic when it recompiles a graph (automatic dynamic floats),
-    and sizes with dynamic shapes; the traced launchers need concrete ones."""
+    """Whether the scale is a plain float and every size and stride a plain int: a graph
+    torch.compile recompiled can hand the ops a symbolic scale, and dynamic shapes give
+    symbolic sizes; the traced launchers need concrete ones."""
     return type(scale) is float and static_sizes(*tensors)
