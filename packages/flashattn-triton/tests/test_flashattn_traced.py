@@ -192,8 +192,45 @@ def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch
         plain = [mode.from_tensor(base) for _ in range(3)]
         torch.ops.flashattn_triton.fwd_traced(*plain, True, scale)
     assert opaque == ["fwd_launch", "bwd_launch", "fwd_launch"]
-    assert traced_ops._concrete(0.25, base)
-    assert not traced_ops._concrete(1, base)
+    assert traced_ops._concrete(0.25, (-1, -1), base)
+    assert not traced_ops._concrete(1, (-1, -1), base)
+    assert not traced_ops._concrete(0.25, (env.create_unbacked_symint(), 0), base)
+
+
+@pytest.mark.timeout(300)
+def test_compiled_dynamic_shapes_lower_through_the_opaque_ops(monkeypatch):
+    """Compiled with dynamic shapes, the traced ops get symbolic sizes; their bodies call the
+    opaque ops, which inductor lowers like any op, and the results equal the eager call's.
+    Run on the CPU (the interpreter) with the traced choice forced, which a CPU call never
+    makes on its own; without ``_concrete`` this raised ``unhashable type: non-nested
+    SymInt``, as a recompiled graph did on a GPU."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flashattn_triton import autograd
+
+    monkeypatch.setattr(autograd, "_use_traced_ops", lambda causal, q, k, *more: True)
+
+    def attn(q, k, v):
+        return fa.flash_attention(q, k, v, causal=True, backend="triton")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attn, dynamic=True)
+    try:
+        for n in (24, 40):
+            torch.manual_seed(n)
+            q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+            do = torch.randn(1, 2, n, 16)
+            o, codes = run_and_get_code(compiled, q, k, v)
+            assert any("fwd_traced" in c and "fwd_launch" in c for c in codes)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            o_eager = attn(*eager)
+            grads_eager = torch.autograd.grad(o_eager, eager, do)
+            torch.testing.assert_close(o, o_eager)
+            for got, want in zip(grads, grads_eager):
+                torch.testing.assert_close(got, want)
+    finally:
+        torch._dynamo.reset()
 
 
 def _cuda(*shape: int) -> torch.Tensor:
@@ -332,10 +369,10 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
 @pytest.mark.gpu
 @pytest.mark.parametrize("traced", [False, "auto", True])
 def test_compiled_recompiles_with_a_new_scale_and_length(set_options, traced):
-    """One compiled function called with a second scale, then a second length: torch.compile
-    recompiles with the float made symbolic, then with dynamic sizes, and the traced ops hand
-    those calls to the opaque ops. Every call's output and gradients match the eager call's
-    (the same kernels or the traced ones: bf16 rounding apart)."""
+    """One compiled function called with a second scale, then other lengths: torch.compile
+    recompiles (dynamic sizes, and the scale as an input), and the traced ops hand calls with
+    symbolic numbers to the opaque ops. Every call's output and gradients match the eager
+    call's (the same kernels or the traced ones: bf16 rounding apart)."""
     set_options(traced_compile=traced)
     torch._dynamo.reset()
 

@@ -35,7 +35,7 @@ def fwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``launch.forward`` with its launches recorded for torch.compile (see the module)."""
-    if not _concrete(softmax_scale, q, k, v):
+    if not _concrete(softmax_scale, (window_left, window_right), q, k, v):
         return ops.fwd_launch(q, k, v, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
@@ -55,7 +55,7 @@ def bwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch.backward`` with its launches recorded for torch.compile (see the module)."""
-    if not _concrete(softmax_scale, do, q, k, v, o, lse):
+    if not _concrete(softmax_scale, (window_left, window_right), do, q, k, v, o, lse):
         return ops.bwd_launch(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.backward(
@@ -70,8 +70,8 @@ def static_sizes(*tensors: torch.Tensor) -> bool:
     return all(type(s) is int for t in tensors for s in (*t.shape, *t.stride()))
 
 
-def _concrete(scale: float, *tensors: torch.Tensor) -> bool:
-    """Whether the scale is a plain float and every size and stride a plain int: a graph
-    torch.compile recompiled can hand the ops a symbolic scale, and dynamic shapes give
-    symbolic sizes; the traced launchers need concrete ones."""
-    return type(scale) is float and static_sizes(*tensors)
+def _concrete(scale: float, window: tuple[int, int], *tensors: torch.Tensor) -> bool:
+    """Whether the scale is a plain float and the window bounds, sizes and strides plain
+    ints: dynamic shapes, or a graph torch.compile compiled again for another window, hand
+    the ops symbolic ones, which the traced launchers' tables and caches cannot hash."""
+    return type(scale) is float and all(type(w) is int for w in window) and static_sizes(*tensors)
