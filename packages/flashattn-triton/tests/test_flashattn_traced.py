@@ -368,28 +368,32 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("traced", [False, "auto", True])
-def test_compiled_recompiles_with_a_new_scale_and_length(set_options, traced):
-    """One compiled function called with a second scale, then other lengths: torch.compile
-    recompiles (dynamic sizes, and the scale as an input), and the traced ops hand calls with
-    symbolic numbers to the opaque ops. Every call's output and gradients match the eager
-    call's (the same kernels or the traced ones: bf16 rounding apart)."""
+def test_compiled_recompiles_with_a_new_scale_length_and_window(set_options, traced):
+    """One compiled function called with a second scale, other lengths, then other windows:
+    torch.compile recompiles (dynamic sizes, the scale and the window bound as inputs), and
+    the traced ops hand calls with symbolic numbers to the opaque ops. Every call's output
+    and gradients match the eager call's (the same kernels or the traced ones: bf16 rounding
+    apart)."""
     set_options(traced_compile=traced)
     torch._dynamo.reset()
 
-    def attn(q, k, v, scale):
-        return fa.flash_attention(q, k, v, causal=True, softmax_scale=scale)
+    def attn(q, k, v, scale, left):
+        return fa.flash_attention(q, k, v, causal=True, softmax_scale=scale, window_size=(left, 0))
 
     compiled = torch.compile(attn)
-    for n, scale in ((256, 0.125), (256, 0.1), (384, 0.1), (512, 0.09)):
-        torch.manual_seed(n)
+    calls = [(256, 0.125, -1), (256, 0.1, -1), (384, 0.1, -1), (512, 0.09, -1)]
+    calls += [(512, 0.09, 128), (512, 0.09, 64), (512, 0.09, 200)]
+    for n, scale, left in calls:
+        torch.manual_seed(n + left)
         q, k, v, do = (
             torch.randn(2, 4, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
         )
         got = {}
         for name, fn in (("eager", attn), ("compiled", compiled)):
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-            o = fn(qq, kk, vv, scale)
+            o = fn(qq, kk, vv, scale, left)
             o.backward(do)
             got[name] = (o.detach(), qq.grad, kk.grad, vv.grad)
         for a, b in zip(got["eager"], got["compiled"]):
-            assert (a.float() - b.float()).abs().max().item() <= 0.05 * b.float().abs().max().item()
+            err = (a.float() - b.float()).abs().max().item()
+            assert err <= 0.05 * b.float().abs().max().item(), (n, scale, left, err)
