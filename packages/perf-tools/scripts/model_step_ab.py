@@ -129,6 +129,13 @@ def _cells(rows: list[dict], variant: str, thread: str, cpu: str) -> list[dict]:
     return [x for x in rows if (x["variant"], x["thread"], x["cpu"]) == (variant, thread, cpu)]
 
 
+def _write_rounds(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -202,13 +209,10 @@ def main() -> None:
                          "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
                          "steal_ms_per_step": round(steal, 3)}
                     )  # fmt: skip
+        _write_rounds(args.out / "rounds.csv", rows)  # each round kept, should a limit stop us
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     set_options(plain)
 
-    with (args.out / "rounds.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     summary = []
     for cpu in args.cpus:
         for thread in args.threads:
