@@ -45,24 +45,30 @@ WATCH = ("forward", "backward", "run", "_launch_planned", "launch_jit", "_run", 
 
 def _step_fn(attention: str, args: argparse.Namespace):
     """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core (the
-    bench's own cell step: its loss, optimizer and compile)."""
+    bench's own cell step: its loss, optimizer and compile): eager, whole model compiled
+    (``args.compile``) or block by block (``args.blocks``, where the caller has it), on
+    ``args.device`` (CUDA unless the caller says otherwise)."""
     from perf_tools import cells
-    from perf_tools._compile import compile_for_bench
-    from perf_tools.models import build_model, resolve_config
+    from perf_tools.models import resolve_config
     from perf_tools.steps import Annotator
 
+    compiled = "blocks" if getattr(args, "blocks", False) else args.compile
     config = resolve_config(args.size, context_length=args.context, attention=attention)
-    model = build_model(config, "cuda")
-    runner = compile_for_bench(model) if args.compile else model
     spec = cells.BenchSpec(
-        cells.OURS, args.size, attention, args.compile, "bf16", "train", args.context
+        cells.OURS, args.size, attention, compiled, "bf16", "train", args.context
     )
     opts = cells.BenchOptions(
-        device=torch.device("cuda"), batch=args.batch, warmup=args.warmup, steps=args.steps,
-        overrides={}, fused_loss=args.fused_loss,
+        device=torch.device(getattr(args, "device", "cuda")), batch=args.batch,
+        warmup=args.warmup, steps=args.steps, overrides={}, fused_loss=args.fused_loss,
     )  # fmt: skip
+    model, runner = cells._build_runner(spec, config, opts, compiled)
     step, _ = cells.make_cell_step(model, runner, spec, config, opts, Annotator(), None)
     return step
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -75,11 +81,11 @@ def _cpu_jiffies() -> tuple[int, int]:
 def _time(step, steps: int) -> tuple[float, float]:
     totals, hosts = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        _sync()
         t2 = time.perf_counter()
         hosts.append((t1 - t0) * 1e3)
         totals.append((t2 - t0) * 1e3)

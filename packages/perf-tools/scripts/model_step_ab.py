@@ -37,6 +37,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from model_host_profile import _step_fn, _sync
+from model_host_profile import _time as _time_steps
+
+from perf_tools import _cli
 
 VARIANTS = (
     "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto"
@@ -46,32 +50,6 @@ CHANGES = {  # traced_compile
 }  # fmt: skip
 THREADS = ("device", "calling")
 CPUS = ("free", "one-core", "awake")
-
-
-def _step_fn(attention: str, args: argparse.Namespace):
-    """The train step of ``perf_tools.bench --mode train --precision bf16`` for lm_core: the
-    bench's own cell step, eager, whole model compiled or compiled block by block."""
-    from perf_tools import cells
-    from perf_tools.models import resolve_config
-    from perf_tools.steps import Annotator
-
-    compiled = "blocks" if args.blocks else args.compile
-    config = resolve_config(args.size, context_length=args.context, attention=attention)
-    spec = cells.BenchSpec(
-        cells.OURS, args.size, attention, compiled, "bf16", "train", args.context
-    )
-    opts = cells.BenchOptions(
-        device=torch.device(args.device), batch=args.batch, warmup=args.warmup, steps=args.steps,
-        overrides={}, fused_loss=args.fused_loss,
-    )  # fmt: skip
-    model, runner = cells._build_runner(spec, config, opts, compiled)
-    step, _ = cells.make_cell_step(model, runner, spec, config, opts, Annotator(), None)
-    return step
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _pin_all_threads(cpus: set[int]) -> None:
@@ -87,7 +65,7 @@ def _cpu_setting(name: str, allowed: set[int]) -> Iterator[bool]:
         yield True
         return
     if name == "one-core":
-        _pin_all_threads({sorted(allowed)[min(2, len(allowed) - 1)]})
+        _pin_all_threads({sorted(allowed)[min(2, len(allowed) - 1)]})  # any one will do
         try:
             yield True
         finally:
@@ -112,19 +90,6 @@ def _steal_s() -> float:
     return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
 
 
-def _time_steps(step, steps: int) -> tuple[float, float]:
-    totals, hosts = [], []
-    for _ in range(steps):
-        _sync()
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        _sync()
-        totals.append((time.perf_counter() - t0) * 1e3)
-        hosts.append((t1 - t0) * 1e3)
-    return statistics.median(totals), statistics.median(hosts)
-
-
 def _cells(rows: list[dict], variant: str, thread: str, cpu: str) -> list[dict]:
     return [x for x in rows if (x["variant"], x["thread"], x["cpu"]) == (variant, thread, cpu)]
 
@@ -146,7 +111,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--size", default="small")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=_cli.positive_int, default=4)
     p.add_argument("--device", default="cuda", help="cuda; cpu for a dry run of the script")
     p.add_argument("--compile", action="store_true", help="the whole model compiled")
     p.add_argument("--blocks", action="store_true", help="each block compiled (faster to build)")
@@ -159,10 +124,10 @@ def main() -> None:
     )
     p.add_argument("--threads", nargs="+", choices=THREADS, default=list(THREADS))
     p.add_argument("--cpus", nargs="+", choices=CPUS, default=list(CPUS))
-    p.add_argument("--warmup", type=int, default=5, help="compile and warm-up steps")
-    p.add_argument("--cell-warmup", type=int, default=3, help="untimed steps per cell")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=_cli.nonneg_int, default=5, help="compile and warm-up steps")
+    p.add_argument("--cell-warmup", type=_cli.nonneg_int, default=3, help="untimed steps per cell")
+    p.add_argument("--steps", type=_cli.positive_int, default=20)
+    p.add_argument("--rounds", type=_cli.positive_int, default=5)
     p.add_argument("--out", type=Path, default=Path("runs/model_step_ab"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -209,6 +174,8 @@ def main() -> None:
                          "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
                          "steal_ms_per_step": round(steal, 3)}
                     )  # fmt: skip
+        if not rows:
+            raise SystemExit(f"no cell could run here (--cpus {' '.join(args.cpus)})")
         _write_rounds(args.out / "rounds.csv", rows)  # each round kept, should a limit stop us
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     set_options(plain)
