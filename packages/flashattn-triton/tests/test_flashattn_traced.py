@@ -8,6 +8,7 @@ interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -233,6 +234,70 @@ def test_compiled_dynamic_shapes_lower_through_the_opaque_ops(monkeypatch):
         torch._dynamo.reset()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("graphs", ["for_cuda_graphs", "reduce-overhead"])
+def test_auto_keeps_the_opaque_ops_in_graphs_for_cuda_graphs(monkeypatch, set_options, graphs):
+    """A graph that will be replayed from a CUDA graph pays no host time per call, so
+    ``auto`` keeps its calls on the opaque ops: inside ``for_cuda_graphs()`` and under
+    inductor's CUDA graphs (``mode="reduce-overhead"``, whose config patch is held here
+    around the whole call: on the CPU dynamo's own fake run of the traced body, before
+    inductor patches, would read addresses under the interpreter; the GPU test below
+    compiles with the mode itself). Run on the CPU with the traced choice forced; the
+    compiled results equal the eager call's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flashattn_triton import autograd
+
+    monkeypatch.setattr(autograd, "_use_traced_ops", lambda causal, q, k, *more: True)
+    set_options(traced_compile="auto")
+
+    def attn(q, k, v):
+        return fa.flash_attention(q, k, v, causal=True, backend="triton")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attn)
+    if graphs == "for_cuda_graphs":
+        block = fa.for_cuda_graphs()
+    else:
+        from torch._inductor import config
+
+        block = config.patch({"triton.cudagraphs": True})
+    try:
+        torch.manual_seed(3)
+        q, k, v = (torch.randn(1, 2, 24, 16, requires_grad=True) for _ in range(3))
+        do = torch.randn(1, 2, 24, 16)
+        with block:
+            o, codes = run_and_get_code(compiled, q, k, v)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+        assert any("fwd_launch" in c for c in codes)
+        assert not any("attn_fwd_kernel" in c for c in codes)
+        eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o_eager = attn(*eager)
+        torch.testing.assert_close(o, o_eager)
+        for got, want in zip(grads, torch.autograd.grad(o_eager, eager, do)):
+            torch.testing.assert_close(got, want)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_cuda_graph_hint_applies_to_auto_only(set_options):
+    """``for_cuda_graphs`` and inductor's CUDA graphs turn ``auto``'s traced calls into
+    opaque ones; ``True`` (trace every call) and ``False`` are left as they are, and the
+    hint ends with its block, nested blocks included."""
+    from torch._inductor import config
+
+    for setting in (True, False, "auto"):
+        set_options(traced_compile=setting)
+        assert not traced_ops._for_cuda_graphs()
+        with fa.for_cuda_graphs():
+            with fa.for_cuda_graphs():
+                assert traced_ops._for_cuda_graphs() is (setting == "auto")
+            assert traced_ops._for_cuda_graphs() is (setting == "auto")
+        assert not traced_ops._for_cuda_graphs()
+        with config.patch({"triton.cudagraphs": True}):
+            assert traced_ops._for_cuda_graphs() is (setting == "auto")
+
+
 def _cuda(*shape: int) -> torch.Tensor:
     """A fake CUDA tensor (no GPU needed): the launch choice reads only sizes and device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -364,6 +429,48 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
         err_eager = (outs["eager"][name].double() - ref[name]).abs().max().item()
         err = (outs["compiled"][name].double() - ref[name]).abs().max().item()
         assert err <= 2 * err_eager + 1e-3, (name, err, err_eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["none", "for_cuda_graphs", "reduce-overhead"])
+def test_auto_compiles_for_cuda_graphs_through_the_opaque_ops(set_options, graphs):
+    """With ``auto``, a small call compiled for a CUDA graph (``for_cuda_graphs()`` around
+    the compiling call, or ``mode="reduce-overhead"``) runs the opaque op, and one compiled
+    without either runs the traced kernels; each matches the eager call."""
+    from torch._inductor.utils import run_and_get_code
+
+    set_options(traced_compile="auto")
+    torch._dynamo.reset()
+
+    def attn(q, k, v):
+        return fa.flash_attention(q, k, v, causal=True)
+
+    mode = "reduce-overhead" if graphs == "reduce-overhead" else None
+    compiled = torch.compile(attn, mode=mode)
+    block = fa.for_cuda_graphs() if graphs == "for_cuda_graphs" else contextlib.nullcontext()
+    torch.manual_seed(5)
+    q, k, v, do = (
+        torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    got = {}
+    try:
+        for name in ("eager", "compiled"):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            with block if name == "compiled" else contextlib.nullcontext():
+                if name == "compiled":
+                    o, codes = run_and_get_code(compiled, qq, kk, vv)
+                else:
+                    o = attn(qq, kk, vv)
+                o.backward(do)
+            got[name] = (o.detach().clone(), qq.grad, kk.grad, vv.grad)
+    finally:
+        torch._dynamo.reset()
+    opaque = any("fwd_launch" in c for c in codes)
+    traced = any("attn_fwd_kernel" in c for c in codes)
+    assert (opaque, traced) == ((False, True) if graphs == "none" else (True, False))
+    for a, b in zip(got["eager"], got["compiled"]):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 0.05 * b.float().abs().max().item(), (graphs, err)
 
 
 @pytest.mark.gpu

@@ -337,3 +337,41 @@ def test_trainer_graph_run_with_the_overlapped_optimizer(rerun_trainer, monkeypa
     assert [h["loss"] for h in graphed.history] == [h["loss"] for h in eager.history]
     for key, value in eager.model.state_dict().items():
         assert torch.equal(value, graphed.model.state_dict()[key]), key
+
+
+def test_graph_runner_compiles_flash_attention_for_cuda_graphs(monkeypatch):
+    """`CudaGraphs` warms up and captures inside flashattn_triton's `for_cuda_graphs()` when
+    the model has imported it (its compiled calls then keep the opaque ops, which suit a
+    replay), and inside nothing when it has not (lm_core does not import it for this)."""
+    import sys
+    import types
+
+    entered = []
+
+    class _Hint:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            entered.append(False)
+
+    fake = types.ModuleType("flashattn_triton")
+    fake.for_cuda_graphs = _Hint
+    monkeypatch.setitem(sys.modules, "flashattn_triton", fake)
+    with gs._compiling_for_graphs():
+        assert entered == [True]
+    assert entered == [True, False]
+
+    monkeypatch.delitem(sys.modules, "flashattn_triton")
+    with gs._compiling_for_graphs():
+        pass
+    assert entered == [True, False]
+    assert "flashattn_triton" not in sys.modules
+
+    flash = pytest.importorskip("flashattn_triton")
+    from flashattn_triton import traced_ops
+
+    with gs._compiling_for_graphs():
+        assert traced_ops._graph_blocks == 1
+    assert traced_ops._graph_blocks == 0
+    assert flash.for_cuda_graphs is traced_ops.for_cuda_graphs

@@ -201,7 +201,7 @@ def main() -> None:
     meta = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "size": args.size, "context": args.context, "batch": args.batch,
-        "compile": args.compile, "rounds": args.rounds, "steps": args.steps,
+        "compile": args.compile, "blocks": args.blocks, "rounds": args.rounds, "steps": args.steps,
         "cpus_allowed": len(allowed),
         "graphs_compiled_during_rounds": _graphs() - graphs_before,
     }  # fmt: skip

@@ -8,6 +8,7 @@ flash_attention_varlen, flash_attention_kvcache, FlashAttention).
 The launchers build on ``launch_common`` (one kernel's launch), ``launch_backward`` (the
 backward schemes) and ``launch_plans`` (launch-plan keys). ``options`` holds the launch
 switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans,
+``traced_ops`` the launchers as ops torch.compile traces into (``for_cuda_graphs``),
 ``features`` what grouped-query heads, windows and packing ask of them.
 """
 
@@ -23,6 +24,7 @@ from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_
 from .options import Options, get_options, set_options, use_options
 from .reference import attention_reference, causal_mask
 from .torch_impl import FlashAttention2Torch
+from .traced_ops import for_cuda_graphs
 
 __version__ = "0.1.0"
 
@@ -40,6 +42,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_kvcache",
     "flash_attention_varlen",
+    "for_cuda_graphs",
     "get_options",
     "set_options",
     "tflops_per_s",

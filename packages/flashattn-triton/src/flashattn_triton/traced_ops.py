@@ -10,6 +10,11 @@ concrete (a symbolic size or float would reach the launchers' tile tables and ca
 hash them): the ops' bodies hand symbolic ones to the opaque ops (``_concrete``), and the
 Functions use the opaque ops for packed sequences and the KV-cache calls.
 
+Under CUDA graphs a step pays no host time per call and the traced kernels only lose GPU
+time, so ``auto`` keeps the opaque ops in graphs that will be replayed from a CUDA graph:
+inductor's own (``mode="reduce-overhead"``), and any compiled inside ``for_cuda_graphs()``
+(what a step that captures compiled code itself wraps its warm-up and capture in).
+
 Called eagerly (outside torch.compile) the ops run their launchers the same way, as traced:
 no launch plans, pointer loads, no Gluon kernels, no register caps. That is slower than the
 eager launchers; the ops are for compiled graphs.
@@ -17,11 +22,46 @@ eager launchers; the ops are for compiled graphs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch.library import triton_op
 
 from . import fastlaunch, launch, ops
 from .ops import NAMESPACE
+from .options import get_options
+
+_graph_blocks = 0  # open ``for_cuda_graphs`` blocks
+
+
+@contextlib.contextmanager
+def for_cuda_graphs() -> Iterator[None]:
+    """Graphs torch.compile traces in this block will be replayed from a CUDA graph: with
+    ``traced_compile="auto"`` their calls keep the opaque ops (a replay pays no host time
+    per call, and the traced kernels' pointer loads cost GPU time). Wrap the warm-up calls
+    that compile a step you capture yourself with ``torch.cuda.graph``; inductor's own
+    CUDA graphs (``mode="reduce-overhead"``) need nothing. Read when a graph is traced, so
+    it makes no guard: graphs compiled before the block keep what they traced."""
+    global _graph_blocks
+    _graph_blocks += 1
+    try:
+        yield
+    finally:
+        _graph_blocks -= 1
+
+
+def _for_cuda_graphs() -> bool:
+    """Whether ``auto`` keeps this call on the opaque op because its graph will be replayed
+    from a CUDA graph (see ``for_cuda_graphs``). Runs in the ops' bodies, which torch.compile
+    runs once, inside inductor's config patch (where reduce-overhead sets ``cudagraphs``)."""
+    if get_options().traced_compile != "auto":
+        return False
+    if _graph_blocks:
+        return True
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
 
 
 @triton_op(f"{NAMESPACE}::fwd_traced", mutates_args=())
@@ -35,7 +75,7 @@ def fwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``launch.forward`` with its launches recorded for torch.compile (see the module)."""
-    if not _concrete(softmax_scale, (window_left, window_right), q, k, v):
+    if _for_cuda_graphs() or not _concrete(softmax_scale, (window_left, window_right), q, k, v):
         return ops.fwd_launch(q, k, v, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
@@ -55,7 +95,8 @@ def bwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch.backward`` with its launches recorded for torch.compile (see the module)."""
-    if not _concrete(softmax_scale, (window_left, window_right), do, q, k, v, o, lse):
+    window = (window_left, window_right)
+    if _for_cuda_graphs() or not _concrete(softmax_scale, window, do, q, k, v, o, lse):
         return ops.bwd_launch(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.backward(

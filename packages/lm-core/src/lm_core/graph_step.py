@@ -22,6 +22,8 @@ graphs forward and backward of a module but not the optimizer step, which is hal
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -215,9 +217,19 @@ class GraphRunner(Protocol):
     def capture(self, fn: Callable[[], object]) -> Callable[[], None]: ...
 
 
+def _compiling_for_graphs() -> contextlib.AbstractContextManager:
+    """flashattn_triton's `for_cuda_graphs()` where the model uses it (already imported),
+    else nothing: graphs compiled during warm-up then call its opaque ops, which suit a
+    replayed graph (no host time per call to save, and they keep its fastest kernels)."""
+    flash = sys.modules.get("flashattn_triton")
+    hint = getattr(flash, "for_cuda_graphs", None)
+    return hint() if hint is not None else contextlib.nullcontext()
+
+
 class CudaGraphs:
     """Eager calls on a side stream, and `torch.cuda.graph` capture (as torch's docs ask:
-    warm-up work on a side stream, so that lazily created state is not captured).
+    warm-up work on a side stream, so that lazily created state is not captured). Both run
+    inside flashattn_triton's `for_cuda_graphs()` when the model uses it.
 
     node_priorities: capture on a stream of the highest priority and replay with each
     kernel's priority kept (`lm_core.graph_priority`): work the step puts on side streams of
@@ -236,7 +248,7 @@ class CudaGraphs:
         """`fn()` on the side stream, ordered after and before the current stream's work."""
         current = torch.cuda.current_stream(self.device)
         self.side.wait_stream(current)
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(self.side), _compiling_for_graphs():
             out = fn()
         current.wait_stream(self.side)
         return out
@@ -248,7 +260,11 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
         stream = graph_priority.high_priority_stream(self.device) if keep else None
         try:
-            with torch.cuda.device(self.device), torch.cuda.graph(graph, stream=stream):
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(graph, stream=stream),
+                _compiling_for_graphs(),
+            ):
                 fn()
         except torch.OutOfMemoryError:
             raise  # as it is: callers tell an OOM from other failures by its type
