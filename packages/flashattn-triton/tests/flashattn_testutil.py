@@ -16,6 +16,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / den)
 
 
+def poison_cuda_cache() -> None:
+    """Fill free blocks of the CUDA caching allocator (its large and small pools) with NaN.
+    A kernel that reads memory no one wrote then sees NaN on every run, not whatever the
+    last user left there (often zeros, which can hide such a read)."""
+    big = torch.full((2**26,), float("nan"), device="cuda")  # 256 MB: the large pool
+    sizes = (256, 1024, 4096, 16384, 65536, 200_000)  # up to 1 MB: the small pool
+    small = [torch.full((m,), float("nan"), device="cuda") for m in sizes for _ in range(32)]
+    del big, small
+
+
 def reference_fwd_bwd(
     q: torch.Tensor,
     k: torch.Tensor,
