@@ -56,7 +56,7 @@ with FakeTensorMode(), warnings.catch_warnings():
 
     def both(q, k, v):
         o, lse = torch.ops.flashattn_triton.fwd_traced(q, k, v, True, d**-0.5, *win)
-        if n % 256:  # padded row statistics: see the test's docstring
+        if n == 1:  # decode: forward only
             return o, lse
         return torch.ops.flashattn_triton.bwd_traced(o, q, k, v, o, lse, True, d**-0.5, *win)
 
@@ -71,6 +71,7 @@ print(json.dumps({
     "kernels": names,
     "tma": "'USE_TMA': True" in code,
     "maxnreg": "maxnreg" in code,
+    "scatters": code.count("scatter"),
     "plans": len(launch_plans._PLANS),
     "calls": len(launch._CALLS) + len(launch_backward._CALLS),
     "choices": len(launch_backward._BWD_SCHEMES) + len(launch._DECODE_PLANS),
@@ -104,6 +105,8 @@ def _trace(h: int, n: int, d: int, window: int = -1, n_k: int | None = None) -> 
         ]),
         # a sliding window
         (2, 512, 64, 64, 512, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        # a window and 700 queries: row statistics padded to 768
+        (4, 700, 64, 128, 700, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
         # one query against 4096 keys, forward only: the split-KV decode kernels
         (8, 1, 64, -1, 4096, ["attn_fwd_decode_kernel", "attn_fwd_combine_kernel"]),
     ],
@@ -113,11 +116,13 @@ def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, wi
     kernels and TMA loads, whose host descriptors the nodes cannot carry, make way for
     Triton's kernels with pointer loads; an address read would raise inside the trace), and
     no launch plan, remembered call, per-key choice, shrunk tile, padding buffer or Gluon
-    compile record is kept from the fake tensors. (Backwards of query lengths off a multiple
-    of 256, whose row statistics are padded, trace on GPUs only: a CPU build of torch cannot
-    index fake CUDA tensors made inside the trace; the GPU test below runs one.)"""
+    compile record is kept from the fake tensors. The row statistics (L2 and D, padded or
+    not) are whole buffers the kernels write in place: no write into a view of a shared
+    buffer, which the graph would turn into copies scattered back (``scatters``)."""
     got = _trace(h, n, d, window, n_k)
     assert sorted(got.pop("kernels")) == sorted(kernels)
+    scatters = got.pop("scatters")
+    assert n == 1 or scatters == 0  # (the decode forward's partial results are views)
     assert got == {
         "tma": False, "maxnreg": False, "plans": 0, "calls": 0, "choices": 0, "shrunk": 0,
         "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,

@@ -58,6 +58,12 @@
 #              public custom ops, the phases of one call, the device thread with gc off and
 #              a short interpreter switch interval), then the compiled causal sweep
 #              (one H200: the sweep and two host_cost runs without --compiled took 66 s)
+#   traced     flashattn-triton's compiled, traced and graphed GPU tests three times over with
+#              FLASHATTN_TRITON_TRACED_COMPILE=auto, then lm-core's and perf-tools' compiled,
+#              graphed and flash GPU tests with it                 (~100 s a round, 160 s)
+#   tracedsteps  traced_compile=auto timed: scripts/model_step_ab.py small (compiled) and xl
+#              (blocks compiled), interleaved; the graphed xl bench step; the compiled sweep's
+#              short rows with the option off and auto          (parts measured 30-100 s, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -262,6 +268,32 @@ if want hostcost; then  # a lone attention call's host time, ours against SDPA, 
     --compiled --breakdown --handoff
   run sweep_compiled $PY -m perf_tools.attention_sweep --quiet --modes compiled --causal yes \
     --csv "$WORK/sweep_compiled.csv" --json "$WORK/sweep_compiled.json" --plot "$WORK/sweep_compiled.png"
+fi
+if want traced; then  # flashattn-triton's traced compiled calls (traced_compile=auto) tested
+  for i in 1 2 3; do  # three times: a wrong read of unwritten memory need not show every run
+    run "traced_tests_$i" env FLASHATTN_TRITON_TRACED_COMPILE=auto $PY -m pytest -q \
+      -p no:cacheprovider "$ROOT/packages/flashattn-triton/tests" -m gpu -k "compile or traced or graph"
+  done
+  run traced_model_tests env FLASHATTN_TRITON_TRACED_COMPILE=auto $PY -m pytest -q \
+    -p no:cacheprovider "$ROOT/packages/lm-core/tests" "$ROOT/packages/perf-tools/tests" -m gpu \
+    -k "compile or graph or flash"
+fi
+if want tracedsteps; then  # the same option timed: model steps, graphed xl, short compiled rows
+  AB="$PY $ROOT/packages/perf-tools/scripts/model_step_ab.py"
+  run traced_small_ab $AB --size small --context 1024 --compile --variants sdpa \
+    flash-triton-opaque flash-triton-auto --threads device calling --cpus free --rounds 5 \
+    --out "$WORK/traced_small_ab"
+  run traced_xl_ab $AB --size xl --context 512 --blocks --variants sdpa flash-triton-auto \
+    --threads device --cpus free --rounds 4 --warmup 3 --steps 10 --out "$WORK/traced_xl_ab"
+  run traced_xl_graphed env FLASHATTN_TRITON_TRACED_COMPILE=auto $B --size xl --precision bf16 \
+    --mode train --context 512 --batch 4 --compile blocks --cuda-graph on --optimizer-overlap on \
+    --matmul-weights bf16 --fused-loss --warmup 3 --steps 10 --attention sdpa flash-triton \
+    --csv "$WORK/traced_xl_graphed.csv"
+  for tc in 0 auto; do
+    run "traced_sweep_$tc" env FLASHATTN_TRITON_TRACED_COMPILE=$tc $PY -m perf_tools.attention_sweep \
+      --quiet --modes compiled --shapes 128x512 64x1024 32x2048 16x4096 \
+      --csv "$WORK/traced_sweep_$tc.csv" --json "$WORK/traced_sweep_$tc.json"
+  done
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \

@@ -125,6 +125,8 @@ def _stats_buffers(
     TMA copy; else two contiguous buffers (stride rows)."""
     lse = lse.contiguous()
     rows = triton_cdiv(n_q, C.STATS_ROWS) * C.STATS_ROWS
+    if fastlaunch.tracing():  # never packed: traced kernels load by pointers, not TMA
+        return _traced_stats_buffers(lse, n_q, rows)
     if rows == n_q:  # the common case, kept to one allocation
         if packed:
             lse2, delta = lse.new_empty((*lse.shape[:-1], 2, rows)).unbind(-2)
@@ -146,16 +148,27 @@ def _stats_buffers(
     return lse, lse2, delta, rows
 
 
+def _traced_stats_buffers(
+    lse: torch.Tensor, n_q: int, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``_stats_buffers`` while traced for torch.compile: L2 and D in buffers of their own,
+    padded by filling them rather than by concatenating into views of one buffer. The graph
+    turns a kernel's writes into views of a shared buffer into copies of the views and
+    scatters back into the buffer; a whole buffer it writes in place."""
+    if rows == n_q:
+        return lse, torch.empty_like(lse), torch.empty_like(lse), rows
+    lead = lse.shape[:-1]
+    lse = torch.nn.functional.pad(lse, (0, rows - n_q), value=float("inf"))
+    return lse, lse.new_full((*lead, rows), float("inf")), lse.new_zeros((*lead, rows)), rows
+
+
 # The constant padding rows of ``_stats_buffers`` by (device, length): +inf (L, L in log2
 # units), then 0 (D). Made and kept outside CUDA graph capture only (a tensor made while
-# capturing lives in the graph's memory pool) and outside traced graphs (fake tensors there;
-# a kept real one would be a constant of the graph), where they are made functionally.
+# capturing lives in the graph's memory pool); traced graphs pad by ``_traced_stats_buffers``.
 _PADDING_ROWS: dict[tuple, torch.Tensor] = {}
 
 
 def _padding_rows(like: torch.Tensor, pad: int) -> torch.Tensor:
-    if fastlaunch.tracing():
-        return torch.cat((like.new_full((1, pad), float("inf")), like.new_zeros((1, pad))))
     key = (like.device, pad)
     rows = _PADDING_ROWS.get(key)
     if rows is None:
