@@ -61,7 +61,11 @@ def workspace_views(
     layout: tuple[tuple[int, ...], int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Contiguous float32 tensors of ``shapes`` in one allocation at ``layout``
-    (``workspace_layout(shapes)``, worked out here unless the caller has it)."""
+    (``workspace_layout(shapes)``, worked out here unless the caller has it). While traced
+    for torch.compile, one allocation each: a compiled graph turns a kernel's writes into
+    views of one buffer into copies of the views scattered back into it."""
+    if fastlaunch.tracing():
+        return tuple(torch.empty(shape, dtype=torch.float32, device=device) for shape in shapes)
     offsets, total = workspace_layout(shapes) if layout is None else layout
     ws = torch.empty(total, dtype=torch.float32, device=device)
     return tuple(
