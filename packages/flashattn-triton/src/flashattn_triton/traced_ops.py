@@ -54,7 +54,8 @@ def for_cuda_graphs() -> Iterator[None]:
 def _for_cuda_graphs() -> bool:
     """Whether ``auto`` keeps this call on the opaque op because its graph will be replayed
     from a CUDA graph (see ``for_cuda_graphs``). Runs in the ops' bodies, which torch.compile
-    runs once, inside inductor's config patch (where reduce-overhead sets ``cudagraphs``)."""
+    runs only while it compiles, the last time inside inductor's config patch (where
+    reduce-overhead sets ``cudagraphs``)."""
     if get_options().traced_compile != "auto":
         return False
     if _graph_blocks:
