@@ -350,3 +350,25 @@ def test_two_gpus_tp2_beside_fsdp2(tmp_path):
         if known:
             assert r["pred_step_ms"] > 0
             assert r["pred_mem_gib"] > 0
+
+
+def test_compiled_flash_triton_rows_record_the_traced_compile_option():
+    """Compiled rows with flash-triton say how its compiled graphs call the kernels
+    (flashattn_triton's `traced_compile`); eager rows and other attentions do not."""
+    import torch
+
+    from perf_tools.cells import BenchOptions, BenchSpec, cell_row
+
+    flash = pytest.importorskip("flashattn_triton")
+    opts = BenchOptions(device=torch.device("cpu"), batch=2, warmup=1, steps=2, overrides={})
+
+    def row(attention: str, compiled: bool | str) -> dict:
+        spec = BenchSpec("lm_core", "tiny", attention, compiled, "fp32", "train", 16)
+        return cell_row(spec, {}, opts, {})
+
+    with flash.use_options(traced_compile="auto"):
+        assert row("flash-triton", True)["traced_compile"] == "auto"
+        assert row("flash-triton", "blocks")["traced_compile"] == "auto"
+        assert "traced_compile" not in row("flash-triton", False)
+        assert "traced_compile" not in row("sdpa", True)
+    assert row("flash-triton", True)["traced_compile"] is flash.get_options().traced_compile

@@ -499,6 +499,15 @@ def _skipped(exc: BaseException) -> str | None:
     return f"skipped: {exc}" if isinstance(exc, MissingBaselineError) else None
 
 
+def _traced_compile() -> bool | str | None:
+    """flashattn_triton's ``traced_compile`` option (None where it is not installed)."""
+    try:
+        from flashattn_triton import get_options
+    except ImportError:
+        return None
+    return get_options().traced_compile
+
+
 def cell_row(
     spec: BenchSpec, info: dict[str, Any], opts: BenchOptions, measured: dict[str, Any]
 ) -> dict[str, Any]:
@@ -528,6 +537,8 @@ def cell_row(
     }
     if spec.compile:
         row["compile_backend"] = opts.compile_backend
+        if spec.attention == "flash-triton":  # how compiled graphs call our kernels
+            row["traced_compile"] = _traced_compile()
     if spec.fsdp is not None:
         assert opts.nprocs is not None
         dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
