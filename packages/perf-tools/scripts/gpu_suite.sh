@@ -63,7 +63,7 @@
 #              graphed and flash GPU tests with it                 (~100 s a round, 160 s)
 #   tracedsteps  traced_compile=auto timed: scripts/model_step_ab.py small (compiled) and xl
 #              (blocks compiled), interleaved; the graphed xl bench step; the compiled sweep's
-#              short rows with the option off and auto          (parts measured 30-100 s, H100)
+#              short rows with the option off and auto          (parts measured 25-100 s, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per

@@ -3,6 +3,7 @@
 Dynamo keys its cache on a function's code object; a sweep compiles the same code (a model's
 forward, an attention function) for many shapes, dtypes and grad modes. Past the recompile
 limit (8 by default) Dynamo quietly falls back to eager, and the "compiled" column would lie.
+`traced_compile_option` is the flashattn-triton setting compiled rows record beside it.
 """
 
 from __future__ import annotations
@@ -31,3 +32,13 @@ def compile_for_bench(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., An
     allow_recompiles()
     kwargs.setdefault("dynamic", False)
     return torch.compile(fn, **kwargs)
+
+
+def traced_compile_option() -> bool | str | None:
+    """flashattn_triton's ``traced_compile`` option: how compiled graphs call its kernels
+    (None where it is not installed). Benchmark rows record it."""
+    try:
+        from flashattn_triton import get_options
+    except ImportError:
+        return None
+    return get_options().traced_compile

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from perf_tools import _cli, report
 from perf_tools._compile import allow_recompiles, compile_for_bench
+from perf_tools._compile import traced_compile_option as _traced_compile
 
 # (heads, N) of the sweep; (32, 32768) is the 8B model's shape, swept at d = 128 only.
 SHAPES: tuple[tuple[int, int], ...] = (
@@ -224,13 +225,6 @@ def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
 
 def _shapes_for(d: int, cfg: SweepConfig) -> list[tuple[int, int]]:
     return [s for s in cfg.shapes if d == 128 or s not in D128_ONLY]
-
-
-def _traced_compile() -> bool | str:
-    """flashattn_triton's ``traced_compile`` option (compiled graphs launching its kernels)."""
-    from flashattn_triton import get_options
-
-    return get_options().traced_compile
 
 
 def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:

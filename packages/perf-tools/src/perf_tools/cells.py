@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from perf_tools import hardware, harness, timing
-from perf_tools._compile import allow_recompiles, compile_for_bench
+from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
 from perf_tools.steps import Annotator, PhaseTimer, lm_core_annotations, make_step
@@ -499,15 +499,6 @@ def _skipped(exc: BaseException) -> str | None:
     return f"skipped: {exc}" if isinstance(exc, MissingBaselineError) else None
 
 
-def _traced_compile() -> bool | str | None:
-    """flashattn_triton's ``traced_compile`` option (None where it is not installed)."""
-    try:
-        from flashattn_triton import get_options
-    except ImportError:
-        return None
-    return get_options().traced_compile
-
-
 def cell_row(
     spec: BenchSpec, info: dict[str, Any], opts: BenchOptions, measured: dict[str, Any]
 ) -> dict[str, Any]:
@@ -538,7 +529,7 @@ def cell_row(
     if spec.compile:
         row["compile_backend"] = opts.compile_backend
         if spec.attention == "flash-triton":  # how compiled graphs call our kernels
-            row["traced_compile"] = _traced_compile()
+            row["traced_compile"] = traced_compile_option()
     if spec.fsdp is not None:
         assert opts.nprocs is not None
         dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
