@@ -42,8 +42,38 @@ launch_plans._device_guard = lambda t: contextlib.nullcontext()
 h, n, d, window, n_k = (int(x) for x in sys.argv[1:6])
 graphs = []
 
+# Triton's driver, stubbed with an H100's target, lets torch read which tensors each kernel
+# writes from its Triton IR (on a GPU it reads the same; with no driver it assumes every
+# tensor argument is written). The graph copies what it is told a kernel writes.
+import triton
+from triton.backends.compiler import GPUTarget
+import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+class _H100Driver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+triton.runtime.driver.set_active(_H100Driver())
+writes, copies, _read_writes = {}, [], wrap.get_mutated_tensors
+
+def recorded(kernel_idx, *args):
+    names = _read_writes(kernel_idx, *args)
+    writes[wrap.kernel_side_table.get_kernel(kernel_idx).fn.__name__] = sorted(names)
+    return names
+
+wrap.get_mutated_tensors = recorded
+
 def keep(gm, example_inputs):
     graphs.append(gm.code)
+    # Inductor's pass that lets a kernel write its output buffer in place rather than a copy
+    # of it (copies stay where the buffer is a view read again later)
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops_core
+
+    reinplace_inplaceable_ops_core(gm.graph)
+    copies.extend(
+        name for node in gm.graph.nodes if node.target is wrap.triton_kernel_wrapper_functional
+        for name in node.kwargs["tensors_to_clone"]
+    )
     raise SystemExit(0)  # traced: running it needs a GPU
 
 with FakeTensorMode(), warnings.catch_warnings():
@@ -69,6 +99,8 @@ idx = sorted({int(i) for i in re.findall(r"kernel_idx = (\d+)", code)})
 names = [kernel_side_table.get_kernel(i).fn.__name__ for i in idx]
 print(json.dumps({
     "kernels": names,
+    "writes": writes,
+    "copies": copies,
     "tma": "'USE_TMA': True" in code,
     "maxnreg": "maxnreg" in code,
     "scatters": code.count("scatter"),
@@ -81,9 +113,22 @@ print(json.dumps({
 """
 
 
+# What each kernel writes, as torch reads it from the kernel's Triton IR (the dQ kernel
+# computes D and L2 itself unless the preprocess kernel ran).
+_WRITES = {
+    "attn_fwd_kernel": ["LSE", "Out"],
+    "attn_bwd_preprocess_kernel": ["DELTA", "LSE2"],
+    "attn_bwd_dq_kernel": ["DELTA", "DQ", "LSE2"],
+    "attn_bwd_dkdv_kernel": ["DK", "DV"],
+    "attn_fwd_decode_kernel": ["LSE_PART", "O_PART"],
+    "attn_fwd_combine_kernel": ["LSE", "Out"],
+}
+
+
 def _trace(h: int, n: int, d: int, window: int = -1, n_k: int | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # newer Tritons warn when it is unset
     out = subprocess.run(
         [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n if n_k is None else n_k))],
         capture_output=True, text=True, env=env, timeout=300,
@@ -119,12 +164,17 @@ def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, wi
     compile record is kept from the fake tensors. The row statistics (L2 and D, padded or
     not) and the decode splits' partial results are whole buffers the kernels write in
     place: no write into a view of a shared buffer, which the graph would turn into copies
-    scattered back (``scatters``)."""
+    scattered back (``scatters``), and after inductor's in-place pass no kernel writes a copy
+    of its output buffer (``copies``)."""
     got = _trace(h, n, d, window, n_k)
     assert sorted(got.pop("kernels")) == sorted(kernels)
+    # Each kernel writes its outputs and nothing the caller passed in (q, k, v, dO, O, L):
+    # the graph copies no input, and orders a reader of D and L2 after their writer.
+    writes = {"attn_bwd_dq_kernel": ["DQ"]} if "attn_bwd_preprocess_kernel" in kernels else {}
+    assert got.pop("writes") == {name: writes.get(name, _WRITES[name]) for name in kernels}
     assert got == {
-        "tma": False, "maxnreg": False, "scatters": 0, "plans": 0, "calls": 0, "choices": 0,
-        "shrunk": 0, "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,
+        "copies": [], "tma": False, "maxnreg": False, "scatters": 0, "plans": 0, "calls": 0,
+        "choices": 0, "shrunk": 0, "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,
     }  # fmt: skip
 
 
