@@ -507,8 +507,9 @@ def test_compiled_traced_matches_eager(set_options, b, h, h_kv, n, d, causal, wi
             codes = run_and_get_code(step)[1]
             assert len(codes) >= 2
             assert not any("_launch.default" in c for c in codes)  # no opaque op
-            # no copy of an input: torch.compile knew which tensors each kernel writes
-            assert "clone" not in codes[0]  # the forward's
+            # no copy of a buffer: torch.compile knew which tensors each kernel writes, and
+            # each kernel writes its outputs in place (the CPU trace test checks the graph)
+            assert [c.count("clone") for c in codes] == [0] * len(codes)  # forward, backward
             for t in (qq, kk, vv):
                 t.grad = None
         poison_cuda_cache()
