@@ -39,7 +39,7 @@ _device._cuda_smem_per_sm = lambda i: 228 * 1024
 _device.cuda_major = gluon_dkdv.cuda_major = lambda i: 9
 _device._cuda_l2_bytes = lambda i: 50 * 2**20
 launch_plans._device_guard = lambda t: contextlib.nullcontext()
-h, n, d, window, n_k = (int(x) for x in sys.argv[1:6])
+h, n, d, window, n_k, h_kv = (int(x) for x in sys.argv[1:7])
 graphs = []
 
 # Triton's driver, stubbed with an H100's target, lets torch read which tensors each kernel
@@ -79,8 +79,8 @@ def keep(gm, example_inputs):
 with FakeTensorMode(), warnings.catch_warnings():
     warnings.simplefilter("error")  # e.g. a Gluon kernel "failing to compile" while traced
     q, k, v = (
-        torch.empty(2, length, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        for length in (n, n_k, n_k)
+        torch.empty(2, length, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        for length, heads in ((n, h), (n_k, h_kv), (n_k, h_kv))
     )
     win = (window, 0) if window >= 0 else ()
 
@@ -125,38 +125,45 @@ _WRITES = {
 }
 
 
-def _trace(h: int, n: int, d: int, window: int = -1, n_k: int | None = None) -> dict:
+def _trace(h: int, n: int, d: int, window: int, n_k: int, h_kv: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # newer Tritons warn when it is unset
     out = subprocess.run(
-        [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n if n_k is None else n_k))],
+        [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n_k, h_kv))],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+_SPLIT = ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]  # D in the dQ kernel
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    ("h", "n", "d", "window", "n_k", "kernels"),
+    ("h", "h_kv", "n", "d", "window", "n_k", "kernels"),
     [
         # d = 64: the dQ kernel computes D itself (no preprocess launch)
-        (8, 512, 64, -1, 512, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        (8, 8, 512, 64, -1, 512, _SPLIT),
         # d = 128 on "Hopper" with 4096 keys: Gluon kernels eagerly, Triton ones when traced
-        (4, 4096, 128, -1, 4096, [
+        (4, 4, 4096, 128, -1, 4096, [
             "attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dq_kernel",
             "attn_bwd_dkdv_kernel",
         ]),
         # a sliding window
-        (2, 512, 64, 64, 512, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        (2, 2, 512, 64, 64, 512, _SPLIT),
+        # grouped-query heads (8 query heads, 2 key / value heads)
+        (8, 2, 512, 64, -1, 512, _SPLIT),
         # a window and 700 queries: row statistics padded to 768
-        (4, 700, 64, 128, 700, ["attn_fwd_kernel", "attn_bwd_dq_kernel", "attn_bwd_dkdv_kernel"]),
+        (4, 4, 700, 64, 128, 700, _SPLIT),
         # one query against 4096 keys, forward only: the split-KV decode kernels
-        (8, 1, 64, -1, 4096, ["attn_fwd_decode_kernel", "attn_fwd_combine_kernel"]),
+        (8, 8, 1, 64, -1, 4096, ["attn_fwd_decode_kernel", "attn_fwd_combine_kernel"]),
     ],
 )  # fmt: skip
-def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, window, n_k, kernels):
+def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(
+    h, h_kv, n, d, window, n_k, kernels
+):
     """Traced on fake CUDA tensors, forward + backward become Triton kernel nodes (Gluon
     kernels and TMA loads, whose host descriptors the nodes cannot carry, make way for
     Triton's kernels with pointer loads; an address read would raise inside the trace), and
@@ -166,7 +173,7 @@ def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(h, n, d, wi
     place: no write into a view of a shared buffer, which the graph would turn into copies
     scattered back (``scatters``), and after inductor's in-place pass no kernel writes a copy
     of its output buffer (``copies``)."""
-    got = _trace(h, n, d, window, n_k)
+    got = _trace(h, n, d, window, n_k, h_kv)
     assert sorted(got.pop("kernels")) == sorted(kernels)
     # Each kernel writes its outputs and nothing the caller passed in (q, k, v, dO, O, L):
     # the graph copies no input, and orders a reader of D and L2 after their writer.
