@@ -209,7 +209,7 @@ def test_compiled_providers_use_static_shapes(monkeypatch):
 def test_compiled_rows_record_the_traced_compile_option(monkeypatch):
     times = {p: iter([1.0]) for p in sweep.PROVIDERS}
     _fake_providers(monkeypatch, times)
-    monkeypatch.setattr(sweep, "_traced_compile", lambda: True)
+    monkeypatch.setattr(sweep, "traced_compile_option", lambda: True)
     cfg = sweep.SweepConfig(
         shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("compiled",),
         device=torch.device("cuda"), dtype=torch.float32, quiet=True,

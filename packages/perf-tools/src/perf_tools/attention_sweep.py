@@ -48,8 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from perf_tools import _cli, report
-from perf_tools._compile import allow_recompiles, compile_for_bench
-from perf_tools._compile import traced_compile_option as _traced_compile
+from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
 
 # (heads, N) of the sweep; (32, 32768) is the 8B model's shape, swept at d = 128 only.
 SHAPES: tuple[tuple[int, int], ...] = (
@@ -252,7 +251,7 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
             if cfg.batch != 1:
                 row["batch"] = cfg.batch
             if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
-                row["traced_compile"] = _traced_compile()
+                row["traced_compile"] = traced_compile_option()
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             label = f"{mode} causal={causal} d={d} {_shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
