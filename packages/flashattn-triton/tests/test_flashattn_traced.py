@@ -458,7 +458,7 @@ def test_traced_compile_option_from_env():
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "1"}).traced_compile is True
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "off"}).traced_compile is False
     assert from_env({"FLASHATTN_TRITON_TRACED_COMPILE": " Auto "}).traced_compile == "auto"
-    assert from_env({}).traced_compile is fa.Options().traced_compile is False
+    assert from_env({}).traced_compile == fa.Options().traced_compile == "auto"
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_TRACED_COMPILE"):
         from_env({"FLASHATTN_TRITON_TRACED_COMPILE": "maybe"})
 

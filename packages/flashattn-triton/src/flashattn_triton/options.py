@@ -68,8 +68,9 @@ class Options:
         Triton kernels itself (``traced_ops``: no Python of ours per compiled call, but
         pointer loads and no Gluon kernels) where sizes and the scale are concrete; False
         calls one opaque op per forward and backward instead; ``auto`` traces the calls of
-        at most ``configs.TRACED_MAX_WORK`` (where host time counts more than the kernels'),
-        which makes host-bound compiled models faster.
+        at most ``configs.TRACED_MAX_WORK`` (where host time counts more than the kernels')
+        outside graphs compiled for CUDA graphs, which makes host-bound compiled models
+        faster (the default).
     """
 
     backward: str = "auto"
@@ -79,7 +80,7 @@ class Options:
     tile_configs: str = ""
     autotune: bool = False
     fast_launch: bool = True
-    traced_compile: bool | str = False
+    traced_compile: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:
