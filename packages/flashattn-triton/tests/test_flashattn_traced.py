@@ -27,20 +27,31 @@ _TRACE = r"""
 import contextlib, json, re, sys, warnings
 import torch
 from flashattn_triton import _device, gluon_dkdv, launch, launch_backward, launch_common
-from flashattn_triton import launch_plans
+from flashattn_triton import fastlaunch, launch_plans
 from flashattn_triton import traced_ops  # registers the ops
+from flashattn_triton.options import set_options
 from torch._functorch.aot_autograd import aot_function
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-# An H100's facts (no GPU here): 132 SMs, 228 KB of shared memory per SM, sm_90, 50 MB of L2.
+h, n, d, window, n_k, h_kv, smem_kb = (int(x) for x in sys.argv[1:8])
+set_options(traced_compile={"auto": "auto", "1": True}[sys.argv[8]])
+# An H100's facts (no GPU here): 132 SMs, 228 KB of shared memory per SM (227 KB per block,
+# or smem_kb), sm_90, 50 MB of L2.
 _device._cuda_sm_count = lambda i: 132
 _device._cuda_smem_per_sm = lambda i: 228 * 1024
+_device._cuda_smem_per_block = lambda i: smem_kb * 1024
 _device.cuda_major = gluon_dkdv.cuda_major = lambda i: 9
 _device._cuda_l2_bytes = lambda i: 50 * 2**20
 launch_plans._device_guard = lambda t: contextlib.nullcontext()
-h, n, d, window, n_k, h_kv = (int(x) for x in sys.argv[1:7])
-graphs = []
+graphs, tiles = [], {}
+_launch_traced = fastlaunch._launch_traced
+
+def record_tiles(kernel, grid, args, kwargs):  # each kernel's tile: rows, keys, stages
+    tiles[kernel.fn.__name__] = [kwargs.get(x) for x in ("BLOCK_M", "BLOCK_N", "num_stages")]
+    _launch_traced(kernel, grid, args, kwargs)
+
+fastlaunch._launch_traced = record_tiles
 
 # Triton's driver, stubbed with an H100's target, lets torch read which tensors each kernel
 # writes from its Triton IR (on a GPU it reads the same; with no driver it assumes every
@@ -99,6 +110,8 @@ idx = sorted({int(i) for i in re.findall(r"kernel_idx = (\d+)", code)})
 names = [kernel_side_table.get_kernel(i).fn.__name__ for i in idx]
 print(json.dumps({
     "kernels": names,
+    "tiles": tiles,
+    "opaque": len(re.findall(r"flashattn_triton\.(?:fwd|bwd)_launch", code)),
     "writes": writes,
     "copies": copies,
     "tma": "'USE_TMA': True" in code,
@@ -125,12 +138,16 @@ _WRITES = {
 }
 
 
-def _trace(h: int, n: int, d: int, window: int, n_k: int, h_kv: int) -> dict:
+def _trace(
+    h: int, n: int, d: int, window: int, n_k: int, h_kv: int, smem_kb: int = 227, traced="auto"
+) -> dict:
+    """The trace script's summary (above) in a subprocess: the sizes, the GPU's shared
+    memory per block (KB) and the ``traced_compile`` setting ("auto" or "1")."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # newer Tritons warn when it is unset
     out = subprocess.run(
-        [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n_k, h_kv))],
+        [sys.executable, "-c", _TRACE, *map(str, (h, n, d, window, n_k, h_kv, smem_kb, traced))],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -175,19 +192,51 @@ def test_traced_ops_record_each_kernel_and_touch_no_address_or_cache(
     of its output buffer (``copies``)."""
     got = _trace(h, n, d, window, n_k, h_kv)
     assert sorted(got.pop("kernels")) == sorted(kernels)
+    assert sorted(got.pop("tiles")) == sorted(kernels)
     # Each kernel writes its outputs and nothing the caller passed in (q, k, v, dO, O, L):
     # the graph copies no input, and orders a reader of D and L2 after their writer.
     writes = {"attn_bwd_dq_kernel": ["DQ"]} if "attn_bwd_preprocess_kernel" in kernels else {}
     assert got.pop("writes") == {name: writes.get(name, _WRITES[name]) for name in kernels}
     assert got == {
-        "copies": [], "tma": False, "maxnreg": False, "scatters": 0, "plans": 0, "calls": 0,
-        "choices": 0, "shrunk": 0, "padding": 0, "gluon_failed": 0, "gluon_compiled": 0,
+        "opaque": 0, "copies": [], "tma": False, "maxnreg": False, "scatters": 0, "plans": 0,
+        "calls": 0, "choices": 0, "shrunk": 0, "padding": 0, "gluon_failed": 0,
+        "gluon_compiled": 0,
     }  # fmt: skip
 
 
+_KINDS = {"attn_fwd_kernel": "fwd", "attn_bwd_dq_kernel": "dq", "attn_bwd_dkdv_kernel": "dkdv"}
+
+
+@pytest.mark.timeout(600)
+def test_traced_tiles_fit_a_gpu_with_less_shared_memory():
+    """A traced kernel is compiled by inductor, where a tile too large for the GPU cannot be
+    shrunk and retried as the eager launchers do. On a GPU with 99 KB of shared memory per
+    block (desktop Ada and Ampere parts): ``auto`` keeps the opaque ops (the tables were
+    measured on Hopper), and ``True`` traces with every tile fitted to the GPU by the
+    estimate, where Hopper's 227 KB keeps the tables' larger tiles."""
+    from flashattn_triton import configs
+
+    small = _trace(4, 4096, 128, -1, 4096, 4, smem_kb=99, traced="1")
+    hopper = _trace(4, 4096, 128, -1, 4096, 4, smem_kb=227, traced="1")
+    assert small["opaque"] == hopper["opaque"] == 0
+    limit = 99 * 1024 - configs.SMEM_RESERVE_BYTES
+    shrunk = 0
+    for name, kind in _KINDS.items():
+        m, n, stages = small["tiles"][name]
+        cfg = configs.TileConfig(m, n, 4, stages)
+        assert configs.fits(kind, cfg, 128, 2, limit), (name, cfg)
+        shrunk += small["tiles"][name] != hopper["tiles"][name]
+    assert shrunk, (small["tiles"], hopper["tiles"])  # the tables' tiles do not fit 99 KB
+    kept = _trace(8, 512, 64, -1, 512, 8, smem_kb=99, traced="auto")
+    assert kept["kernels"] == []
+    assert kept["opaque"] == 2
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_traced_ops_run_eagerly_like_the_launchers(causal):
-    """Outside torch.compile the ops give the launchers' results (interpreter, float32)."""
+def test_traced_ops_run_eagerly_like_the_launchers(causal, set_options):
+    """Outside torch.compile the ops give the launchers' results (interpreter, float32;
+    ``True``: ``auto`` would send CPU tensors to the opaque ops)."""
+    set_options(traced_compile=True)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
     do = torch.randn(1, 2, 40, 16)
@@ -218,11 +267,12 @@ def test_static_sizes_refuses_symbolic_sizes():
     assert not traced_ops.static_sizes(real, sym)
 
 
-def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch):
+def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch, set_options):
     """Dynamic shapes, and floats torch.compile made symbolic on a recompile, reach the
     traced ops' bodies as symbolic numbers that the launchers' caches cannot hash: there the
     bodies call the opaque ops (seen from dynamo a symbolic int's type is int, so only the
-    bodies can tell). Concrete calls record Triton kernels as before."""
+    bodies can tell). Concrete calls record Triton kernels as before. ``True``: ``auto``
+    would send these CPU tensors to the opaque ops whatever their sizes."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (
@@ -233,6 +283,7 @@ def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch
 
     from flashattn_triton import ops
 
+    set_options(traced_compile=True)
     opaque = []
     for name in ("fwd_launch", "bwd_launch"):
         real = getattr(ops, name)
@@ -260,7 +311,7 @@ def test_traced_ops_hand_symbolic_sizes_and_scales_to_the_opaque_ops(monkeypatch
 
 
 @pytest.mark.timeout(300)
-def test_compiled_dynamic_shapes_lower_through_the_opaque_ops(monkeypatch):
+def test_compiled_dynamic_shapes_lower_through_the_opaque_ops(monkeypatch, set_options):
     """Compiled with dynamic shapes, the traced ops get symbolic sizes; their bodies call the
     opaque ops, which inductor lowers like any op, and the results equal the eager call's.
     Run on the CPU (the interpreter) with the traced choice forced, which a CPU call never
@@ -271,6 +322,7 @@ def test_compiled_dynamic_shapes_lower_through_the_opaque_ops(monkeypatch):
     from flashattn_triton import autograd
 
     monkeypatch.setattr(autograd, "_use_traced_ops", lambda causal, q, k, *more: True)
+    set_options(traced_compile=True)  # ``auto`` would keep CPU tensors opaque by their device
 
     def attn(q, k, v):
         return fa.flash_attention(q, k, v, causal=True, backend="triton")
@@ -310,7 +362,9 @@ def test_traced_decode_runs_eagerly_like_the_launcher(monkeypatch, set_options):
         return out
 
     monkeypatch.setattr(launch_module, "workspace_views", spy)
-    set_options()  # drops remembered calls: the launcher's call below takes its full path
+    # drops remembered calls (the launcher's call below takes its full path); ``True``:
+    # ``auto`` would send CPU tensors to the opaque op
+    set_options(traced_compile=True)
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 2048, 16), torch.randn(1, 2, 2048, 16)
     o, lse = traced_ops.fwd_traced(q, k, v, False, 0.25)
@@ -335,6 +389,8 @@ def test_auto_keeps_the_opaque_ops_in_graphs_for_cuda_graphs(monkeypatch, set_op
     from flashattn_triton import autograd
 
     monkeypatch.setattr(autograd, "_use_traced_ops", lambda causal, q, k, *more: True)
+    # CPU tensors count as a Hopper GPU's here: the graph hint alone keeps the opaque ops
+    monkeypatch.setattr(traced_ops._device, "tables_fit", lambda t: True)
     set_options(traced_compile="auto")
 
     def attn(q, k, v):
@@ -390,6 +446,32 @@ def _cuda(*shape: int) -> torch.Tensor:
 
     with FakeTensorMode():
         return torch.empty(*shape, device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("major", "block_kb", "fits", "limit_kb"),
+    [
+        (9, 227, True, 222),  # H100, H200
+        (10, 227, True, 222),  # B200
+        (8, 163, False, 158),  # A100
+        (8, 99, False, 94),  # desktop Ampere / Ada
+        (12, 99, False, 94),  # desktop Blackwell
+    ],
+)
+def test_tables_fit_hopper_class_gpus_only(monkeypatch, major, block_kb, fits, limit_kb):
+    """``auto`` traces on GPUs of compute capability 9+ with Hopper's 227 KB of shared memory
+    per block (the tables' GPUs); traced tiles are fitted to a block's opt-in memory less the
+    reserve, never above the tables' limit; CPU tensors are no such GPU."""
+    from flashattn_triton import _device, configs
+
+    monkeypatch.setattr(_device, "cuda_major", lambda i: major)
+    monkeypatch.setattr(_device, "_cuda_smem_per_block", lambda i: block_kb * 1024)
+    t = _cuda(1, 2, 64, 16)
+    assert _device.tables_fit(t) is fits
+    assert _device.smem_limit(t) == limit_kb * 1024 <= configs.SMEM_LIMIT_BYTES
+    cpu = torch.empty(1)
+    assert not _device.tables_fit(cpu)
+    assert _device.smem_limit(cpu) == configs.SMEM_LIMIT_BYTES
 
 
 def test_compiled_graphs_use_traced_ops_only_where_they_can(set_options):

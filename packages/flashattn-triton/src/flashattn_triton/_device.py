@@ -61,6 +61,29 @@ def _cuda_smem_per_sm(index: int) -> int:
     return int(getattr(props, "shared_memory_per_multiprocessor", 0)) or 228 * 1024
 
 
+@functools.cache
+def _cuda_smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0)) or 227 * 1024
+
+
+def smem_limit(t: torch.Tensor) -> int:
+    """Shared memory the tile estimates (``configs.fits``) may plan for on t's GPU: the
+    tables' Hopper limit, or less where one block may opt in to less; the limit off-GPU."""
+    index = t.get_device()
+    if index < 0:
+        return C.SMEM_LIMIT_BYTES
+    return min(C.SMEM_LIMIT_BYTES, _cuda_smem_per_block(index) - C.SMEM_RESERVE_BYTES)
+
+
+def tables_fit(t: torch.Tensor) -> bool:
+    """Whether t's GPU is of the kind the tile tables were measured on and fit: compute
+    capability 9 or newer with Hopper's shared memory per block (not an A100 or a desktop
+    GPU of ~100 KB, where the eager launchers shrink tiles after Triton refuses them)."""
+    index = t.get_device()
+    return index >= 0 and cuda_major(index) >= 9 and smem_limit(t) >= C.SMEM_LIMIT_BYTES
+
+
 def smem_per_sm(t: torch.Tensor) -> int:
     """Shared memory of one SM of t's GPU in bytes (Hopper's 228 KB where torch does not
     report it); 0 off-GPU."""

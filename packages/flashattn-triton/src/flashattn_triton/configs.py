@@ -21,6 +21,9 @@ from dataclasses import dataclass, replace
 # tf32x3), so it is scaled by these factors before the comparison.
 SMEM_LIMIT_BYTES = 222 * 1024
 SMEM_FUDGE = {2: 1.25, 4: 1.7}
+# What the limit keeps back from a block's opt-in shared memory (227 KB on Hopper -> 222 KB);
+# applied to smaller GPUs' opt-in where a traced graph needs tiles that fit before compiling.
+SMEM_RESERVE_BYTES = 5 * 1024
 MIN_TILE = 32  # shrinking stops here (sequences shorter than a tile still clamp below it)
 
 
@@ -278,9 +281,12 @@ def _clamp(cfg: TileConfig, kind: str, n_q: int, n_k: int, elem_bytes: int = 2) 
     return replace(cfg, block_m=min(cfg.block_m, bq), block_n=min(cfg.block_n, bk))
 
 
-def fits(kind: str, cfg: TileConfig, block_d: int, elem_bytes: int) -> bool:
+def fits(
+    kind: str, cfg: TileConfig, block_d: int, elem_bytes: int, limit: int = SMEM_LIMIT_BYTES
+) -> bool:
+    """Whether the estimate (scaled by SMEM_FUDGE) stays within ``limit`` bytes."""
     need = smem_bytes(kind, cfg, block_d, elem_bytes) * SMEM_FUDGE.get(elem_bytes, 1.25)
-    return need <= SMEM_LIMIT_BYTES
+    return need <= limit
 
 
 def shrink(kind: str, cfg: TileConfig) -> TileConfig | None:
@@ -300,12 +306,19 @@ def shrink(kind: str, cfg: TileConfig) -> TileConfig | None:
 
 @functools.lru_cache(maxsize=4096)
 def fit_config(
-    kind: str, cfg: TileConfig, n_q: int, n_k: int, block_d: int, elem_bytes: int
+    kind: str,
+    cfg: TileConfig,
+    n_q: int,
+    n_k: int,
+    block_d: int,
+    elem_bytes: int,
+    smem_limit: int = SMEM_LIMIT_BYTES,
 ) -> TileConfig:
-    """Clamp to the sequence lengths, then lower stages and tiles until shared memory fits.
-    Cached (a pure function of hashable arguments, asked on every launch)."""
+    """Clamp to the sequence lengths, then lower stages and tiles until shared memory fits
+    (``smem_limit`` bytes by ``fits``). Cached (a pure function of hashable arguments, asked
+    on every launch)."""
     cfg = _clamp(cfg, kind, n_q, n_k, elem_bytes)
-    while not fits(kind, cfg, block_d, elem_bytes):
+    while not fits(kind, cfg, block_d, elem_bytes, smem_limit):
         smaller = shrink(kind, cfg)
         if smaller is None:
             break
@@ -376,12 +389,13 @@ def default_config(
     few_programs: bool = False,
     tile_configs: str = "",
     features: bool = False,
+    smem_limit: int = SMEM_LIMIT_BYTES,
 ) -> TileConfig:
     """The config used without autotuning: an override (``OVERRIDES``, then the
     ``tile_configs`` spec of ``Options``), else for a call with ``features`` its
     FEATURE_DEFAULTS entry, else the measured table (its FEW_PROGRAMS entry for a grid of
     few programs, see ``few_programs``; adapted to a small grid, see ``for_small_grid``),
-    fitted."""
+    fitted to the sequence lengths and ``smem_limit`` bytes of shared memory."""
     table, key = (DEFAULTS_FP32, kind + ".fp32") if elem_bytes >= 4 else (DEFAULTS, kind)
     cfg = OVERRIDES.get(key) or parse_overrides(tile_configs).get(key)
     if cfg is None and features and elem_bytes < 4:
@@ -392,7 +406,7 @@ def default_config(
             cfg = FEW_PROGRAMS.get(kind, {}).get(_table_key(block_d), cfg)
         if small_grid:
             cfg = for_small_grid(kind, cfg)
-    return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes)
+    return fit_config(kind, cfg, n_q, n_k, block_d, elem_bytes, smem_limit)
 
 
 def prune_configs(

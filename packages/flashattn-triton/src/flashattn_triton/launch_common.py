@@ -18,7 +18,7 @@ import torch
 
 from . import configs as C
 from . import fastlaunch
-from ._device import interpreting, tma_usable
+from ._device import interpreting, smem_limit, tma_usable
 from ._device import kernels as _kernels
 from .options import get_options
 
@@ -282,6 +282,8 @@ def _run(
 
     If the device has less shared memory than a config needs, Triton refuses the launch
     (OutOfResources, before anything runs); retry with smaller configs instead of failing.
+    A launch traced for torch.compile is compiled later, by inductor, where no retry is
+    possible: its tiles are fitted to the device's shared memory (``smem_limit``) first.
     ``ragged``: packed variable-length sequences (n_q, n_k: the longest), every bounds
     check on, never autotuned (its heuristics see the packed lengths). ``features``: tiles
     from ``configs.FEATURE_DEFAULTS`` where it has them.
@@ -296,8 +298,20 @@ def _run(
         return
     from triton.runtime.errors import OutOfResources
 
+    limit = C.SMEM_LIMIT_BYTES
+    if fastlaunch.tracing():
+        limit = smem_limit(next(t for t in args.values() if isinstance(t, torch.Tensor)))
     first = C.default_config(
-        kind, n_q, n_k, block_d, elem, small_grid, few_programs, opts.tile_configs, features
+        kind,
+        n_q,
+        n_k,
+        block_d,
+        elem,
+        small_grid,
+        few_programs,
+        opts.tile_configs,
+        features,
+        limit,
     )
     key = (kind, first, block_d, elem, args.get("DOT_PRECISION"), args.get("CAUSAL"), features)
     cfg = _SHRUNK.get(key, first)

@@ -10,6 +10,12 @@ concrete (a symbolic size or float would reach the launchers' tile tables and ca
 hash them): the ops' bodies hand symbolic ones to the opaque ops (``_concrete``), and the
 Functions use the opaque ops for packed sequences and the KV-cache calls.
 
+``auto`` traces only on GPUs like those the tile tables were measured on (compute
+capability 9+ with Hopper's shared memory per block, ``_device.tables_fit``): inductor
+compiles the traced kernels, where a tile that does not fit a smaller GPU cannot be shrunk
+and retried as the eager launchers do. ``True`` traces on any GPU, its tiles fitted to the
+GPU's shared memory by the estimate (``launch_common._run``).
+
 Under CUDA graphs a step pays no host time per call and the traced kernels only lose GPU
 time, so ``auto`` keeps the opaque ops in graphs that will be replayed from a CUDA graph:
 inductor's own (``mode="reduce-overhead"``), and any compiled inside ``for_cuda_graphs()``
@@ -28,7 +34,7 @@ from collections.abc import Iterator
 import torch
 from torch.library import triton_op
 
-from . import fastlaunch, launch, ops
+from . import _device, fastlaunch, launch, ops
 from .ops import NAMESPACE
 from .options import get_options
 
@@ -76,7 +82,8 @@ def fwd_traced(
     window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``launch.forward`` with its launches recorded for torch.compile (see the module)."""
-    if _for_cuda_graphs() or not _concrete(softmax_scale, (window_left, window_right), q, k, v):
+    window = (window_left, window_right)
+    if _for_cuda_graphs() or _auto_keeps_opaque(q) or not _concrete(softmax_scale, window, q, k, v):
         return ops.fwd_launch(q, k, v, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.forward(q, k, v, causal, softmax_scale, window_left, window_right)
@@ -97,12 +104,25 @@ def bwd_traced(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``launch.backward`` with its launches recorded for torch.compile (see the module)."""
     window = (window_left, window_right)
-    if _for_cuda_graphs() or not _concrete(softmax_scale, window, do, q, k, v, o, lse):
+    if (
+        _for_cuda_graphs()
+        or _auto_keeps_opaque(q)
+        or not _concrete(softmax_scale, window, do, q, k, v, o, lse)
+    ):
         return ops.bwd_launch(do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right)
     with fastlaunch.traced():
         return launch.backward(
             do, q, k, v, o, lse, causal, softmax_scale, window_left, window_right
         )
+
+
+def _auto_keeps_opaque(t: torch.Tensor) -> bool:
+    """Whether ``auto`` keeps this call on the opaque op because t's GPU is not one the tile
+    tables were measured on (``_device.tables_fit``): inductor compiles a traced kernel
+    where a tile too large for the GPU's shared memory cannot be shrunk and retried, as the
+    eager launchers do, and the traced tiles were checked on Hopper only. ``True`` traces on
+    any GPU, with tiles fitted to its shared memory by the estimate."""
+    return get_options().traced_compile == "auto" and not _device.tables_fit(t)
 
 
 def static_sizes(*tensors: torch.Tensor) -> bool:
