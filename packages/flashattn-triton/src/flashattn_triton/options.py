@@ -69,8 +69,9 @@ class Options:
         pointer loads and no Gluon kernels) where sizes and the scale are concrete; False
         calls one opaque op per forward and backward instead; ``auto`` traces the calls of
         at most ``configs.TRACED_MAX_WORK`` (where host time counts more than the kernels')
-        outside graphs compiled for CUDA graphs, which makes host-bound compiled models
-        faster (the default).
+        outside graphs compiled for CUDA graphs, on GPUs like the ones its tiles were
+        measured on (``_device.tables_fit``), which makes host-bound compiled models faster
+        (the default).
     """
 
     backward: str = "auto"
