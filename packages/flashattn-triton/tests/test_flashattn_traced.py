@@ -452,7 +452,7 @@ def _cuda(*shape: int) -> torch.Tensor:
     ("major", "block_kb", "fits", "limit_kb"),
     [
         (9, 227, True, 222),  # H100, H200
-        (10, 227, True, 222),  # B200
+        (10, 227, True, 222),  # B200 (by the rule; untried)
         (8, 163, False, 158),  # A100
         (8, 99, False, 94),  # desktop Ampere / Ada
         (12, 99, False, 94),  # desktop Blackwell

@@ -25,7 +25,10 @@ def _use_traced_ops(causal: bool, q: torch.Tensor, k: torch.Tensor, *more: torch
     ones: ``Options.traced_compile`` (``auto``: a call of at most ``TRACED_MAX_WORK``), no
     autotuning (the autotuner would time fake tensors), static sizes (outside dynamo: under
     it the traced ops' bodies check, ``traced_ops._concrete``) and CUDA tensors (the
-    interpreter's launches read addresses). ``q``, ``k``: (B, H, Nq, d), (B, Hkv, Nk, d)."""
+    interpreter's launches read addresses). The bodies, which run only while torch.compile
+    compiles, also keep ``auto`` on the opaque ops for graphs replayed from CUDA graphs and
+    on GPUs other than the tables' kind (``traced_ops``). ``q``, ``k``: (B, H, Nq, d),
+    (B, Hkv, Nk, d)."""
     opts = get_options()
     if opts.traced_compile is False or opts.autotune:
         return False

@@ -282,11 +282,11 @@ def _clamp(cfg: TileConfig, kind: str, n_q: int, n_k: int, elem_bytes: int = 2) 
 
 
 def fits(
-    kind: str, cfg: TileConfig, block_d: int, elem_bytes: int, limit: int = SMEM_LIMIT_BYTES
+    kind: str, cfg: TileConfig, block_d: int, elem_bytes: int, smem_limit: int = SMEM_LIMIT_BYTES
 ) -> bool:
-    """Whether the estimate (scaled by SMEM_FUDGE) stays within ``limit`` bytes."""
+    """Whether the estimate (scaled by SMEM_FUDGE) stays within ``smem_limit`` bytes."""
     need = smem_bytes(kind, cfg, block_d, elem_bytes) * SMEM_FUDGE.get(elem_bytes, 1.25)
-    return need <= limit
+    return need <= smem_limit
 
 
 def shrink(kind: str, cfg: TileConfig) -> TileConfig | None:
