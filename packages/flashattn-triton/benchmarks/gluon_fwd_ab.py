@@ -18,6 +18,7 @@ Gluon forward starts to pay (``gluon_fwd.DEFAULTS``'s ``min_keys``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -51,8 +52,26 @@ def reference(q, k, v, causal, scale):
 def run(q, k, v, causal, **kw):
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-    gluon_fwd.launch_fwd(q, k, v, o, lse, causal, 1 / math.sqrt(D), **kw)
+    if kw.get("persistent") == -1:  # one program per SM
+        kw = {**kw, "persistent": torch.cuda.get_device_properties(q.device).multi_processor_count}
+    gluon_fwd.launch_fwd(q, k, v, o, lse, causal, 1 / math.sqrt(q.shape[-1]), **kw)
     return o, lse
+
+
+# The persistent kernel (one program per SM looping over the tiles) beside the one program
+# per tile of the shipped tiles, by head dim (``--persistent``).
+PERSISTENT_VARIANTS = {
+    128: {
+        "gluon": {"block_m": 128, "head_group": 4},
+        "persistent": {"block_m": 128, "persistent": -1},
+        "persistent_s3": {"block_m": 128, "stages": 3, "persistent": -1},
+    },
+    64: {
+        "gluon": {"block_m": 192, "consumer_regs": 160, "head_group": 4},
+        "persistent": {"block_m": 192, "consumer_regs": 160, "persistent": -1},
+        "persistent_m128": {"block_m": 128, "persistent": -1},
+    },
+}
 
 
 VARIANTS = {
@@ -169,6 +188,149 @@ def sweep(rows: list, rounds: int) -> None:
                 print(row, flush=True)
 
 
+# The shipped ``DEFAULTS`` (before any ``PackageDefaults`` block), and the persistent
+# variants that ``--persistent`` also times inside the package's forward + backward.
+SHIPPED = {d: dict(cfg) for d, cfg in gluon_fwd.DEFAULTS.items()}
+PACKAGE_PERSISTENT = {128: ("persistent",), 64: ("persistent", "persistent_m128")}
+
+
+class PackageDefaults:
+    """Within the block the package's Gluon forward at head dim d runs with ``cfg`` (None:
+    the Triton forward); launch plans are cleared on entry and exit."""
+
+    def __init__(self, d: int, cfg: dict | None):
+        self.d, self.cfg = d, cfg
+
+    def __enter__(self):
+        self.saved = gluon_fwd.DEFAULTS.get(self.d)
+        if self.cfg is None:
+            gluon_fwd.DEFAULTS.pop(self.d, None)
+        else:
+            gluon_fwd.DEFAULTS[self.d] = self.cfg
+        clear_plans()
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            gluon_fwd.DEFAULTS.pop(self.d, None)
+        else:
+            gluon_fwd.DEFAULTS[self.d] = self.saved
+        clear_plans()
+
+
+def check_persistent(rows: list) -> None:
+    """The persistent variants against a float32 reference on awkward shapes."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for d, variants in PERSISTENT_VARIANTS.items():
+        for b, h, h_kv, n_q, n_k, causal in [
+            (2, 3, 3, 1000, 1000, True), (2, 3, 3, 1000, 1000, False), (1, 2, 2, 77, 300, True),
+            (1, 2, 2, 300, 77, False), (1, 1, 1, 1, 129, True), (2, 8, 2, 700, 700, True),
+            (1, 6, 1, 513, 513, False), (3, 50, 50, 512, 512, False),
+        ]:  # fmt: skip
+            q = torch.randn(b, h, n_q, d, device="cuda", generator=g).bfloat16()
+            k = torch.randn(b, h_kv, n_k, d, device="cuda", generator=g).bfloat16()
+            v = torch.randn(b, h_kv, n_k, d, device="cuda", generator=g).bfloat16()
+            ke, ve = (t.repeat_interleave(h // h_kv, dim=1) for t in (k, v))
+            o_ref, lse_ref = reference(q, ke, ve, causal, 1 / math.sqrt(d))
+            fin = torch.isfinite(lse_ref)
+            for name, kw in variants.items():
+                shape = f"d{d} {b}x{h}/{h_kv}x{n_q}x{n_k}"
+                head = {"check": shape, "causal": causal, "variant": name}
+                try:
+                    o, lse = run(q, k, v, causal, **kw)
+                    torch.cuda.synchronize()
+                    row = {
+                        **head, "o_err": (o.float() - o_ref).abs().max().item(),
+                        "lse_err": (lse - lse_ref)[fin].abs().max().item() if fin.any() else 0.0,
+                        "lse_inf_match": bool(torch.equal(torch.isinf(lse), ~fin)),
+                    }  # fmt: skip
+                except Exception as e:
+                    row = {**head, "error": repr(e)[:300]}
+                rows.append(row)
+                print(row, flush=True)
+
+
+def time_persistent(rows: list, rounds: int, head_dims=(128, 64)) -> None:
+    """Over the attention sweep's batch-1 shapes, forward alone: the package's forward (as
+    shipped, and the Triton forward only), the Gluon kernel per tile and persistent, SDPA's
+    cuDNN and flash backends; forward + backward: the package as shipped, with the Triton
+    forward, with each persistent variant of ``PACKAGE_PERSISTENT`` (from any length), and
+    both SDPA backends. Interleaved rounds, medians; "vs_cudnn": over cuDNN's time of the
+    same kind."""
+    for d in head_dims:
+        variants = PERSISTENT_VARIANTS[d]
+        configs: dict[str, dict | None] = {"package": SHIPPED[d], "triton": None}
+        for name in PACKAGE_PERSISTENT[d]:
+            kw = {k: v for k, v in variants[name].items() if k != "persistent"}
+            cfg = {**SHIPPED[d], **kw, "persistent": True, "min_keys": 0}
+            cfg.pop("min_waves", None)
+            configs[f"package {name}"] = cfg
+        for h, n in [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]:
+            for causal in (False, True):
+                _time_shape(rows, d, h, n, causal, variants, configs, rounds)
+
+
+def _time_shape(rows, d, h, n, causal, variants, configs, rounds) -> None:
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+
+    def ours(grad: bool):
+        def call():
+            if not grad:
+                return fa.flash_attention(q, k, v, causal)
+            o = fa.flash_attention(qg, kg, vg, causal)
+            return torch.autograd.grad(o, (qg, kg, vg), do)
+
+        return call
+
+    def sdpa(backend, grad: bool):
+        def call():
+            with sdpa_kernel(backend):
+                if not grad:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+            return torch.autograd.grad(o, (qg, kg, vg), do)
+
+        return call
+
+    # name -> (function, the package's Gluon forward config around it, or "as is")
+    fns: dict[str, tuple] = {}
+    for label in ("package", "triton"):
+        fns[label] = (ours(False), configs[label])
+    for name, kw in variants.items():
+        fns[name] = ((lambda kw=kw: run(q, k, v, causal, **kw)), "as is")
+    for label, cfg in configs.items():
+        fns[label + " fwd+bwd"] = (ours(True), cfg)
+    for grad in (False, True):
+        for label, backend in (
+            ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ):
+            fns[label + (" fwd+bwd" if grad else "")] = (sdpa(backend, grad), "as is")
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, (fn, cfg) in fns.items():
+            context = contextlib.nullcontext() if cfg == "as is" else PackageDefaults(d, cfg)
+            try:
+                with context, torch.set_grad_enabled("fwd+bwd" in name):
+                    times.setdefault(name, []).append(bench(fn))
+            except Exception as e:
+                times.setdefault(name, []).append(float("nan"))
+                print(name, repr(e)[:200], flush=True)
+    line = {"d": d, "shape": f"1x{h}x{n}", "causal": causal}
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        cudnn = statistics.median(
+            times["sdpa_cudnn fwd+bwd" if "fwd+bwd" in name else "sdpa_cudnn"]
+        )
+        row = {
+            **line, "provider": name, "ms": round(ms, 4), "vs_cudnn": round(ms / cudnn, 3),
+            "rounds": [round(t, 4) for t in ts],
+        }  # fmt: skip
+        rows.append(row)
+    print(line, " ".join(f"{k}={statistics.median(t):.4f}" for k, t in times.items()), flush=True)
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=120, return_mode="median")
 
@@ -219,8 +381,9 @@ def timing(rows: list, shapes, rounds: int) -> None:
 
 
 def offline(
-    causal: bool, kv_group: int, head_dim: int = D, block_m: int = 0, regs: int = 240
-) -> None:
+    causal: bool, kv_group: int, head_dim: int = D, block_m: int = 0, regs: int = 240,
+    persistent: bool = False,
+) -> None:  # fmt: skip
     """Compile the shipped d = 128 variant (or, with ``head_dim`` / ``block_m`` / ``regs``,
     that kernel at another head dim, with 128 or 192 query rows, its math warpgroups'
     registers) for sm_90 on any machine and print its resources and SASS hash."""
@@ -249,20 +412,21 @@ def offline(
     sig["v_desc"] = sig["k_desc"]
     sig.update(Out="*bf16", LSE="*fp32", qk_scale="fp32")
     names_i32 = ("stride_ob", "stride_oh", "stride_om", "n_heads", "n_q", "n_k", "kv_group")
-    for name in (*names_i32, "head_group"):
+    extra = ("n_m", "total") if persistent else ("head_group",)
+    for name in (*names_i32, *extra):
         sig[name] = "i32"
     consts = {
         "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "HEAD_DIM": head_dim,
-        "STAGES": cfg["stages"], "CAUSAL": causal, "PINGPONG": cfg["pingpong"],
-        "CONSUMER_REGS": regs, "GROUPED": True, "num_warps": 4,
+        "STAGES": cfg["stages"], "CAUSAL": causal, "CONSUMER_REGS": regs, "num_warps": 4,
     }  # fmt: skip
+    if not persistent:
+        consts.update(PINGPONG=cfg["pingpong"], GROUPED=True)
     if kv_group == 1:
         consts["kv_group"] = 1  # as Triton specializes an argument equal to 1
-    names = gluon_fwd.fwd_kernel.arg_names
+    kernel = gluon_fwd.fwd_persistent_kernel if persistent else gluon_fwd.fwd_kernel
+    names = kernel.arg_names
     sig.update(dict.fromkeys(consts, "constexpr"))
-    src = GluonASTSource(
-        gluon_fwd.fwd_kernel, sig, {(names.index(k),): v for k, v in consts.items()}
-    )
+    src = GluonASTSource(kernel, sig, {(names.index(k),): v for k, v in consts.items()})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = c.asm["ptx"]
     print(_resource_usage(c.asm["cubin"]), "shared", c.metadata.shared)
@@ -284,13 +448,26 @@ def main() -> None:
     ap.add_argument("--regs", type=int, default=240, help="--offline: CONSUMER_REGS")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0, help="--persistent: timing rounds (3)")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="--persistent")
+    ap.add_argument(
+        "--persistent", action="store_true",
+        help="the persistent kernel: check it, then time it over the sweep's shapes (only); "
+        "with --offline: compile it",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.offline:
-        offline(args.causal, args.kv_group, args.head_dim, args.block_m, args.regs)
+        offline(args.causal, args.kv_group, args.head_dim, args.block_m, args.regs, args.persistent)
         return
     if args.out is None:
         ap.error("OUT.json is required unless --offline")
     rows: list = []
+    if args.persistent:
+        check_persistent(rows)
+        time_persistent(rows, args.rounds or 3, args.head_dims)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     check(rows)
     if args.sweep:
         sweep(rows, rounds=2)

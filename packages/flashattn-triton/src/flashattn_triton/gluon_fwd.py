@@ -137,15 +137,18 @@ if HAVE_GLUON:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
-    def _consume(
-        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m, n_q, n_k,
-        n_tiles, causal_off, qk_scale,
+    def _attend_rows(
+        q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, q_empty,
+        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, row0, n_q, n_k,
+        n_tiles, count, causal_off, qk_scale,
         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
     ):  # fmt: skip
-        """One math warpgroup: rows start_m + WG * WG_M .. + WG_M of the program's tile."""
+        """One math warpgroup's WG_M query rows from row0 over n_tiles key tiles: o and lse
+        written. ``count``: how many key tiles the loader streamed before these (stages and
+        barrier phases run on across a persistent program's tiles). RELEASE_Q: arrive on
+        q_empty once the last score product has read the Q tile."""
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -156,7 +159,6 @@ if HAVE_GLUON:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        row0 = start_m + WG * WG_M
         offs_m = row0 + gl.arange(0, WG_M, layout=row_layout)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=row_layout)
@@ -166,17 +168,16 @@ if HAVE_GLUON:
         # Key tiles from this one on contain a key that some row of the warpgroup must not
         # see (the causal diagonal): they compute the mask.
         mask_from = row0 + causal_off - BLOCK_N + 1
-        q_tile = q_smem.index(WG).reshape([WG_M, HEAD_DIM])
 
-        mbarrier.wait(q_ready, 0)
         # Tile 0: its scores alone.
         _turn_wait(turn, 0, WG, PINGPONG)
-        mbarrier.wait(k_ready.index(0), 0)
-        k_tile = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM])
+        first = count % STAGES
+        mbarrier.wait(k_ready.index(first), (count // STAGES) & 1)
+        k_tile = k_smem.index(first).reshape([BLOCK_N, HEAD_DIM])
         s_tok = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         _turn_pass(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(first), count=1)
         needs_mask = n_k < BLOCK_N
         if CAUSAL:
             needs_mask = needs_mask | (mask_from < 0)
@@ -185,16 +186,17 @@ if HAVE_GLUON:
         )
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for n in range(1, n_tiles):
-            stage = n % STAGES
-            prev = (n - 1) % STAGES
+            c = count + n
+            stage = c % STAGES
+            prev = (c - 1) % STAGES
             _turn_wait(turn, n, WG, PINGPONG)
-            mbarrier.wait(k_ready.index(stage), (n // STAGES) & 1)
+            mbarrier.wait(k_ready.index(stage), (c // STAGES) & 1)
             k_tile = k_smem.index(stage).reshape([BLOCK_N, HEAD_DIM])
             s_tok = warpgroup_mma(
                 q_tile, k_tile.permute((1, 0)), zero_s, use_acc=False, is_async=True
             )
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            mbarrier.wait(v_ready.index(prev), ((n - 1) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((c - 1) // STAGES) & 1)
             v_tile = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc = warpgroup_mma(p_op, v_tile, acc, is_async=True)
             _turn_pass(turn, WG, PINGPONG)
@@ -211,8 +213,10 @@ if HAVE_GLUON:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if RELEASE_Q:  # every score product has completed: the loader may refill Q
+            mbarrier.arrive(q_empty, count=1)
         # The last tile's P V.
-        last = n_tiles - 1
+        last = count + n_tiles - 1
         _turn_wait(turn, n_tiles, WG, PINGPONG)
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -232,6 +236,25 @@ if HAVE_GLUON:
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf for a row that saw no key
         lse_base = (b * n_heads + h).to(gl.int64) * n_q
         gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < n_q)
+
+    @gluon.jit
+    def _consume(
+        q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
+        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m, n_q, n_k,
+        n_tiles, causal_off, qk_scale,
+        WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        PINGPONG: gl.constexpr,
+    ):  # fmt: skip
+        """One math warpgroup: rows start_m + WG * WG_M .. + WG_M of the program's tile."""
+        q_tile = q_smem.index(WG).reshape([WG_M, HEAD_DIM])
+        mbarrier.wait(q_ready, 0)
+        _attend_rows(
+            q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, q_ready,
+            Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m + WG * WG_M,
+            n_q, n_k, n_tiles, 0, causal_off, qk_scale,
+            WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, False,
+        )  # fmt: skip
 
     @gluon.jit
     def fwd_kernel(
@@ -368,6 +391,201 @@ if HAVE_GLUON:
         mbarrier.invalidate(turn.index(0))
         mbarrier.invalidate(turn.index(1))
 
+    @gluon.jit
+    def _tile_coords(
+        t, n_m, n_heads, kv_group, n_q, n_k,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Tile t of a persistent grid: (batch, q head, k/v head, first query row, key
+        tiles), the n_m query tiles of one head in a row, heaviest first."""
+        pid_bh = t // n_m
+        start_m = (n_m - 1 - t % n_m) * BLOCK_M
+        h = pid_bh % n_heads
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + n_k - n_q), 0)
+        else:
+            hi = n_k
+        return pid_bh // n_heads, h, h // kv_group, start_m, gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
+
+    @gluon.jit
+    def _produce_tiles(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+        v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m, total,
+        STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        WG_M: gl.constexpr, NUM_WG: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp of a persistent program: for each of its tiles, the Q rows once the
+        math warpgroups have released the previous ones, then K and V of each key tile into
+        the stages, whose count runs on across tiles."""
+        count = gl.program_id(0) * 0
+        j = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            b, h, hk, start_m, n_tiles = _tile_coords(
+                t, n_m, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+            )
+            mbarrier.wait(q_empty, (j & 1) ^ 1)
+            mbarrier.expect(q_ready, NUM_WG * q_desc.block_type.nbytes)
+            for w in gl.static_range(NUM_WG):
+                _tma_load(q_desc, [b, h, start_m + w * WG_M, 0], q_ready, q_smem.index(w))
+            for i in range(n_tiles):
+                c = count + i
+                stage = c % STAGES
+                phase = ((c // STAGES) & 1) ^ 1
+                row = i * BLOCK_N
+                mbarrier.wait(k_empty.index(stage), phase)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                _tma_load(k_desc, [b, hk, row, 0], k_ready.index(stage), k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), phase)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                _tma_load(v_desc, [b, hk, row, 0], v_ready.index(stage), v_smem.index(stage))
+            count += n_tiles
+            j += 1
+
+    @gluon.jit
+    def _consume_tiles(
+        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+        Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, n_m, total,
+        qk_scale,
+        WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """One math warpgroup of a persistent program: its rows of each of the program's
+        tiles in turn."""
+        q_tile = q_smem.index(WG).reshape([WG_M, HEAD_DIM])
+        count = gl.program_id(0) * 0
+        j = gl.program_id(0) * 0
+        for t in range(gl.program_id(0), total, gl.num_programs(0)):
+            b, h, _, start_m, n_tiles = _tile_coords(
+                t, n_m, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+            )
+            mbarrier.wait(q_ready, j & 1)
+            _attend_rows(
+                q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, q_empty,
+                Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m + WG * WG_M,
+                n_q, n_k, n_tiles, count, n_k - n_q, qk_scale,
+                WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, True,
+            )  # fmt: skip
+            count += n_tiles
+            j += 1
+
+    @gluon.jit
+    def fwd_persistent_kernel(
+        q_desc, k_desc, v_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q, n_k,
+        qk_scale, kv_group, n_m, total,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """``fwd_kernel`` on a persistent grid: each program takes tiles pid, pid + grid, ...
+        of the ``total`` (B * H * n_m) tiles, so the loader fetches a tile's Q and first
+        K / V while the math warpgroups still finish the previous tile (its last P V and the
+        stores), which a fresh program of a short row cannot overlap."""
+        gl.static_assert(num_warps == 4, "the default partition is one math warpgroup")
+        gl.static_assert(BLOCK_M == 128 or BLOCK_M == 192, "two or three math warpgroups")
+        WG_M: gl.constexpr = 64
+        NUM_WG: gl.constexpr = BLOCK_M // WG_M
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=NUM_WG)
+        for st in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(st), count=1)
+            mbarrier.init(v_ready.index(st), count=1)
+            mbarrier.init(k_empty.index(st), count=NUM_WG)
+            mbarrier.init(v_empty.index(st), count=NUM_WG)
+
+        if NUM_WG == 2:
+            gl.warp_specialize(
+                [
+                (
+                    _consume_tiles,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
+                        n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        STAGES, CAUSAL,
+                    ),
+                ),
+                (
+                    _consume_tiles,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
+                        n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        STAGES, CAUSAL,
+                    ),
+                ),
+                (
+                    _produce_tiles,
+                    (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                        k_ready, k_empty, v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m,
+                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL,
+                    ),
+                ),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, 24],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                (
+                    _consume_tiles,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
+                        n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        STAGES, CAUSAL,
+                    ),
+                ),
+                (
+                    _consume_tiles,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
+                        n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        STAGES, CAUSAL,
+                    ),
+                ),
+                (
+                    _consume_tiles,
+                    (
+                        q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
+                        n_q, n_k, n_m, total, qk_scale, 2, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        STAGES, CAUSAL,
+                    ),
+                ),
+                (
+                    _produce_tiles,
+                    (
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                        k_ready, k_empty, v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m,
+                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL,
+                    ),
+                ),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, 24],
+            )  # fmt: skip
+        mbarrier.invalidate(q_ready)
+        mbarrier.invalidate(q_empty)
+        for st in gl.static_range(STAGES):
+            mbarrier.invalidate(k_ready.index(st))
+            mbarrier.invalidate(v_ready.index(st))
+            mbarrier.invalidate(k_empty.index(st))
+            mbarrier.invalidate(v_empty.index(st))
+
 
 def launch_fwd(
     q: torch.Tensor,
@@ -384,6 +602,7 @@ def launch_fwd(
     pingpong: bool = False,
     consumer_regs: int = 240,
     head_group: int = 0,
+    persistent: int = 0,
 ) -> None:
     """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
     (B, H, Nq, d), k, v (B, Hkv, Nk, d), Hkv dividing H (grouped-query heads), in the layouts
@@ -391,7 +610,9 @@ def launch_fwd(
     benchmarks that pick their own tiles. ``block_m`` 192: three math warpgroups (as
     FlashAttention-3 at d = 64; ``consumer_regs`` 160 fits them without spills).
     ``head_group``: programs of that many heads at a time (``kernels._grouped_program``); 0:
-    the plain order."""
+    the plain order. ``persistent``: that many programs (at most one per tile) loop over the
+    tiles (``fwd_persistent_kernel``; no ping-pong, heads in the plain order); 0: one program
+    per tile."""
     if not HAVE_GLUON:
         raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
     if q.dtype not in GL_DTYPES:
@@ -404,6 +625,19 @@ def launch_fwd(
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
+    n_m = -(-n_q // block_m)
+    if persistent:
+        if pingpong:
+            raise ValueError("pingpong needs one program per tile (persistent=0)")
+        fastlaunch.launch(
+            fwd_persistent_kernel, (min(persistent, b * h * n_m),),
+            _desc(q, WG_ROWS), _desc(k, block_n), _desc(v, block_n), o, lse,
+            o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
+            h // k.shape[1], n_m, b * h * n_m,
+            BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
+            CONSUMER_REGS=consumer_regs, num_warps=4,
+        )  # fmt: skip
+        return
     group, grouped = launch_order(head_group, b * h)
     fastlaunch.launch(
         fwd_kernel, (b * h, -(-n_q // block_m)),
@@ -435,6 +669,8 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     if min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
         return False  # programs (one per SM at a time) against waves of the GPU's SMs
     tiles = {name: value for name, value in cfg.items() if not name.startswith("min_")}
+    if tiles.pop("persistent", False):  # one program per SM, looping over the tiles
+        tiles["persistent"] = sm_count(q)
     if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
         tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]
     return run_guarded(
