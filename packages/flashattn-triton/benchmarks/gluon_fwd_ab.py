@@ -65,6 +65,7 @@ PERSISTENT_VARIANTS = {
         "gluon": {"block_m": 128, "head_group": 4},
         "persistent": {"block_m": 128, "persistent": -1},
         "persistent_s3": {"block_m": 128, "stages": 3, "persistent": -1},
+        "persistent_n64": {"block_m": 128, "block_n": 64, "stages": 3, "persistent": -1},
     },
     64: {
         "gluon": {"block_m": 192, "consumer_regs": 160, "head_group": 4},
@@ -250,7 +251,9 @@ def check_persistent(rows: list) -> None:
 
 
 def time_persistent(rows: list, rounds: int, head_dims=(128, 64)) -> None:
-    """Over the attention sweep's batch-1 shapes, forward alone: the package's forward (as
+    """Over the attention sweep's batch-1 shapes, forward alone as GPU time (one CUDA
+    graph; the kernel variants launch through Triton's dispatch, too slow a host to time
+    otherwise): the package's forward (as
     shipped, and the Triton forward only), the Gluon kernel per tile and persistent, SDPA's
     cuDNN and flash backends; forward + backward: the package as shipped, with the Triton
     forward, with each persistent variant of ``PACKAGE_PERSISTENT`` (from any length), and
@@ -311,9 +314,10 @@ def _time_shape(rows, d, h, n, causal, variants, configs, rounds) -> None:
     for _ in range(rounds):
         for name, (fn, cfg) in fns.items():
             context = contextlib.nullcontext() if cfg == "as is" else PackageDefaults(d, cfg)
+            grad = "fwd+bwd" in name
             try:
-                with context, torch.set_grad_enabled("fwd+bwd" in name):
-                    times.setdefault(name, []).append(bench(fn))
+                with context, torch.set_grad_enabled(grad):
+                    times.setdefault(name, []).append(bench(fn) if grad else bench_graph(fn))
             except Exception as e:
                 times.setdefault(name, []).append(float("nan"))
                 print(name, repr(e)[:200], flush=True)
@@ -329,6 +333,11 @@ def _time_shape(rows, d, h, n, causal, variants, configs, rounds) -> None:
         }  # fmt: skip
         rows.append(row)
     print(line, " ".join(f"{k}={statistics.median(t):.4f}" for k, t in times.items()), flush=True)
+
+
+def bench_graph(fn) -> float:
+    """GPU time alone: ``fn``'s launches replayed from one CUDA graph."""
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
 def bench(fn) -> float:

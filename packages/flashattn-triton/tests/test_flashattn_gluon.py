@@ -192,13 +192,26 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     assert not gluon_fwd.try_fwd(q, short, short, q, lse, True, 0.1)
     assert not launches
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
-    shipped = {k: v for k, v in gluon_fwd.DEFAULTS[128].items() if k != "min_keys"}
+    shipped = {k: v for k, v in gluon_fwd.DEFAULTS[128].items() if not k.startswith("min_")}
     assert launches == [shipped]
     set_options(head_group="off")
-    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
     long_q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda t: 132)
+    # d = 128 non-causal: the persistent grid from min_keys_persistent keys, one program
+    # per SM, whatever the head-group option; causal calls there keep the Triton forward.
+    m = gluon_fwd.DEFAULTS[128]["min_keys_persistent"]
+    assert m < n
+    few_keys = kv[:, :, :m]
+    assert gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, False, 0.1)
+    persistent = {k: v for k, v in shipped.items() if k != "head_group"}
+    assert launches[-1] == {**persistent, "persistent": 132}
+    assert not gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, True, 0.1)
+    fewer = kv[:, :, : m - 1]
+    assert not gluon_fwd.try_fwd(q, fewer, fewer, q, lse, False, 0.1)
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)  # long: persistent too
+    assert launches[-1]["persistent"] == 132
     # d = 64 on 176 programs of 192 rows (1.3 waves): the Triton forward's
     assert not gluon_fwd.try_fwd(q[..., :64], kv[..., :64], kv[..., :64], q, lse, True, 0.1)
     assert gluon_fwd.try_fwd(long_q, long_q, long_q, long_q, lse, True, 0.1)  # 10.4 waves
@@ -223,17 +236,19 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize(("causal", "kv_group"), [(True, 1), (False, 4)])
-def test_gluon_forward_compiles_for_hopper(causal, kv_group):
-    """The shipped forward variant compiles for sm_90 without a GPU (Gluon API drift shows
-    here before any GPU time), with its loader warp and both math warpgroups."""
+@pytest.mark.parametrize(
+    ("causal", "kv_group", "persistent"), [(True, 1, False), (False, 4, False), (False, 1, True)]
+)
+def test_gluon_forward_compiles_for_hopper(causal, kv_group, persistent):
+    """The shipped forward variants, per tile and persistent, compile for sm_90 without a
+    GPU (Gluon API drift shows here before any GPU time), with their loader warp and both
+    math warpgroups."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
     script = BENCH.parent / "gluon_fwd_ab.py"
     args = [sys.executable, str(script), "--offline", "--kv-group", str(kv_group)]
-    out = subprocess.run(
-        args + ["--causal"] * causal, capture_output=True, text=True, env=env, timeout=300
-    )
+    args += ["--causal"] * causal + ["--persistent"] * persistent
+    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reg " in out.stdout, out.stdout
     assert "warps 12" in out.stdout, out.stdout  # 4 + 4 math warps, 1 loader, padded

@@ -129,6 +129,33 @@ def test_gluon_forward_d64_three_warpgroups(b, h, h_kv, n_q, n_k, causal, gluon_
     assert launches
 
 
+@pytest.mark.parametrize(
+    ("b", "h", "h_kv", "n_q", "n_k"),
+    [
+        (2, 40, 40, 1000, 1000),  # 640 tiles: each program loops over several
+        (1, 3, 3, 777, 600),  # ragged, Nq > Nk
+        (1, 2, 2, 130, 513),  # Nq < Nk, one row past a tile
+        (2, 8, 2, 700, 700),  # grouped-query heads
+        (3, 50, 10, 512, 512),  # the sweep's shortest length, batched
+    ],
+)
+def test_gluon_forward_persistent(b, h, h_kv, n_q, n_k, gluon_forward, monkeypatch):
+    """d = 128 non-causal from min_keys_persistent keys: the persistent grid (one program
+    per SM), against the float64 reference."""
+    gluon_forward(None)
+    grids = []
+    real = gluon_fwd.launch_fwd
+    monkeypatch.setattr(
+        gluon_fwd,
+        "launch_fwd",
+        lambda *a, **kw: grids.append(kw.get("persistent")) or real(*a, **kw),
+    )
+    assert n_k >= gluon_fwd.DEFAULTS[128]["min_keys_persistent"]
+    q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q * n_k + h)
+    _check(q, k, v, do, False)
+    assert grids == [torch.cuda.get_device_properties(0).multi_processor_count]
+
+
 def test_gluon_forward_on_strided_views(gluon_forward):
     """A model's (B, N, 3, H, d) qkv buffer seen as (B, H, N, d) views: the 4-D descriptors
     read them in place and o comes back in q's layout."""
@@ -182,7 +209,8 @@ def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
     assert rel_err(o_gluon, o_triton) < 1e-2
 
 
-def test_gluon_forward_in_cuda_graph(gluon_forward):
+@pytest.mark.parametrize("causal", [True, False])  # per tile; non-causal: persistent
+def test_gluon_forward_in_cuda_graph(gluon_forward, causal):
     """Replays of a captured forward + backward give the eager result bit for bit."""
     launches = gluon_forward(0)
     q, k, v, do = _tensors(2, 4, 4, 1024, 1024, torch.bfloat16, seed=3)
@@ -190,7 +218,7 @@ def test_gluon_forward_in_cuda_graph(gluon_forward):
     def step():
         # Fresh leaves per call: their gradient nodes belong to the stream of the call.
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        o = flash_attention(qq, kk, vv, True)
+        o = flash_attention(qq, kk, vv, causal)
         return (o, *torch.autograd.grad(o, (qq, kk, vv), do))
 
     eager = step()

@@ -49,10 +49,17 @@ WG_ROWS = 64
 # it was 0.5-20% slower, where the Triton forward's tiles run two programs per SM (H200,
 # forward alone; raw benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json and
 # h200_d64_fwd_tiles.json). Below 2048 keys: not measured.
+# d = 128, non-causal: the persistent grid (``fwd_persistent_kernel``, one program per SM)
+# from ``min_keys_persistent`` = 512 keys, where its overlap of one tile's start with the
+# last tile's end pays at every length: forward GPU time 0.89-0.98x the per-tile kernel's
+# or the Triton forward's over the sweep's six batch-1 shapes, 512 to 16384 keys (H100;
+# raw benchmarks/results/current/h100_gluon_fwd_persistent_d128.json). Causal it lost from
+# 4096 keys (uneven shares of work), and at d = 64 it did not beat the Triton forward's two
+# programs per SM (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
-        "min_keys": 2048,
+        "min_keys": 2048, "min_keys_persistent": 512,
     },
     64: {
         "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
@@ -393,18 +400,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_coords(
-        t, n_m, n_heads, kv_group, n_q, n_k,
+        t, n_m, total, n_heads, kv_group, n_q, n_k,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """Tile t of a persistent grid: (batch, q head, k/v head, first query row, key
-        tiles), the n_m query tiles of one head in a row, heaviest first."""
-        pid_bh = t // n_m
-        start_m = (n_m - 1 - t % n_m) * BLOCK_M
-        h = pid_bh % n_heads
+        tiles). Non-causal: the n_m query tiles of one head in a row (their K / V rows stay
+        in L2); causal: every head's heaviest tile first, then the next heaviest, so that the
+        programs' shares of work even out."""
         if CAUSAL:
+            n_bh = total // n_m
+            pid_bh = t % n_bh
+            start_m = (n_m - 1 - t // n_bh) * BLOCK_M
             hi = gl.maximum(gl.minimum(n_k, start_m + BLOCK_M + n_k - n_q), 0)
         else:
+            pid_bh = t // n_m
+            start_m = (n_m - 1 - t % n_m) * BLOCK_M
             hi = n_k
+        h = pid_bh % n_heads
         return pid_bh // n_heads, h, h // kv_group, start_m, gl.maximum(gl.cdiv(hi, BLOCK_N), 1)
 
     @gluon.jit
@@ -421,7 +433,7 @@ if HAVE_GLUON:
         j = gl.program_id(0) * 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             b, h, hk, start_m, n_tiles = _tile_coords(
-                t, n_m, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
             )
             mbarrier.wait(q_empty, (j & 1) ^ 1)
             mbarrier.expect(q_ready, NUM_WG * q_desc.block_type.nbytes)
@@ -456,7 +468,7 @@ if HAVE_GLUON:
         j = gl.program_id(0) * 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             b, h, _, start_m, n_tiles = _tile_coords(
-                t, n_m, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
             )
             mbarrier.wait(q_ready, j & 1)
             _attend_rows(
@@ -653,28 +665,36 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     """Run the Gluon forward where it applies: the Gluon kernels apply
     (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
     ``DEFAULTS`` and at least its ``min_keys`` keys (and, where it has ``min_waves``, a grid
-    of that many waves of one program per SM), and no forward tiles are asked for
+    of that many waves of one program per SM), or, non-causal, its ``min_keys_persistent``
+    (then on the persistent grid), and no forward tiles are asked for
     (``Options.tile_configs`` with a ``fwd`` entry, or ``autotune``). False if the caller
     should run the Triton forward (also after a failed first compile,
     ``gluon_dkdv.run_guarded``)."""
     d = q.shape[-1]
     cfg = DEFAULTS.get(d)
-    if cfg is None or k.shape[2] < cfg["min_keys"] or not _applies(q, k, v, o, defaults=DEFAULTS):
+    if cfg is None:
+        return False
+    n_k = k.shape[2]
+    persistent = not causal and n_k >= cfg.get("min_keys_persistent", float("inf"))
+    if not persistent and n_k < cfg["min_keys"]:
+        return False
+    if not _applies(q, k, v, o, defaults=DEFAULTS):
         return False
     opts = get_options()
     if opts.autotune or "fwd" in parse_overrides(opts.tile_configs):
         return False  # the caller asked for the Triton forward's tiles: it gets them
     b, h, n_q = q.shape[:3]
     min_waves = cfg.get("min_waves")
-    if min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
+    if not persistent and min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
         return False  # programs (one per SM at a time) against waves of the GPU's SMs
     tiles = {name: value for name, value in cfg.items() if not name.startswith("min_")}
-    if tiles.pop("persistent", False):  # one program per SM, looping over the tiles
+    if persistent:  # one program per SM, looping over the tiles in the plain head order
         tiles["persistent"] = sm_count(q)
-    if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
-        tiles["head_group"] = head_group_args(k, b * h, k.shape[2], d)["head_group"]
+        tiles.pop("head_group", None)
+    elif opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
+        tiles["head_group"] = head_group_args(k, b * h, n_k, d)["head_group"]
     return run_guarded(
         "forward",
-        (d, q.dtype, causal, k.shape[1] != h),
+        (d, q.dtype, causal, k.shape[1] != h, persistent),
         lambda: launch_fwd(q, k, v, o, lse, causal, softmax_scale, **tiles),
     )
