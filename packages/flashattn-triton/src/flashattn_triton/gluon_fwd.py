@@ -1,6 +1,6 @@
-"""The forward on Hopper written in Gluon: two math warpgroups (three at ``block_m`` 192, not a
-default yet) sharing the K / V tiles that a loader warp streams in (head dim 128, from
-``DEFAULTS``' ``min_keys`` keys).
+"""The forward on Hopper written in Gluon: two math warpgroups (three at ``block_m`` 192, the
+d = 64 default) sharing the K / V tiles that a loader warp streams in (the rules by head
+dim: ``DEFAULTS``).
 
 Triton 3.6 waits for each ``tl.dot`` before its result is used, so inside one warpgroup the
 exponentials never run while the tensor cores work; the Triton forward relies on two
@@ -16,6 +16,9 @@ This kernel follows FlashAttention-3's schedule:
 * Optionally (``PINGPONG``, off by default: measured no faster, the hardware already
   interleaves the two warpgroups), a pair of mbarriers hands the tensor cores back and forth
   between the warpgroups: each issues its two products only in its turn.
+* Non-causal at d = 128 (``min_keys_persistent``), ``fwd_persistent_kernel`` runs the same
+  warpgroups on a persistent grid, one program per SM looping over the tiles, so that the
+  loader fetches a tile's Q and first K / V while the warpgroups finish the previous tile.
 
 q, k, v, o are (B, H, N, d) with any strides whose last is 1 (TMA reads 4-D tiles; rows past
 a head's end read as zeros); lse is (B, H, Nq) float32, natural log.
@@ -51,11 +54,12 @@ WG_ROWS = 64
 # h200_d64_fwd_tiles.json). Below 2048 keys: not measured.
 # d = 128, non-causal: the persistent grid (``fwd_persistent_kernel``, one program per SM)
 # from ``min_keys_persistent`` = 512 keys, where its overlap of one tile's start with the
-# last tile's end pays at every length: forward GPU time 0.89-0.98x the per-tile kernel's
-# or the Triton forward's over the sweep's six batch-1 shapes, 512 to 16384 keys (H100;
-# raw benchmarks/results/current/h100_gluon_fwd_persistent_d128.json). Causal it lost from
-# 4096 keys (uneven shares of work), and at d = 64 it did not beat the Triton forward's two
-# programs per SM (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
+# previous tile's end pays at every length: forward GPU time 0.89-0.98x that of the forward
+# that ran before (the Triton forward below 2048 keys, the per-tile kernel from there) over
+# the sweep's six batch-1 shapes, 512 to 16384 keys (H100; raw
+# benchmarks/results/current/h100_gluon_fwd_persistent_d128.json). Causal it lost at every
+# length but 2048 (uneven shares of work), and at d = 64 it did not beat the Triton forward's
+# two programs per SM (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
