@@ -1,8 +1,10 @@
-"""d = 128 forward: the Gluon ping-pong kernel (``gluon_fwd``) against our Triton forward and
-SDPA (cuDNN, flash), forward only, bf16, in one process.
+"""The Gluon forward (``gluon_fwd``) against our Triton forward and SDPA (cuDNN, flash),
+bf16, in one process: d = 128 per-tile variants, or (``--persistent``) the persistent kernel
+at d = 128 and 64.
 
     python benchmarks/gluon_fwd_ab.py OUT.json [--quick] [--sweep]
-    python benchmarks/gluon_fwd_ab.py --offline [--causal] [--kv-group G]   # no GPU needed
+    python benchmarks/gluon_fwd_ab.py OUT.json --persistent [--head-dims 128 64] [--rounds R]
+    python benchmarks/gluon_fwd_ab.py --offline [--causal] [--kv-group G] [--persistent]
 
 First checks each Gluon variant against a float32 reference on awkward shapes (ragged
 lengths, Nq != Nk, grouped-query heads, causal and not), then times every variant and
@@ -10,9 +12,13 @@ provider per shape in interleaved rounds (``do_bench`` medians; the median over 
 reported). "ours_triton" is the package's forward with the Gluon forward switched off.
 ``--offline`` compiles the shipped d = 128 variant for sm_90 without a GPU and prints its
 registers, shared memory and tensor-core instruction count (catches Gluon API drift).
-``--sweep`` adds the package's forward with and without the Gluon forward (any length) over
-the attention sweep's batch-1 shapes, forward alone and forward + backward: where the
-Gluon forward starts to pay (``gluon_fwd.DEFAULTS``'s ``min_keys``).
+``--persistent`` checks the persistent kernel (``fwd_persistent_kernel``) on awkward shapes
+and times it over the sweep's batch-1 shapes beside the per-tile kernel, the package's
+forward and SDPA: forward alone as GPU time (CUDA graphs), and the package's forward +
+backward with it and without (``time_persistent``). ``--sweep`` adds the package's forward
+with and without the Gluon forward (any length) over the attention sweep's batch-1 shapes,
+forward alone and forward + backward: where the Gluon forward starts to pay
+(``gluon_fwd.DEFAULTS``'s ``min_keys``).
 """
 
 from __future__ import annotations
