@@ -475,6 +475,7 @@ if HAVE_GLUON:
                 t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
             )
             mbarrier.wait(q_ready, j & 1)
+            # (no ping-pong here: q_empty also fills the unused turn-barrier slot)
             _attend_rows(
                 q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, q_empty,
                 Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m + WG * WG_M,
