@@ -217,3 +217,34 @@ def test_compiled_rows_record_the_traced_compile_option(monkeypatch):
     monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
     [row] = sweep.run_sweep(cfg)
     assert row["traced_compile"] is True
+
+
+def test_kernels_are_recorded_for_each_provider_that_ran(monkeypatch):
+    """--kernels: after a row's timings, one profiled call per provider that ran, under the
+    autograd-thread setting it was timed with; none for a provider that failed."""
+    _fake_providers(monkeypatch, {p: iter([1.0]) for p in sweep.PROVIDERS}, fail={"sdpa-cudnn": 0})
+    profiled = []
+
+    def fake_profile(fn):
+        profiled.append(torch.autograd.is_multithreading_enabled())
+        return f"kernel_{len(profiled)} + copy"
+
+    monkeypatch.setattr(sweep, "profile_kernels", fake_profile)
+    cfg = _one_row_config(rounds=1)
+    object.__setattr__(cfg, "kernels", True)  # CPU stands in for the GPU it needs
+    object.__setattr__(cfg, "autograd_threads", (False,))
+    [row] = sweep.run_sweep(cfg)
+    assert row["ours_kernels"] == "kernel_1 + copy"
+    assert row["sdpa-flash_kernels"] == "kernel_2 + copy"
+    assert "sdpa-cudnn_kernels" not in row
+    assert profiled == [False, False]
+    assert torch.autograd.is_multithreading_enabled()  # torch's default restored
+    line = sweep._kernels_line(row, "eager 2x32", sweep.PROVIDERS)
+    assert line == "eager 2x32 | ours: kernel_1 + copy | sdpa-flash: kernel_2 + copy"
+
+
+def test_kernels_need_a_gpu(capsys):
+    with pytest.raises(ValueError, match="kernels"):
+        sweep.SweepConfig(shapes=((1, 8),), device=torch.device("cpu"), kernels=True)
+    with pytest.raises(SystemExit, match="--kernels"):
+        sweep.main(["--kernels", "--device", "cpu", "--shapes", "2x32", "--quiet"])

@@ -239,3 +239,17 @@ def test_chrome_trace_counts_each_device_event_once_by_launch_time():
     # the events list alone works too
     again, _, _ = ta.extract_trace(_chrome_trace()["traceEvents"])
     assert again == items
+
+
+def test_kernel_sequence_lists_each_device_event_once_in_gpu_order():
+    """Which kernels a profiled call ran: device events only (no CPU ops, no GPU-side
+    annotations), by their start on the GPU, a kernel launched twice listed once."""
+    events = _gpu_step()
+    events.append(gpu("softmax_warp_forward", 390, 395))  # again, later
+    events.insert(0, gpu("triton_early_kernel", 150, 160))  # first on the GPU, listed last
+    assert ta.kernel_sequence(events) == [
+        "triton_early_kernel", "sm90_xmma_gemm_bf16", "softmax_warp_forward",
+        "ampere_sgemm_128x64", "nvjet_tst_64x8", "vectorized_elementwise_kernel",
+        "multi_tensor_apply_kernel", "Memcpy DtoD",
+    ]  # fmt: skip
+    assert ta.kernel_sequence([op("aten::mm", 1)]) == []

@@ -16,6 +16,7 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
     python -m perf_tools.attention_sweep --modes eager --autograd-threads on off
     python -m perf_tools.attention_sweep --rounds 3  # interleaved rounds: medians, ratio range
     python -m perf_tools.attention_sweep --batch 8 --shapes 16x2048 32x4096  # training batches
+    python -m perf_tools.attention_sweep --kernels   # + the GPU kernels each provider ran
 
 `--autograd-threads off` runs the backward on the calling thread
 (`torch.autograd.set_multithreading_enabled(False)`) instead of autograd's device thread. A
@@ -27,6 +28,12 @@ Host-bound rows (short sequences) move by tens of percent between timings. `--ro
 times every provider of a row N times, interleaved (round r starts at the r-th provider), and
 reports each provider's median over the rounds, with `ours_vs_best_min` / `_max`: the
 lowest and highest of the per-round ratios (ours against the best SDPA of the same round).
+
+`--kernels` (GPU only) profiles one more forward + backward per provider and row after its
+timings and records the kernels it ran, in launch order, as `<provider>_kernels` (CSV, JSON
+and one printed line per row): which of our kernels a row took (the Triton or the Gluon
+forward, the backward's scheme; none of ours where torch.compile launched them itself) and
+which kernels SDPA's backends chose.
 
 Providers: `ours` (`flashattn_triton.flash_attention`), `sdpa-flash` and `sdpa-cudnn`
 (`F.scaled_dot_product_attention` pinned to one backend for the whole timing, so the pin
@@ -87,6 +94,7 @@ class SweepConfig:
     autograd_threads: tuple[bool, ...] = (True,)
     rounds: int = 1  # interleaved timings of each row's providers (medians reported)
     batch: int = 1  # sequences per call: q, k, v are (batch, heads, N, d)
+    kernels: bool = False  # profile one more call per provider and row: its GPU kernels
 
     def __post_init__(self) -> None:
         device = self.device if self.device is not None else _cli.default_device()
@@ -117,6 +125,8 @@ class SweepConfig:
             _cli.config_number(name, getattr(self, name), 0)
         _cli.config_int("rounds", self.rounds, 1)
         _cli.config_int("batch", self.batch, 1)
+        if self.kernels and self.device.type != "cuda":
+            raise ValueError("kernels: profiling the GPU kernels needs a CUDA device")
 
 
 def _attention(provider: str, causal: bool, compiled: bool) -> Callable[..., torch.Tensor]:
@@ -211,11 +221,18 @@ def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[to
     return q, k, v, do
 
 
-def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
+def _fwd_bwd(attn, q, k, v, do) -> Callable[[], None]:
+    """One forward and backward of ``attn``, as every cell times it."""
+
     def fwd_bwd() -> None:
         o = attn(q, k, v)
         torch.autograd.grad(o, (q, k, v), do)
 
+    return fwd_bwd
+
+
+def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
+    fwd_bwd = _fwd_bwd(attn, q, k, v, do)
     out = {"ms": _bench(fwd_bwd, cfg)}
     if cfg.graphed and cfg.device.type == "cuda":
         out["graphed_ms"] = _graphed_ms(fwd_bwd, cfg)
@@ -259,6 +276,10 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
             _ratios(row, cfg.providers)
             if cfg.rounds > 1:
                 _ratio_range(row, cfg.providers, cells, notes)
+            if cfg.kernels:
+                _record_kernels(row, fns, (q, k, v, do), mode, threads, notes)
+                if not cfg.quiet:
+                    bar.write(_kernels_line(row, label, cfg.providers))
             rows.append(row)
             del q, k, v, do
     bar.close()
@@ -301,6 +322,46 @@ def _time_providers(
                 torch.cuda.empty_cache()
             bar.update()
     return cells, notes
+
+
+def profile_kernels(fn: Callable[[], Any]) -> str:
+    """The GPU kernels one call of ``fn`` runs, in launch order, joined by " + "."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from perf_tools.trace_analysis import kernel_sequence
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " + ".join(kernel_sequence(prof.events())) or "(none recorded)"
+
+
+def _record_kernels(
+    row: dict[str, Any],
+    fns: dict[str, Callable[..., torch.Tensor]],
+    inputs: tuple[torch.Tensor, ...],
+    mode: str,
+    threads: bool,
+    notes: dict[str, str],
+    profile: Callable[[Callable[[], Any]], str] | None = None,
+) -> None:
+    """``<provider>_kernels``: the kernels of one forward + backward of each provider that
+    ran, under the settings it was timed with (``profile``: ``profile_kernels``)."""
+    profile = profile or profile_kernels
+    for p, attn in fns.items():
+        if p in notes:
+            continue
+        with (
+            _pinned(p) if mode == "eager" else contextlib.nullcontext(),
+            torch.autograd.set_multithreading_enabled(threads),
+        ):
+            row[f"{p}_kernels"] = profile(_fwd_bwd(attn, *inputs))
+
+
+def _kernels_line(row: dict[str, Any], label: str, providers: Sequence[str]) -> str:
+    """One printed line per row: each provider's kernels."""
+    parts = [f"{p}: {row[f'{p}_kernels']}" for p in providers if f"{p}_kernels" in row]
+    return f"{label} | " + " | ".join(parts)
 
 
 def _fill(
@@ -444,6 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=_cli.positive_float, default=50.0)
     p.add_argument("--graphed", action="store_true", help="also the GPU-only (CUDA graph) time")
     p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="GPU only: profile one more call per provider and row and record the kernels "
+        "it ran (<provider>_kernels in the CSV / JSON)",
+    )
+    p.add_argument(
         "--autograd-threads",
         nargs="+",
         choices=("on", "off"),
@@ -469,6 +536,8 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
     if device.type == "cpu":
         dtype = torch.float32  # the CPU paths (interpreter, SDPA math) run float32
+    if a.kernels and device.type != "cuda":
+        raise SystemExit("--kernels: profiling the GPU kernels needs a CUDA device")
     return SweepConfig(
         shapes=shapes,
         head_dims=tuple(a.d),
@@ -484,6 +553,7 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         autograd_threads=tuple(dict.fromkeys(t == "on" for t in a.autograd_threads)),
         rounds=a.rounds,
         batch=a.batch,
+        kernels=a.kernels,
     )
 
 

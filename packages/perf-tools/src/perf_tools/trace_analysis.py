@@ -146,6 +146,15 @@ def extract(
     return items, spans, "cpu op"
 
 
+def kernel_sequence(events: Sequence[Any]) -> list[str]:
+    """The distinct names of the device events (kernels, copies, memsets) among profiler
+    FunctionEvents, in the order they first started on the GPU: which kernels a profiled
+    call ran. GPU-side user annotations are not kernels and are left out."""
+    device = [e for e in events if not _is_cpu(e) and not getattr(e, "is_user_annotation", False)]
+    device.sort(key=lambda e: e.time_range.start)
+    return list(dict.fromkeys(e.name for e in device))
+
+
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
