@@ -32,8 +32,7 @@ lowest and highest of the per-round ratios (ours against the best SDPA of the sa
 `--kernels` (GPU only) profiles one more forward + backward per provider and row after its
 timings and records the kernels it ran, in launch order, as `<provider>_kernels` (CSV, JSON
 and one printed line per row): which of our kernels a row took (the Triton or the Gluon
-forward, the backward's scheme; none of ours where torch.compile launched them itself) and
-which kernels SDPA's backends chose.
+forward, the backward's scheme) and which kernels SDPA's backends chose.
 
 Providers: `ours` (`flashattn_triton.flash_attention`), `sdpa-flash` and `sdpa-cudnn`
 (`F.scaled_dot_product_attention` pinned to one backend for the whole timing, so the pin
