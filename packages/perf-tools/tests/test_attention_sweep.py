@@ -248,3 +248,20 @@ def test_kernels_need_a_gpu(capsys):
         sweep.SweepConfig(shapes=((1, 8),), device=torch.device("cpu"), kernels=True)
     with pytest.raises(SystemExit, match="--kernels"):
         sweep.main(["--kernels", "--device", "cpu", "--shapes", "2x32", "--quiet"])
+
+
+def test_a_failing_profiler_leaves_a_note(monkeypatch):
+    import torch.profiler
+
+    class Broken:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("CUPTI unavailable\nmore")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.profiler, "profile", Broken)
+    assert sweep.profile_kernels(lambda: None) == "(profiler failed: CUPTI unavailable)"
