@@ -259,20 +259,18 @@ def check_persistent(rows: list) -> None:
 def time_persistent(rows: list, rounds: int, head_dims=(128, 64)) -> None:
     """Over the attention sweep's batch-1 shapes, forward alone as GPU time (one CUDA
     graph; the kernel variants launch through Triton's dispatch, too slow a host to time
-    otherwise): the package's forward (as
-    shipped, and the Triton forward only), the Gluon kernel per tile and persistent, SDPA's
-    cuDNN and flash backends; forward + backward: the package as shipped, with the Triton
-    forward, with each persistent variant of ``PACKAGE_PERSISTENT`` (from any length), and
-    both SDPA backends. Interleaved rounds, medians; "vs_cudnn": over cuDNN's time of the
-    same kind."""
+    otherwise): the package's forward (as shipped, and the Triton forward only), the Gluon
+    kernel per tile and persistent, SDPA's cuDNN and flash backends; forward + backward: the
+    package as shipped, with the Triton forward, with each persistent variant of
+    ``PACKAGE_PERSISTENT`` (its tiles, non-causal calls on the persistent grid from any
+    length), and both SDPA backends. Interleaved rounds, medians; "vs_cudnn": over cuDNN's
+    time of the same kind."""
     for d in head_dims:
         variants = PERSISTENT_VARIANTS[d]
         configs: dict[str, dict | None] = {"package": SHIPPED[d], "triton": None}
-        for name in PACKAGE_PERSISTENT[d]:
+        for name in PACKAGE_PERSISTENT[d]:  # non-causal calls on the persistent grid
             kw = {k: v for k, v in variants[name].items() if k != "persistent"}
-            cfg = {**SHIPPED[d], **kw, "persistent": True, "min_keys": 0}
-            cfg.pop("min_waves", None)
-            configs[f"package {name}"] = cfg
+            configs[f"package {name}"] = {**SHIPPED[d], **kw, "min_keys_persistent": 0}
         for h, n in [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]:
             for causal in (False, True):
                 _time_shape(rows, d, h, n, causal, variants, configs, rounds)

@@ -640,6 +640,8 @@ def launch_fwd(
         )
     if block_n not in (64, 128):
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
+    if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent < 0:
+        raise ValueError(f"persistent must be a count of programs >= 0, got {persistent!r}")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     n_m = -(-n_q // block_m)
