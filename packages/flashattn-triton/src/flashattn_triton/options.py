@@ -54,9 +54,11 @@ class Options:
     fp32_precision: matrix-unit precision for float32 inputs, ``tf32x3`` (near-fp32),
         ``tf32`` or ``ieee``; None follows ``torch.get_float32_matmul_precision()``
         ('highest' -> tf32x3, else tf32).
-    gluon: allow the Hopper Gluon kernels (d = 128: the forward from 2048 keys, the split
-        backward; d = 64 and 128: the one-pass backward) where they apply.
-    head_group: launch order by head groups, ``auto``, ``off`` or a number of heads.
+    gluon: allow the Hopper Gluon kernels (d = 128: the forward from 2048 keys, non-causal
+        from 512 on a persistent grid, the split backward; d = 64: the forward on large
+        grids; d = 64 and 128: the one-pass backward) where they apply.
+    head_group: launch order by head groups, ``auto``, ``off`` or a number of heads (not
+        the persistent forward's, which runs heads in order).
     tile_configs: tile overrides, ``"fwd=128,64,4,3;dq=128,64,8,3,tma"`` (see
         ``configs.TileConfig.parse``; ``kind.fp32=...`` for float32 inputs).
     autotune: ``triton.autotune`` per (sequence bucket, head dim, dtype, causal) instead of
