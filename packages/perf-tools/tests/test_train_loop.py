@@ -102,7 +102,8 @@ def test_sigterm_removes_the_temporary_checkpoint_folder(tmp_path):
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        code = proc.wait(timeout=60)
+        assert code == 128 + signal.SIGTERM, (code, proc.stderr.read()[-3000:])
     finally:
         proc.kill()
         proc.wait()

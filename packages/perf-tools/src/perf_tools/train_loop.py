@@ -29,7 +29,9 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import signal
 import sys
 import tempfile
@@ -339,6 +341,9 @@ def run(cfg: TrainLoopConfig) -> list[dict[str, Any]]:
     return rows
 
 
+SIGTERM_EXIT = 128 + signal.SIGTERM
+
+
 def exit_on_sigterm() -> None:
     """Let SIGTERM (a `timeout`, a scheduler) end the run by SystemExit, so that the temporary
     checkpoint folder (gigabytes at xl) is removed instead of left behind to fill the disk."""
@@ -346,11 +351,27 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _leave_now(code: int) -> None:
+    """Flush the output and end the process through `os._exit`: a run stopped mid-step by
+    SIGTERM has unwound its `with` blocks (the temporary folder is gone), and the
+    interpreter's teardown of what the step left half done is skipped (a stopped run once
+    aborted there: exit status -6 instead of 143)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = config_from_args(a)
     exit_on_sigterm()
-    rows = run(cfg)
+    try:
+        rows = run(cfg)
+    except SystemExit as e:
+        if e.code == SIGTERM_EXIT and threading.current_thread() is threading.main_thread():
+            _leave_now(SIGTERM_EXIT)
+        raise
     dev = report.run_metadata()["device"]
     title = (
         f"perf_tools.train_loop on {dev}: {cfg.size}, batch {cfg.batch} x {cfg.context}, "
