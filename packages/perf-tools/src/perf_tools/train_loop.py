@@ -355,7 +355,7 @@ def _leave_now(code: int) -> None:
     """Flush the output and end the process through `os._exit`: a run stopped mid-step by
     SIGTERM has unwound its `with` blocks (the temporary folder is gone), and the
     interpreter's teardown of what the step left half done is skipped. A stopped run once
-    aborted (exit status -6 instead of 143, not reproduced in 110 tries); the teardown is
+    aborted (exit status -6 instead of 143, not reproduced in 113 tries); the teardown is
     the likely place, as for lm-core's `cli` and torchrun workers."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
