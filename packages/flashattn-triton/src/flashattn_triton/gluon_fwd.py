@@ -84,20 +84,22 @@ if HAVE_GLUON:
     from .kernels import _grouped_program
 
     @gluon.jit
-    def _produce(
+    def _load_tile(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
-        v_empty, b, h, hk, start_m, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-        WG_M: gl.constexpr, NUM_WG: gl.constexpr,
+        v_empty, b, h, hk, start_m, n_tiles, count, STAGES: gl.constexpr,
+        BLOCK_N: gl.constexpr, WG_M: gl.constexpr, NUM_WG: gl.constexpr,
     ):  # fmt: skip
-        """Loader warp: each math warpgroup's rows of the Q tile (q head h), then K and V
-        (k/v head hk) of each key tile as soon as every warpgroup has released its stage (a
-        fresh barrier counts as released)."""
+        """One tile's loads: each math warpgroup's rows of the Q tile (q head h), then K and
+        V (k/v head hk) of each key tile as soon as every warpgroup has released its stage (a
+        fresh barrier counts as released). ``count``: key tiles loaded before these (the
+        stages and phases run on across a persistent program's tiles)."""
         mbarrier.expect(q_ready, NUM_WG * q_desc.block_type.nbytes)
         for w in gl.static_range(NUM_WG):
             _tma_load(q_desc, [b, h, start_m + w * WG_M, 0], q_ready, q_smem.index(w))
         for i in range(n_tiles):
-            stage = i % STAGES
-            phase = ((i // STAGES) & 1) ^ 1
+            c = count + i
+            stage = c % STAGES
+            phase = ((c // STAGES) & 1) ^ 1
             row = i * BLOCK_N
             mbarrier.wait(k_empty.index(stage), phase)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
@@ -105,6 +107,18 @@ if HAVE_GLUON:
             mbarrier.wait(v_empty.index(stage), phase)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
             _tma_load(v_desc, [b, hk, row, 0], v_ready.index(stage), v_smem.index(stage))
+
+    @gluon.jit
+    def _produce(
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+        v_empty, b, h, hk, start_m, n_tiles, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+        WG_M: gl.constexpr, NUM_WG: gl.constexpr,
+    ):  # fmt: skip
+        """Loader warp: the program's one tile (``_load_tile``)."""
+        _load_tile(
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready,
+            v_empty, b, h, hk, start_m, n_tiles, 0, STAGES, BLOCK_N, WG_M, NUM_WG,
+        )  # fmt: skip
 
     @gluon.jit
     def _scores_to_p(
@@ -317,7 +331,8 @@ if HAVE_GLUON:
         mbarrier.init(turn.index(1), count=1)
 
         # The partitions: the math warpgroups (the first is the default partition), then the
-        # loader warp; written out per warpgroup count (a partition list is a literal).
+        # loader warp; written out per warpgroup count (a partition list is a literal, and an
+        # argument tuple built once and extended per warpgroup loses its constexprs).
         if NUM_WG == 2:
             gl.warp_specialize(
                 [
@@ -440,20 +455,11 @@ if HAVE_GLUON:
                 t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
             )
             mbarrier.wait(q_empty, (j & 1) ^ 1)
-            mbarrier.expect(q_ready, NUM_WG * q_desc.block_type.nbytes)
-            for w in gl.static_range(NUM_WG):
-                _tma_load(q_desc, [b, h, start_m + w * WG_M, 0], q_ready, q_smem.index(w))
-            for i in range(n_tiles):
-                c = count + i
-                stage = c % STAGES
-                phase = ((c // STAGES) & 1) ^ 1
-                row = i * BLOCK_N
-                mbarrier.wait(k_empty.index(stage), phase)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-                _tma_load(k_desc, [b, hk, row, 0], k_ready.index(stage), k_smem.index(stage))
-                mbarrier.wait(v_empty.index(stage), phase)
-                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                _tma_load(v_desc, [b, hk, row, 0], v_ready.index(stage), v_smem.index(stage))
+            _load_tile(
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty,
+                v_ready, v_empty, b, h, hk, start_m, n_tiles, count, STAGES, BLOCK_N, WG_M,
+                NUM_WG,
+            )  # fmt: skip
             count += n_tiles
             j += 1
 
@@ -520,6 +526,7 @@ if HAVE_GLUON:
             mbarrier.init(k_empty.index(st), count=NUM_WG)
             mbarrier.init(v_empty.index(st), count=NUM_WG)
 
+        # The partitions, written out per warpgroup count as in ``fwd_kernel``.
         if NUM_WG == 2:
             gl.warp_specialize(
                 [
