@@ -9,7 +9,10 @@ raises ValueError("<field>: expected ..., got ...").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -109,6 +112,16 @@ def add_output_args(
             "--plot", type=Path, metavar="PNG", help="save a plot of the results", **d
         )
     group.add_argument("--quiet", action="store_true", help="no progress bars", **d)
+
+
+def exit_now(code: int) -> None:
+    """Flush stdout and stderr, then end the process through `os._exit`: no destructors, no
+    at-exit teardown (which has aborted processes holding gloo's threads, or stopped mid-step
+    by a signal, after their results were written)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
+            stream.flush()
+    os._exit(code)
 
 
 def default_device() -> str:

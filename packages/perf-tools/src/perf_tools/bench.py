@@ -46,13 +46,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from perf_tools import _dist, harness, isolated_runs, report
+from perf_tools import _cli, _dist, harness, isolated_runs, report
 from perf_tools.bench_args import add_bench_args, resolve_bench_args, specs_from_args
 from perf_tools.bench_dist import (
     gather_wait_notes,
@@ -319,9 +318,7 @@ def cli() -> None:
         # A torchrun rank skips the interpreter's shutdown, as ddp_kit.launch's workers do:
         # with gloo's threads alive it has aborted now and then ("terminate called without
         # an active exception") after the results were written.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _cli.exit_now(code)
     sys.exit(code)
 
 

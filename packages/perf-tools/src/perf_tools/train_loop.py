@@ -29,9 +29,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import os
 import signal
 import sys
 import tempfile
@@ -351,18 +349,6 @@ def exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _leave_now(code: int) -> None:
-    """Flush the output and end the process through `os._exit`: a run stopped mid-step by
-    SIGTERM has unwound its `with` blocks (the temporary folder is gone), and the
-    interpreter's teardown of what the step left half done is skipped. A stopped run once
-    aborted (exit status -6 instead of 143, not reproduced in 113 tries); the teardown is
-    the likely place, as for lm-core's `cli` and torchrun workers."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to flush
-            stream.flush()
-    os._exit(code)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     cfg = config_from_args(a)
@@ -371,7 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run(cfg)
     except SystemExit as e:
         if e.code == SIGTERM_EXIT and threading.current_thread() is threading.main_thread():
-            _leave_now(SIGTERM_EXIT)
+            # The `with` blocks have unwound (the temporary folder is gone); the teardown of
+            # what the step left half done is skipped. A stopped run once aborted (exit
+            # status -6 instead of 143, not reproduced in 113 tries); the teardown is the
+            # likely place, as for lm-core's `cli` and torchrun workers.
+            _cli.exit_now(SIGTERM_EXIT)
         raise
     dev = report.run_metadata()["device"]
     title = (
