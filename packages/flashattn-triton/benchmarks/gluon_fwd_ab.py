@@ -90,27 +90,6 @@ VARIANTS = {
 }
 
 
-class GluonForward:
-    """Within the block the package's d = 128 forward uses the Gluon kernel from min_keys
-    keys (None: never); launch plans are cleared on entry and exit."""
-
-    def __init__(self, min_keys: int | None):
-        self.min_keys = min_keys
-
-    def __enter__(self):
-        self.saved = dict(gluon_fwd.DEFAULTS)
-        if self.min_keys is None:
-            gluon_fwd.DEFAULTS.clear()
-        else:
-            gluon_fwd.DEFAULTS[D] = {**self.saved[D], "min_keys": self.min_keys}
-        clear_plans()
-
-    def __exit__(self, *exc):
-        gluon_fwd.DEFAULTS.clear()
-        gluon_fwd.DEFAULTS.update(self.saved)
-        clear_plans()
-
-
 def check(rows: list) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     for b, h, h_kv, n_q, n_k, causal in [
@@ -140,7 +119,7 @@ def check(rows: list) -> None:
         }
 
         def package(q=q, k=k, v=v, causal=causal):
-            with GluonForward(0):
+            with gluon_forward(0):
                 return fa.flash_attention(q, k, v, causal, return_lse=True)
 
         calls["package, gluon from 0 keys"] = package
@@ -183,7 +162,7 @@ def sweep(rows: list, rounds: int) -> None:
             times: dict[str, list[float]] = {}
             for _ in range(rounds):
                 for label, min_keys in (("triton_fwd", None), ("gluon_fwd", 0)):
-                    with GluonForward(min_keys):
+                    with gluon_forward(min_keys):
                         times.setdefault(label + " fwd", []).append(bench(fwd))
                         times.setdefault(label + " fwd+bwd", []).append(bench(fwd_bwd))
             for name, ts in times.items():
@@ -222,6 +201,13 @@ class PackageDefaults:
         else:
             gluon_fwd.DEFAULTS[self.d] = self.saved
         clear_plans()
+
+
+def gluon_forward(min_keys: int | None) -> PackageDefaults:
+    """Within the block the package's d = 128 forward uses the Gluon kernel from min_keys
+    keys (None: never)."""
+    cfg = None if min_keys is None else {**gluon_fwd.DEFAULTS[D], "min_keys": min_keys}
+    return PackageDefaults(D, cfg)
 
 
 def check_persistent(rows: list) -> None:
@@ -355,7 +341,7 @@ def timing(rows: list, shapes, rounds: int) -> None:
         def triton_forward(q=q, k=k, v=v, causal=causal):
             return fa.flash_attention(q, k, v, causal)
 
-        fns = {"ours_triton": triton_forward}  # timed inside GluonForward(None), below
+        fns = {"ours_triton": triton_forward}  # timed inside gluon_forward(None), below
         for name, kw in VARIANTS.items():
             fns["gluon_" + name] = lambda kw=kw, q=q, k=k, v=v, c=causal: run(q, k, v, c, **kw)
 
@@ -374,7 +360,7 @@ def timing(rows: list, shapes, rounds: int) -> None:
                 for name, fn in fns.items():
                     # Around the whole timing, not each call: entering clears the launch
                     # plans, which would send every call through Triton's dispatch.
-                    context = GluonForward(None) if name == "ours_triton" else None
+                    context = gluon_forward(None) if name == "ours_triton" else None
                     try:
                         with context or contextlib.nullcontext():
                             times.setdefault(name, []).append(bench(fn))
