@@ -74,6 +74,31 @@ def test_autograd_threads_axis_times_each_setting(tmp_path, monkeypatch):
     assert torch._C._is_multithreading_enabled()
 
 
+def test_a_sweep_stopped_part_way_keeps_its_finished_rows(tmp_path, monkeypatch):
+    """The CSV / JSON are rewritten after each row: a run killed on its second row (a
+    timeout, Ctrl-C) leaves the first row saved, with the run's metadata."""
+    calls = []
+
+    def fake_bench(fn, cfg):
+        calls.append(fn)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return 1.0
+
+    monkeypatch.setattr(sweep, "_bench", fake_bench)
+    out, csv_out = tmp_path / "s.json", tmp_path / "s.csv"
+    with pytest.raises(KeyboardInterrupt):
+        sweep.main(
+            ["--shapes", "2x32", "4x32", "--d", "16", "--causal", "yes", "--modes", "eager",
+             "--device", "cpu", "--quiet", "--json", str(out), "--csv", str(csv_out)]
+        )  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert [(r["heads"], r["N"]) for r in saved["rows"]] == [(2, 32)]
+    assert saved["meta"]["command"]
+    assert csv_out.read_text().count("\n") == 2  # header and the finished row
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.csv", "s.json"]  # no temporaries
+
+
 def _fake_providers(monkeypatch, times: dict, fail: dict | None = None) -> list[str]:
     """Every provider runs here and is timed from `times` (an iterator each); `fail` maps a
     provider to the round from which its timing raises. Returns the timing order."""

@@ -47,3 +47,25 @@ def test_driver_version_read_from_the_kernel_module(monkeypatch, tmp_path):
     (tmp_path / "version").write_text(text)
     monkeypatch.setattr(report, "Path", fake_path)
     assert report._driver_version() == "570.86.15"
+
+
+def test_a_save_that_fails_leaves_the_previous_file(tmp_path, monkeypatch):
+    """Results are replaced whole: a save stopped before its rename leaves the earlier file
+    readable and no temporary beside it."""
+    out, csv_out = tmp_path / "r.json", tmp_path / "r.csv"
+    report.save_rows([{"a": 1}], csv_path=csv_out, json_path=out, meta={"m": 1})
+    before = out.read_text(), csv_out.read_text()
+
+    def stopped(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report.os, "replace", stopped)
+    for kwargs in ({"json_path": out, "meta": {"m": 2}}, {"csv_path": csv_out}):
+        try:
+            report.save_rows([{"a": 1}, {"a": 2}], **kwargs)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the stopped save returned")
+    assert (out.read_text(), csv_out.read_text()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.json"]

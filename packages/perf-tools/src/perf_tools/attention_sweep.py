@@ -8,7 +8,8 @@ is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B
 `--batch`, 1 by default), forward and backward (`torch.autograd.grad(o, (q, k, v), dO)`, so
 no gradient accumulation), median of
 `triton.testing.do_bench`. That is host and GPU time together, what a training step sees.
-Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster).
+Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster). `--csv` /
+`--json` are rewritten after every row, so a sweep stopped part-way keeps what it finished.
 
     python -m perf_tools.attention_sweep --csv sweep.csv --plot sweep.png
     python -m perf_tools.attention_sweep --d 64 --modes eager --shapes 128x512 32x2048
@@ -242,9 +243,12 @@ def _shapes_for(d: int, cfg: SweepConfig) -> list[tuple[int, int]]:
     return [s for s in cfg.shapes if d == 128 or s not in D128_ONLY]
 
 
-def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
+def run_sweep(
+    cfg: SweepConfig, on_row: Callable[[list[dict[str, Any]]], None] | None = None
+) -> list[dict[str, Any]]:
     """One row per (mode, causal, d, heads, N, autograd threads): each provider's ms and ours /
-    best SDPA."""
+    best SDPA. ``on_row(rows)`` runs after each row with the rows so far (``main`` saves
+    them, so a sweep stopped part-way keeps its finished rows)."""
     allow_recompiles()
     rows: list[dict[str, Any]] = []
     groups = [
@@ -281,6 +285,8 @@ def run_sweep(cfg: SweepConfig) -> list[dict[str, Any]]:
                     bar.write(_kernels_line(row, label, cfg.providers))
             rows.append(row)
             del q, k, v, do
+            if on_row is not None:
+                on_row(rows)
     bar.close()
     return rows
 
@@ -571,13 +577,17 @@ COLUMNS = (
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     cfg = config_from_args(a)
-    rows = run_sweep(cfg)
+    meta = report.run_metadata()
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        report.save_rows(rows, csv_path=a.csv, json_path=a.json, meta=meta)
+
+    rows = run_sweep(cfg, on_row=save if a.csv or a.json else None)
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
     dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
     batch = "" if cfg.batch == 1 else f", batch {cfg.batch}"
     report.print_table(rows, cols, title=f"attention fwd+bwd, ms (median), {dev}{batch}")
     print(summary(rows))
-    report.save_rows(rows, csv_path=a.csv, json_path=a.json)
     if a.plot is not None and rows:
         plot(rows, a.plot)
     return 0

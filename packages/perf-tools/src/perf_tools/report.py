@@ -10,8 +10,10 @@ import csv
 import datetime as _dt
 import importlib
 import importlib.metadata
+import io
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -210,21 +212,32 @@ def save_rows(
     json_path: str | Path | None = None,
     meta: dict[str, Any] | None = None,
 ) -> None:
-    """Write `rows` to CSV and/or JSON. The JSON carries `meta` (run_metadata() by default)."""
+    """Write `rows` to CSV and/or JSON. The JSON carries `meta` (run_metadata() by default).
+    Each file is replaced whole (written beside it, then renamed), so a run stopped while
+    saving leaves the previous file, never a truncated one."""
     if csv_path is not None:
-        path = Path(csv_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         cols = _columns(rows, None)
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=cols)
-            writer.writeheader()
-            for row in rows:
-                writer.writerow({c: row.get(c) for c in cols})
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=cols)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({c: row.get(c) for c in cols})
+        _replace_file(Path(csv_path), text.getvalue())
     if json_path is not None:
-        path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         payload = {"meta": meta if meta is not None else run_metadata(), "rows": list(rows)}
-        path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+        _replace_file(Path(json_path), json.dumps(payload, indent=2, default=_json_default) + "\n")
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", newline="") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _json_default(obj: Any) -> Any:
