@@ -38,6 +38,57 @@ def test_ratios_and_summary_pick_the_best_sdpa():
     assert "1.250" in text
 
 
+def test_gpu_time_ratio_summary_and_plot_panel(tmp_path):
+    """--graphed rows get ours / best SDPA of the GPU-only times too (the faster backend
+    there may differ), a second summary line, and a second plot panel."""
+    row = {"mode": "eager", "causal": False, "d": 128, "heads": 128, "N": 512}
+    row.update({"ours_ms": 0.4, "sdpa-flash_ms": 0.3, "sdpa-cudnn_ms": 0.35})
+    row.update(
+        {"ours_graphed_ms": 0.2, "sdpa-flash_graphed_ms": 0.25, "sdpa-cudnn_graphed_ms": 0.22}
+    )
+    sweep._ratios(row, sweep.PROVIDERS)
+    assert row["ours_vs_best"] == pytest.approx(0.4 / 0.3)
+    assert row["ours_graphed_vs_best"] == pytest.approx(0.2 / 0.22)
+    timed, graphed = sweep.summary([row]).splitlines()
+    assert timed.startswith("ours <= best SDPA on 0/1")
+    assert graphed.startswith("as GPU time alone, ours <= best SDPA on 1/1")
+    assert "0.909" in graphed
+    out = tmp_path / "p.png"
+    sweep.plot([row], out)
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(out).shape[:2]
+    assert width > 2.5 * height  # two 9 x 5 panels side by side
+    untimed = {k: v for k, v in row.items() if "graphed" not in k}
+    sweep.plot([untimed], out)
+    height, width = matplotlib.image.imread(out).shape[:2]
+    assert width < 2.5 * height
+    assert len(sweep.summary([untimed]).splitlines()) == 1
+
+
+def test_replot_prints_and_plots_an_earlier_run_without_timing(tmp_path, monkeypatch, capsys):
+    row = {"mode": "eager", "causal": True, "d": 64, "heads": 8, "N": 8192}
+    row.update({"ours_ms": 1.0, "sdpa-flash_ms": 2.0, "sdpa-cudnn_ms": 0.8})
+    row.update({"ours_graphed_ms": 0.5, "sdpa-cudnn_graphed_ms": 0.6})
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(
+        json.dumps({"meta": {"device": "NVIDIA H100", "commit": "abc"}, "rows": [row]})
+    )
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("replot timed"))
+    png, out = tmp_path / "p.png", tmp_path / "again.json"
+    assert sweep.main(["--replot", str(earlier), "--plot", str(png), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "NVIDIA H100" in printed
+    assert "as GPU time alone, ours <= best SDPA on 1/1" in printed
+    assert png.stat().st_size > 0
+    again = json.loads(out.read_text())
+    assert again["meta"]["commit"] == "abc"
+    assert again["rows"][0]["ours_graphed_vs_best"] == pytest.approx(0.5 / 0.6)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="--replot: cannot read sweep rows"):
+        sweep.main(["--replot", str(tmp_path / "bad.json")])
+
+
 def test_the_8b_shape_is_swept_at_d128_only():
     cfg = sweep.SweepConfig(shapes=sweep.SHAPES, device=torch.device("cpu"))
     assert (32, 32768) not in sweep._shapes_for(64, cfg)

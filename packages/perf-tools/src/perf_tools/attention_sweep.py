@@ -18,6 +18,7 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster). 
     python -m perf_tools.attention_sweep --rounds 3  # interleaved rounds: medians, ratio range
     python -m perf_tools.attention_sweep --batch 8 --shapes 16x2048 32x4096  # training batches
     python -m perf_tools.attention_sweep --kernels   # + the GPU kernels each provider ran
+    python -m perf_tools.attention_sweep --replot sweep.json --plot sweep.png  # no timing
 
 `--autograd-threads off` runs the backward on the calling thread
 (`torch.autograd.set_multithreading_enabled(False)`) instead of autograd's device thread. A
@@ -45,10 +46,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +58,14 @@ import torch.nn.functional as F
 
 from perf_tools import _cli, report
 from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
+from perf_tools.attention_sweep_results import (
+    _fill,
+    _ratio_range,
+    _ratios,
+    _shape_label,
+    plot,
+    summary,
+)
 
 # (heads, N) of the sweep; (32, 32768) is the 8B model's shape, swept at d = 128 only.
 SHAPES: tuple[tuple[int, int], ...] = (
@@ -374,115 +384,6 @@ def _kernels_line(row: dict[str, Any], label: str, providers: Sequence[str]) -> 
     return f"{label} | " + " | ".join(parts)
 
 
-def _fill(
-    row: dict[str, Any],
-    providers: Sequence[str],
-    cells: dict[str, list[dict[str, float]]],
-    notes: dict[str, str],
-) -> None:
-    """Each provider's median ms over its rounds (and GPU-only ms when timed), or None and
-    why it did not run."""
-    for p in providers:
-        if p in notes:
-            row[f"{p}_ms"] = None
-            row[f"{p}_note"] = notes[p]
-            continue
-        row[f"{p}_ms"] = statistics.median(c["ms"] for c in cells[p])
-        if "graphed_ms" in cells[p][0]:
-            row[f"{p}_graphed_ms"] = statistics.median(c["graphed_ms"] for c in cells[p])
-
-
-def _ratio_range(
-    row: dict[str, Any],
-    providers: Sequence[str],
-    cells: dict[str, list[dict[str, float]]],
-    notes: dict[str, str],
-) -> None:
-    """The lowest and highest per-round ratio of ours to the best SDPA of the same round."""
-    sdpa = [p for p in providers if p != "ours" and p not in notes]
-    if "ours" not in providers or "ours" in notes or not sdpa:
-        return
-    ratios = [
-        cells["ours"][r]["ms"] / min(cells[p][r]["ms"] for p in sdpa)
-        for r in range(len(cells["ours"]))
-    ]
-    row["ours_vs_best_min"] = min(ratios)
-    row["ours_vs_best_max"] = max(ratios)
-
-
-def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
-    """ours / best SDPA (and per backend), where both ran."""
-    ours = row.get("ours_ms")
-    sdpa = [row.get(f"{p}_ms") for p in providers if p != "ours"]
-    sdpa = [t for t in sdpa if t is not None]
-    if ours is not None and sdpa:
-        best = min(sdpa)
-        row["best_sdpa_ms"] = best
-        row["ours_vs_best"] = ours / best
-        row["ours_wins"] = ours <= best
-
-
-def _mode(row: dict[str, Any]) -> str:
-    """The row's mode, with the autograd-thread setting where the sweep had both."""
-    threads = row.get("autograd_threads")
-    return row["mode"] if threads is None else f"{row['mode']} (autograd threads {threads})"
-
-
-def _shape_label(row: dict[str, Any]) -> str:
-    """HEADSxN, or BxHEADSxN for rows of a batch."""
-    batch = row.get("batch", 1)
-    return f"{row['heads']}x{row['N']}" if batch == 1 else f"{batch}x{row['heads']}x{row['N']}"
-
-
-def summary(rows: Sequence[dict[str, Any]]) -> str:
-    """One line: rows where ours is at or under the best SDPA, and the worst ratio."""
-    rated = [r for r in rows if "ours_vs_best" in r]
-    if not rated:
-        return "no row has both ours and an SDPA time"
-    wins = sum(r["ours_wins"] for r in rated)
-    worst = max(rated, key=lambda r: r["ours_vs_best"])
-    where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {_shape_label(worst)}"
-    return (
-        f"ours <= best SDPA on {wins}/{len(rated)} rows; "
-        f"worst ratio {worst['ours_vs_best']:.3f} ({where})"
-    )
-
-
-def plot(rows: Sequence[dict[str, Any]], path) -> None:
-    """ours / best SDPA per shape (x: heads x N), one line per (mode, causal, d); below the
-    dashed line at 1 ours is faster."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted({(r["heads"], r["N"]) for r in rows}, key=lambda s: (s[1], s[0]))
-    fig, ax = plt.subplots(figsize=(9, 5))
-    groups = sorted({(_mode(r), r["causal"], r["d"]) for r in rows}, key=str)
-    for mode, causal, d in groups:
-        pts = [
-            (shapes.index((r["heads"], r["N"])), r["ours_vs_best"])
-            for r in rows
-            if (_mode(r), r["causal"], r["d"]) == (mode, causal, d) and "ours_vs_best" in r
-        ]
-        if pts:
-            xs, ys = zip(*sorted(pts))
-            style = "-" if mode.startswith("eager") else "--"
-            label = f"{mode}, {'causal' if causal else 'full'}, d={d}"
-            ax.plot(xs, ys, style, marker="o", label=label)
-    ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
-    ax.set_xticks(range(len(shapes)), [f"{h}x{n}" for h, n in shapes], rotation=30)
-    batch = rows[0].get("batch", 1) if rows else 1
-    ax.set_xlabel("heads x N" if batch == 1 else f"heads x N, batch {batch}")
-    ax.set_ylabel("ours / best SDPA (fwd+bwd time)")
-    ax.set_title("flash_attention against the best SDPA backend (below 1: ours faster)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _shape(text: str) -> tuple[int, int]:
     try:
         heads, n = (int(x) for x in text.lower().split("x"))
@@ -535,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time each row's providers N times, interleaved; report medians and the range "
         "of the per-round ratios (ours_vs_best_min / _max)",
     )
+    p.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="print the rows of an earlier run's --json instead of timing, with their ratios "
+        "derived again; --plot draws them, --csv / --json save them with that run's metadata",
+    )
     _cli.add_output_args(p)
     return p
 
@@ -571,21 +479,40 @@ COLUMNS = (
     "mode", "autograd_threads", "traced_compile", "causal", "d", "batch", "heads", "N",
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
     "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
+    "ours_graphed_vs_best",
 )  # fmt: skip
+
+
+def rows_from_json(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of an earlier run's ``--json``, their ratios derived again (files written
+    before a ratio column existed get it), and that run's metadata."""
+    try:
+        payload = json.loads(Path(path).read_text())
+        rows, meta = payload["rows"], payload.get("meta") or {}
+        for row in rows:
+            _ratios(row, PROVIDERS)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"--replot: cannot read sweep rows from {path}: {e}") from None
+    return rows, meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    cfg = config_from_args(a)
-    meta = report.run_metadata()
-
-    def save(rows: list[dict[str, Any]]) -> None:
+    if a.replot is not None:  # the earlier run's rows and metadata, saved again if asked
+        rows, meta = rows_from_json(a.replot)
         report.save_rows(rows, csv_path=a.csv, json_path=a.json, meta=meta)
+        dev, batch = str(meta.get("device") or "device unknown"), ""
+    else:
+        cfg = config_from_args(a)
+        meta = report.run_metadata()
 
-    rows = run_sweep(cfg, on_row=save if a.csv or a.json else None)
+        def save(rows: list[dict[str, Any]]) -> None:
+            report.save_rows(rows, csv_path=a.csv, json_path=a.json, meta=meta)
+
+        rows = run_sweep(cfg, on_row=save if a.csv or a.json else None)
+        dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
+        batch = "" if cfg.batch == 1 else f", batch {cfg.batch}"
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
-    dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
-    batch = "" if cfg.batch == 1 else f", batch {cfg.batch}"
     report.print_table(rows, cols, title=f"attention fwd+bwd, ms (median), {dev}{batch}")
     print(summary(rows))
     if a.plot is not None and rows:

@@ -1,0 +1,139 @@
+"""What an attention sweep's rows say: each provider's median, ours against the best SDPA
+backend (timed and, with ``--graphed``, as GPU time alone), the per-round ratio range, the
+summary line and the plot (``perf_tools.attention_sweep`` fills the rows)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+
+def _fill(
+    row: dict[str, Any],
+    providers: Sequence[str],
+    cells: dict[str, list[dict[str, float]]],
+    notes: dict[str, str],
+) -> None:
+    """Each provider's median ms over its rounds (and GPU-only ms when timed), or None and
+    why it did not run."""
+    for p in providers:
+        if p in notes:
+            row[f"{p}_ms"] = None
+            row[f"{p}_note"] = notes[p]
+            continue
+        row[f"{p}_ms"] = statistics.median(c["ms"] for c in cells[p])
+        if "graphed_ms" in cells[p][0]:
+            row[f"{p}_graphed_ms"] = statistics.median(c["graphed_ms"] for c in cells[p])
+
+
+def _ratio_range(
+    row: dict[str, Any],
+    providers: Sequence[str],
+    cells: dict[str, list[dict[str, float]]],
+    notes: dict[str, str],
+) -> None:
+    """The lowest and highest per-round ratio of ours to the best SDPA of the same round."""
+    sdpa = [p for p in providers if p != "ours" and p not in notes]
+    if "ours" not in providers or "ours" in notes or not sdpa:
+        return
+    ratios = [
+        cells["ours"][r]["ms"] / min(cells[p][r]["ms"] for p in sdpa)
+        for r in range(len(cells["ours"]))
+    ]
+    row["ours_vs_best_min"] = min(ratios)
+    row["ours_vs_best_max"] = max(ratios)
+
+
+def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
+    """ours / best SDPA where both ran, and the same of the GPU-only times where timed
+    (``ours_graphed_vs_best``: the faster backend's GPU time, not necessarily the backend
+    that was faster with host time)."""
+    for kind, ratio in (("ms", "ours_vs_best"), ("graphed_ms", "ours_graphed_vs_best")):
+        ours = row.get(f"ours_{kind}")
+        sdpa = [row.get(f"{p}_{kind}") for p in providers if p != "ours"]
+        sdpa = [t for t in sdpa if t is not None]
+        if ours is None or not sdpa:
+            continue
+        best = min(sdpa)
+        row[ratio] = ours / best
+        if kind == "ms":
+            row["best_sdpa_ms"] = best
+            row["ours_wins"] = ours <= best
+
+
+def _mode(row: dict[str, Any]) -> str:
+    """The row's mode, with the autograd-thread setting where the sweep had both."""
+    threads = row.get("autograd_threads")
+    return row["mode"] if threads is None else f"{row['mode']} (autograd threads {threads})"
+
+
+def _shape_label(row: dict[str, Any]) -> str:
+    """HEADSxN, or BxHEADSxN for rows of a batch."""
+    batch = row.get("batch", 1)
+    return f"{row['heads']}x{row['N']}" if batch == 1 else f"{batch}x{row['heads']}x{row['N']}"
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> str:
+    """Rows where ours is at or under the best SDPA and the worst ratio: one line, and a
+    second of the GPU-only times where the sweep timed them (``--graphed``)."""
+    lines = []
+    for ratio, what in (("ours_vs_best", ""), ("ours_graphed_vs_best", "as GPU time alone, ")):
+        rated = [r for r in rows if ratio in r]
+        if not rated:
+            continue
+        wins = sum(r[ratio] <= 1 for r in rated)
+        worst = max(rated, key=lambda r: r[ratio])
+        where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {_shape_label(worst)}"
+        lines.append(
+            f"{what}ours <= best SDPA on {wins}/{len(rated)} rows; "
+            f"worst ratio {worst[ratio]:.3f} ({where})"
+        )
+    return "\n".join(lines) or "no row has both ours and an SDPA time"
+
+
+def plot(rows: Sequence[dict[str, Any]], path) -> None:
+    """ours / best SDPA per shape (x: heads x N), one line per (mode, causal, d); below the
+    dotted line at 1 ours is faster. With GPU-only times (``--graphed``) a second panel
+    shows their ratio beside the timed one, so host-bound rows stand out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("ours_vs_best", "fwd+bwd time, host included")]
+    if any("ours_graphed_vs_best" in r for r in rows):
+        panels.append(("ours_graphed_vs_best", "GPU time alone (one CUDA graph)"))
+    shapes = sorted({(r["heads"], r["N"]) for r in rows}, key=lambda s: (s[1], s[0]))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(9 * len(panels), 5), sharey=True, squeeze=False
+    )
+    batch = rows[0].get("batch", 1) if rows else 1
+    for ax, (ratio, what) in zip(axes[0], panels):
+        _plot_ratio(ax, rows, shapes, ratio)
+        ax.set_xlabel("heads x N" if batch == 1 else f"heads x N, batch {batch}")
+        ax.set_title(f"ours / best SDPA: {what} (below 1: ours faster)", fontsize=10)
+    axes[0][0].set_ylabel("ours / best SDPA")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_ratio(ax, rows: Sequence[dict[str, Any]], shapes: list, ratio: str) -> None:
+    """One line per (mode, causal, d) of ``ratio`` over ``shapes`` on ``ax``."""
+    groups = sorted({(_mode(r), r["causal"], r["d"]) for r in rows}, key=str)
+    for mode, causal, d in groups:
+        pts = [
+            (shapes.index((r["heads"], r["N"])), r[ratio])
+            for r in rows
+            if (_mode(r), r["causal"], r["d"]) == (mode, causal, d) and ratio in r
+        ]
+        if pts:
+            xs, ys = zip(*sorted(pts))
+            style = "-" if mode.startswith("eager") else "--"
+            label = f"{mode}, {'causal' if causal else 'full'}, d={d}"
+            ax.plot(xs, ys, style, marker="o", label=label)
+    ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(shapes)), [f"{h}x{n}" for h, n in shapes], rotation=30)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
