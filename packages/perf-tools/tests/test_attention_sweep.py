@@ -29,7 +29,7 @@ def test_cpu_run_writes_rows_and_marks_sdpa_unavailable(tmp_path, capsys):
 def test_ratios_and_summary_pick_the_best_sdpa():
     row = {"mode": "eager", "causal": True, "d": 64, "heads": 8, "N": 8192}
     row.update({"ours_ms": 1.0, "sdpa-flash_ms": 2.0, "sdpa-cudnn_ms": 0.8})
-    sweep._ratios(row, sweep.PROVIDERS)
+    sweep.add_ratios(row, sweep.PROVIDERS)
     assert row["best_sdpa_ms"] == 0.8
     assert row["ours_vs_best"] == pytest.approx(1.25)
     assert not row["ours_wins"]
@@ -46,7 +46,7 @@ def test_gpu_time_ratio_summary_and_plot_panel(tmp_path):
     row.update(
         {"ours_graphed_ms": 0.2, "sdpa-flash_graphed_ms": 0.25, "sdpa-cudnn_graphed_ms": 0.22}
     )
-    sweep._ratios(row, sweep.PROVIDERS)
+    sweep.add_ratios(row, sweep.PROVIDERS)
     assert row["ours_vs_best"] == pytest.approx(0.4 / 0.3)
     assert row["ours_graphed_vs_best"] == pytest.approx(0.2 / 0.22)
     timed, graphed = sweep.summary([row]).splitlines()
@@ -233,11 +233,11 @@ def test_batch_sizes_the_inputs_and_labels_the_rows(tmp_path, monkeypatch):
     assert (3, 2, 32, 16) in shapes
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 3
-    assert sweep._shape_label(row) == "3x2x32"
+    assert sweep.shape_label(row) == "3x2x32"
     assert sweep.main([*args, "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert "batch" not in row
-    assert sweep._shape_label(row) == "2x32"
+    assert sweep.shape_label(row) == "2x32"
     with pytest.raises(ValueError, match="batch"):
         sweep.SweepConfig(shapes=((1, 8),), batch=0)
 

@@ -59,11 +59,11 @@ import torch.nn.functional as F
 from perf_tools import _cli, report
 from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
 from perf_tools.attention_sweep_results import (
-    _fill,
-    _ratio_range,
-    _ratios,
-    _shape_label,
+    add_ratios,
+    fill_medians,
     plot,
+    ratio_range,
+    shape_label,
     summary,
 )
 
@@ -283,12 +283,12 @@ def run_sweep(
             if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
                 row["traced_compile"] = traced_compile_option()
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
-            label = f"{mode} causal={causal} d={d} {_shape_label(row)}"
+            label = f"{mode} causal={causal} d={d} {shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
-            _fill(row, cfg.providers, cells, notes)
-            _ratios(row, cfg.providers)
+            fill_medians(row, cfg.providers, cells, notes)
+            add_ratios(row, cfg.providers)
             if cfg.rounds > 1:
-                _ratio_range(row, cfg.providers, cells, notes)
+                ratio_range(row, cfg.providers, cells, notes)
             if cfg.kernels:
                 _record_kernels(row, fns, (q, k, v, do), mode, threads, notes)
                 if not cfg.quiet:
@@ -490,7 +490,7 @@ def rows_from_json(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         payload = json.loads(Path(path).read_text())
         rows, meta = payload["rows"], payload.get("meta") or {}
         for row in rows:
-            _ratios(row, PROVIDERS)
+            add_ratios(row, PROVIDERS)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"--replot: cannot read sweep rows from {path}: {e}") from None
     return rows, meta

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _fill(
+def fill_medians(
     row: dict[str, Any],
     providers: Sequence[str],
     cells: dict[str, list[dict[str, float]]],
@@ -27,7 +27,7 @@ def _fill(
             row[f"{p}_graphed_ms"] = statistics.median(c["graphed_ms"] for c in cells[p])
 
 
-def _ratio_range(
+def ratio_range(
     row: dict[str, Any],
     providers: Sequence[str],
     cells: dict[str, list[dict[str, float]]],
@@ -45,7 +45,7 @@ def _ratio_range(
     row["ours_vs_best_max"] = max(ratios)
 
 
-def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
+def add_ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
     """ours / best SDPA where both ran, and the same of the GPU-only times where timed
     (``ours_graphed_vs_best``: the faster backend's GPU time, not necessarily the backend
     that was faster with host time)."""
@@ -62,13 +62,13 @@ def _ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
             row["ours_wins"] = ours <= best
 
 
-def _mode(row: dict[str, Any]) -> str:
+def mode_label(row: dict[str, Any]) -> str:
     """The row's mode, with the autograd-thread setting where the sweep had both."""
     threads = row.get("autograd_threads")
     return row["mode"] if threads is None else f"{row['mode']} (autograd threads {threads})"
 
 
-def _shape_label(row: dict[str, Any]) -> str:
+def shape_label(row: dict[str, Any]) -> str:
     """HEADSxN, or BxHEADSxN for rows of a batch."""
     batch = row.get("batch", 1)
     return f"{row['heads']}x{row['N']}" if batch == 1 else f"{batch}x{row['heads']}x{row['N']}"
@@ -84,7 +84,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
             continue
         wins = sum(r[ratio] <= 1 for r in rated)
         worst = max(rated, key=lambda r: r[ratio])
-        where = f"{_mode(worst)} causal={worst['causal']} d={worst['d']} {_shape_label(worst)}"
+        where = f"{mode_label(worst)} causal={worst['causal']} d={worst['d']} {shape_label(worst)}"
         lines.append(
             f"{what}ours <= best SDPA on {wins}/{len(rated)} rows; "
             f"worst ratio {worst[ratio]:.3f} ({where})"
@@ -121,12 +121,12 @@ def plot(rows: Sequence[dict[str, Any]], path) -> None:
 
 def _plot_ratio(ax, rows: Sequence[dict[str, Any]], shapes: list, ratio: str) -> None:
     """One line per (mode, causal, d) of ``ratio`` over ``shapes`` on ``ax``."""
-    groups = sorted({(_mode(r), r["causal"], r["d"]) for r in rows}, key=str)
+    groups = sorted({(mode_label(r), r["causal"], r["d"]) for r in rows}, key=str)
     for mode, causal, d in groups:
         pts = [
             (shapes.index((r["heads"], r["N"])), r[ratio])
             for r in rows
-            if (_mode(r), r["causal"], r["d"]) == (mode, causal, d) and ratio in r
+            if (mode_label(r), r["causal"], r["d"]) == (mode, causal, d) and ratio in r
         ]
         if pts:
             xs, ys = zip(*sorted(pts))
