@@ -210,7 +210,7 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
   FA="$ROOT/packages/flashattn-triton/benchmarks"
   run d128_gluon_fwd $PY "$FA/gluon_fwd_ab.py" "$WORK/gluon_fwd_ab.json" --sweep
   run d128_sweep $PY -m perf_tools.attention_sweep --d 128 --modes eager --quiet \
-    --csv "$WORK/sweep_d128.csv" --json "$WORK/sweep_d128.json" --plot "$WORK/sweep_d128.png"
+    --rounds 3 --graphed --kernels --csv "$WORK/sweep_d128.csv" --json "$WORK/sweep_d128.json" --plot "$WORK/sweep_d128.png"
   run d128_leaderboard $PY "$FA/leaderboard_bench.py" --d 128 \
     --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
   run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
@@ -230,7 +230,7 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
   run d64_onepass_ab $PY "$FA/results/current/scripts/onepass_d64_ab.py" final \
     "$WORK/onepass_d64_ab.json"
   run d64_sweep $PY -m perf_tools.attention_sweep --d 64 --modes eager compiled \
-    --csv "$WORK/sweep_d64.csv" --json "$WORK/sweep_d64.json" --plot "$WORK/sweep_d64.png"
+    --rounds 3 --kernels --csv "$WORK/sweep_d64.csv" --json "$WORK/sweep_d64.json" --plot "$WORK/sweep_d64.png"
 fi
 if want features; then  # flashattn-triton's features and decode, d = 64's parts
   FA="$ROOT/packages/flashattn-triton/benchmarks"
