@@ -84,9 +84,10 @@ def test_replot_prints_and_plots_an_earlier_run_without_timing(tmp_path, monkeyp
     again = json.loads(out.read_text())
     assert again["meta"]["commit"] == "abc"
     assert again["rows"][0]["ours_graphed_vs_best"] == pytest.approx(0.5 / 0.6)
-    (tmp_path / "bad.json").write_text("[1, 2]")
-    with pytest.raises(SystemExit, match="--replot: cannot read sweep rows"):
-        sweep.main(["--replot", str(tmp_path / "bad.json")])
+    for bad in ("[1, 2]", '{"rows": [{"mode": "eager"}]}', "{not json"):
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(SystemExit, match="--replot: cannot read sweep rows"):
+            sweep.main(["--replot", str(tmp_path / "bad.json")])
 
 
 def test_the_8b_shape_is_swept_at_d128_only():

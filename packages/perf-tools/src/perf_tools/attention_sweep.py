@@ -490,6 +490,9 @@ def rows_from_json(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         payload = json.loads(Path(path).read_text())
         rows, meta = payload["rows"], payload.get("meta") or {}
         for row in rows:
+            missing = [k for k in ("mode", "causal", "d", "heads", "N") if k not in row]
+            if missing:
+                raise KeyError(f"a row without {', '.join(missing)}")
             add_ratios(row, PROVIDERS)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"--replot: cannot read sweep rows from {path}: {e}") from None
@@ -501,7 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.replot is not None:  # the earlier run's rows and metadata, saved again if asked
         rows, meta = rows_from_json(a.replot)
         report.save_rows(rows, csv_path=a.csv, json_path=a.json, meta=meta)
-        dev, batch = str(meta.get("device") or "device unknown"), ""
+        dev = str(meta.get("device") or "device unknown")
+        batches = {r.get("batch", 1) for r in rows}
+        batch = "" if batches <= {1} else f", batch {', '.join(map(str, sorted(batches)))}"
     else:
         cfg = config_from_args(a)
         meta = report.run_metadata()
