@@ -90,6 +90,41 @@ def test_replot_prints_and_plots_an_earlier_run_without_timing(tmp_path, monkeyp
             sweep.main(["--replot", str(tmp_path / "bad.json")])
 
 
+def test_host_column_times_back_to_back_calls(tmp_path, monkeypatch):
+    """--host: each provider's host us per call (fewer back-to-back calls for long ones),
+    ours over the best SDPA's, a summary line and a plot panel of its own."""
+    calls = []
+    monkeypatch.setattr(sweep, "_bench", lambda fn, cfg: 80.0)  # an 80 ms call
+    real_host_us = sweep._host_us
+
+    def counting_host_us(fn, ms, cfg):
+        calls.append(ms)
+        return real_host_us(lambda: (fn(), calls.append("call")), ms, cfg)
+
+    monkeypatch.setattr(sweep, "_host_us", counting_host_us)
+    out = tmp_path / "s.json"
+    rc = sweep.main(
+        ["--shapes", "2x32", "--d", "16", "--causal", "yes", "--modes", "eager",
+         "--device", "cpu", "--quiet", "--host", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["ours_host_us"] > 0
+    assert calls[0] == 80.0
+    # 50 ms of queued work at most per sample: 3 calls (the floor) per sample, 5 samples
+    assert calls.count("call") == sweep.HOST_MIN_CALLS * sweep.HOST_SAMPLES
+    row.update({"sdpa-flash_host_us": 2 * row["ours_host_us"], "sdpa-flash_ms": 1.0})
+    sweep.add_ratios(row, sweep.PROVIDERS)
+    assert row["ours_host_vs_best"] == pytest.approx(0.5)
+    assert "as host time to issue a call, ours <= best SDPA on 1/1" in sweep.summary([row])
+    png = tmp_path / "p.png"
+    sweep.plot([row], png)
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert width > 2.5 * height  # the timed panel and the host panel
+
+
 def test_the_8b_shape_is_swept_at_d128_only():
     cfg = sweep.SweepConfig(shapes=sweep.SHAPES, device=torch.device("cpu"))
     assert (32, 32768) not in sweep._shapes_for(64, cfg)

@@ -14,6 +14,7 @@ Rows carry each provider's ms and `ours / best SDPA` (below 1: ours is faster). 
     python -m perf_tools.attention_sweep --csv sweep.csv --plot sweep.png
     python -m perf_tools.attention_sweep --d 64 --modes eager --shapes 128x512 32x2048
     python -m perf_tools.attention_sweep --graphed   # + GPU-only time (one CUDA graph per call)
+    python -m perf_tools.attention_sweep --host      # + host time to issue one call (us)
     python -m perf_tools.attention_sweep --modes eager --autograd-threads on off
     python -m perf_tools.attention_sweep --rounds 3  # interleaved rounds: medians, ratio range
     python -m perf_tools.attention_sweep --batch 8 --shapes 16x2048 32x4096  # training batches
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -105,6 +107,7 @@ class SweepConfig:
     rounds: int = 1  # interleaved timings of each row's providers (medians reported)
     batch: int = 1  # sequences per call: q, k, v are (batch, heads, N, d)
     kernels: bool = False  # profile one more call per provider and row: its GPU kernels
+    host: bool = False  # also the host time to issue one call (``_host_us``)
 
     def __post_init__(self) -> None:
         device = self.device if self.device is not None else _cli.default_device()
@@ -220,6 +223,29 @@ def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
     )
 
 
+# Host time per call: back-to-back calls per sample (fewer for long calls, so that a sample
+# queues about HOST_QUEUE_MS of GPU work at most), and samples per cell (median).
+HOST_CALLS, HOST_MIN_CALLS, HOST_QUEUE_MS, HOST_SAMPLES = 20, 3, 50.0, 5
+
+
+def _host_us(fn: Callable[[], Any], ms: float, cfg: SweepConfig) -> float:
+    """Microseconds the host takes to issue one call of ``fn`` (timed at ``ms`` per call):
+    back-to-back calls with the clock stopped before synchronizing, median of HOST_SAMPLES.
+    Where the GPU is slower than the host this is the submission cost alone, what a step
+    pays on the host per call; on the CPU it is the call's wall time."""
+    sync = torch.cuda.synchronize if cfg.device.type == "cuda" else (lambda: None)
+    calls = max(HOST_MIN_CALLS, min(HOST_CALLS, int(HOST_QUEUE_MS / max(ms, 1e-3))))
+    samples = []
+    for _ in range(HOST_SAMPLES):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return statistics.median(samples)
+
+
 def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator(device=cfg.device).manual_seed(seed)
     shape = (cfg.batch, heads, n, d)
@@ -246,6 +272,8 @@ def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
     out = {"ms": _bench(fwd_bwd, cfg)}
     if cfg.graphed and cfg.device.type == "cuda":
         out["graphed_ms"] = _graphed_ms(fwd_bwd, cfg)
+    if cfg.host:
+        out["host_us"] = _host_us(fwd_bwd, out["ms"], cfg)
     return out
 
 
@@ -416,6 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=_cli.positive_float, default=50.0)
     p.add_argument("--graphed", action="store_true", help="also the GPU-only (CUDA graph) time")
     p.add_argument(
+        "--host",
+        action="store_true",
+        help="also the host time to issue one call (us: back-to-back calls, the clock "
+        "stopped before synchronizing)",
+    )
+    p.add_argument(
         "--kernels",
         action="store_true",
         help="GPU only: profile one more call per provider and row and record the kernels "
@@ -472,6 +506,7 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
         rounds=a.rounds,
         batch=a.batch,
         kernels=a.kernels,
+        host=a.host,
     )
 
 
@@ -479,7 +514,8 @@ COLUMNS = (
     "mode", "autograd_threads", "traced_compile", "causal", "d", "batch", "heads", "N",
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
     "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
-    "ours_graphed_vs_best",
+    "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us", "sdpa-cudnn_host_us",
+    "ours_host_vs_best",
 )  # fmt: skip
 
 

@@ -8,6 +8,15 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+# What a cell may time besides "ms" (fwd + bwd as timed): GPU time alone (``--graphed``)
+# and host time to issue a call (``--host``); each gets ours over the best SDPA.
+EXTRA_KINDS = ("graphed_ms", "host_us")
+RATIOS = (
+    ("ms", "ours_vs_best", ""),
+    ("graphed_ms", "ours_graphed_vs_best", "as GPU time alone, "),
+    ("host_us", "ours_host_vs_best", "as host time to issue a call, "),
+)
+
 
 def fill_medians(
     row: dict[str, Any],
@@ -15,16 +24,15 @@ def fill_medians(
     cells: dict[str, list[dict[str, float]]],
     notes: dict[str, str],
 ) -> None:
-    """Each provider's median ms over its rounds (and GPU-only ms when timed), or None and
-    why it did not run."""
+    """Each provider's median ms over its rounds (and of GPU-only ms and host us where timed),
+    or None and why it did not run."""
     for p in providers:
         if p in notes:
             row[f"{p}_ms"] = None
             row[f"{p}_note"] = notes[p]
             continue
-        row[f"{p}_ms"] = statistics.median(c["ms"] for c in cells[p])
-        if "graphed_ms" in cells[p][0]:
-            row[f"{p}_graphed_ms"] = statistics.median(c["graphed_ms"] for c in cells[p])
+        for kind in ("ms", *(k for k in EXTRA_KINDS if k in cells[p][0])):
+            row[f"{p}_{kind}"] = statistics.median(c[kind] for c in cells[p])
 
 
 def ratio_range(
@@ -46,10 +54,10 @@ def ratio_range(
 
 
 def add_ratios(row: dict[str, Any], providers: Sequence[str]) -> None:
-    """ours / best SDPA where both ran, and the same of the GPU-only times where timed
-    (``ours_graphed_vs_best``: the faster backend's GPU time, not necessarily the backend
-    that was faster with host time)."""
-    for kind, ratio in (("ms", "ours_vs_best"), ("graphed_ms", "ours_graphed_vs_best")):
+    """ours / best SDPA where both ran, and the same of the GPU-only times and host times
+    where timed (``ours_graphed_vs_best``, ``ours_host_vs_best``: each against the backend
+    best at that measure, not necessarily the one faster as timed)."""
+    for kind, ratio, _ in RATIOS:
         ours = row.get(f"ours_{kind}")
         sdpa = [row.get(f"{p}_{kind}") for p in providers if p != "ours"]
         sdpa = [t for t in sdpa if t is not None]
@@ -78,7 +86,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     """Rows where ours is at or under the best SDPA and the worst ratio: one line, and a
     second of the GPU-only times where the sweep timed them (``--graphed``)."""
     lines = []
-    for ratio, what in (("ours_vs_best", ""), ("ours_graphed_vs_best", "as GPU time alone, ")):
+    for _, ratio, what in RATIOS:
         rated = [r for r in rows if ratio in r]
         if not rated:
             continue
@@ -94,16 +102,20 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot(rows: Sequence[dict[str, Any]], path) -> None:
     """ours / best SDPA per shape (x: heads x N), one line per (mode, causal, d); below the
-    dotted line at 1 ours is faster. With GPU-only times (``--graphed``) a second panel
-    shows their ratio beside the timed one, so host-bound rows stand out."""
+    dotted line at 1 ours is faster. GPU-only times (``--graphed``) and host times
+    (``--host``) get a panel each beside the timed one, so host-bound rows stand out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [("ours_vs_best", "fwd+bwd time, host included")]
-    if any("ours_graphed_vs_best" in r for r in rows):
-        panels.append(("ours_graphed_vs_best", "GPU time alone (one CUDA graph)"))
+    for ratio, what in (
+        ("ours_graphed_vs_best", "GPU time alone (one CUDA graph)"),
+        ("ours_host_vs_best", "host time to issue a call"),
+    ):
+        if any(ratio in r for r in rows):
+            panels.append((ratio, what))
     shapes = sorted({(r["heads"], r["N"]) for r in rows}, key=lambda s: (s[1], s[0]))
     fig, axes = plt.subplots(
         1, len(panels), figsize=(9 * len(panels), 5), sharey=True, squeeze=False
