@@ -210,7 +210,8 @@ if want d128; then  # head dim 128: the Gluon forward, the sweep rows, the leade
   FA="$ROOT/packages/flashattn-triton/benchmarks"
   run d128_gluon_fwd $PY "$FA/gluon_fwd_ab.py" "$WORK/gluon_fwd_ab.json" --sweep
   run d128_sweep $PY -m perf_tools.attention_sweep --d 128 --modes eager --quiet \
-    --rounds 3 --graphed --host --kernels --csv "$WORK/sweep_d128.csv" --json "$WORK/sweep_d128.json" --plot "$WORK/sweep_d128.png"
+    --rounds 3 --graphed --host --kernels \
+    --csv "$WORK/sweep_d128.csv" --json "$WORK/sweep_d128.json" --plot "$WORK/sweep_d128.png"
   run d128_leaderboard $PY "$FA/leaderboard_bench.py" --d 128 \
     --providers ours,sdpa_flash,sdpa_cudnn --schemes split --rep 500
   run d128_features $PY -m perf_tools.attention_features gqa window --quiet \
