@@ -76,6 +76,20 @@ def print_profile(prof: cProfile.Profile, title: str, lines: int) -> None:
     print(title, s.getvalue()[:6000], flush=True)
 
 
+def ours_forward(causal: bool, scale: float) -> type[torch.autograd.Function]:
+    """An autograd Function whose forward is our forward launcher, saving what the
+    backward needs; the probes below give it their own backward."""
+
+    class OursForward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            o, lse = launch.forward(q, k, v, causal, scale)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
+
+    return OursForward
+
+
 class PyIdentity(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -148,13 +162,7 @@ def inside(d: int, causal: bool) -> dict:
     fresh: list[bool] = []  # per backward: this thread's `threading.local` was empty
     profiler: list[cProfile.Profile] = []
 
-    class Timed(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v):
-            o, lse = launch.forward(q, k, v, causal, scale)
-            ctx.save_for_backward(q, k, v, o, lse)
-            return o
-
+    class Timed(ours_forward(causal, scale)):
         @staticmethod
         def backward(ctx, g):
             t = time.perf_counter()
@@ -221,13 +229,7 @@ def replay(d: int, causal: bool) -> dict:
     parts: dict[str, dict[str, list[float]]] = {}
     thread = ["device"]
 
-    class Parts(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v):
-            o, lse = launch.forward(q, k, v, causal, scale)
-            ctx.save_for_backward(q, k, v, o, lse)
-            return o
-
+    class Parts(ours_forward(causal, scale)):
         @staticmethod
         def backward(ctx, g):
             t = [ns()]
