@@ -118,6 +118,27 @@ def test_simulated_oom_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
             assert float(r["mean_ms"]) > 0
 
 
+def test_a_sweep_stopped_part_way_keeps_the_models_it_finished(tmp_path, monkeypatch):
+    """The CSV / JSON are saved after each model's cells: a run stopped in the second model
+    (a time limit, Ctrl-C) leaves the first model's rows, with the run's metadata."""
+    real = cells.make_cell_step
+
+    def stopped_in_the_second_model(model, runner, spec, *a, **k):
+        if spec.attention == "naive":
+            raise KeyboardInterrupt
+        return real(model, runner, spec, *a, **k)
+
+    monkeypatch.setattr(cells, "make_cell_step", stopped_in_the_second_model)
+    out = tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--mode", "forward", "--attention", "sdpa", "naive"]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main([*argv, "--json", str(out), "--csv", str(tmp_path / "b.csv")])
+    saved = json.loads(out.read_text())
+    assert [(r["attention"], r["status"]) for r in saved["rows"]] == [("sdpa", "ok")]
+    assert saved["meta"]["command"]
+    assert len(_rows(tmp_path / "b.csv")) == 1
+
+
 def test_oom_while_building_marks_every_cell_of_that_model(tmp_path, monkeypatch):
     def no_room(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")

@@ -333,9 +333,14 @@ def _dump_snapshot(path: Path) -> None:
 
 
 def run_sweep(
-    specs: Sequence[BenchSpec], opts: BenchOptions, measure: Measure | None = None
+    specs: Sequence[BenchSpec],
+    opts: BenchOptions,
+    measure: Measure | None = None,
+    on_rows: Callable[[list[Row]], None] | None = None,
 ) -> list[Row]:
     """Measure every cell; one model per model_key, OOM / errors recorded and the sweep goes on.
+    ``on_rows(rows)`` runs after each model's cells with the rows so far (``bench.main``
+    saves them, so a sweep stopped part-way keeps the models it finished).
 
     `measure(model, runner, spec, config, opts, n_cells) -> dict` (default `measure_cell`).
     With `opts.isolate` (N) each model's cells run in a fresh process (`_isolated_cells`),
@@ -357,9 +362,13 @@ def run_sweep(
                 for key, cells in groups:
                     done = _isolated_cells(key, cells, opts, sweep, len(specs))
                     rows += [{**r, "run": run} for r in done] if opts.isolate > 1 else done
+                    if on_rows is not None:
+                        on_rows(rows)
         else:
             for key, cells in groups:
                 rows += _model_cells(key, cells, opts, measure, sweep, len(specs))
+                if on_rows is not None:
+                    on_rows(rows)
     add_hf_speedups(rows)
     return rows
 
