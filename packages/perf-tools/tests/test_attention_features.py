@@ -38,6 +38,26 @@ def test_smoke_run_every_case(tmp_path):
     assert csv.read_text().startswith("case,shape,provider")
 
 
+def test_a_run_stopped_part_way_keeps_the_shapes_it_finished(tmp_path, monkeypatch):
+    """Rows are saved after each shape: a run stopped in its second shape keeps the first."""
+    real, seen = af._run_case, []
+
+    def stopped_on_the_second(case, cells, shape, cfg):
+        seen.append(shape)
+        if len(seen) > 1:
+            raise KeyboardInterrupt
+        return real(case, cells, shape, cfg)
+
+    monkeypatch.setattr(af, "_run_case", stopped_on_the_second)
+    out = tmp_path / "f.json"
+    with pytest.raises(KeyboardInterrupt):
+        af.main(["--device", "cpu", "gqa", "varlen", "--json", str(out), "--quiet"])
+    saved = json.loads(out.read_text())
+    assert saved["rows"]
+    assert {r["shape"] for r in saved["rows"]} == {seen[0]}
+    assert saved["meta"]["command"]
+
+
 def test_kvcache_case_matches_sdpa_per_sequence():
     """The kvcache case's providers compute the same attention (the masked cache, the filled
     rows per sequence and ours), so the table compares equal work."""

@@ -383,41 +383,50 @@ def _run_case(
     return rows
 
 
-def run(cfg: FeaturesConfig) -> list[dict[str, Any]]:
-    """Every requested case, one row per provider."""
+def run(
+    cfg: FeaturesConfig, on_rows: Callable[[list[dict[str, Any]]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Every requested case, one row per provider. ``on_rows(rows)`` runs after each shape
+    with the rows so far (``main`` saves them, so a run stopped part-way keeps them)."""
     device = cfg.device
     dtype = DTYPES[cfg.dtype] if device.type == "cuda" else torch.float32
     gpu = device.type == "cuda"
     gen = torch.Generator().manual_seed(cfg.seed)
     rows: list[dict[str, Any]] = []
+
+    def add(shape_rows: list[dict[str, Any]]) -> None:
+        rows.extend(shape_rows)
+        if on_rows is not None:
+            on_rows(rows)
+
     for case in cfg.cases:
         size = SIZES[case][0 if gpu else 1]
         if case == "gqa":
             for batch, n in size["shapes"]:
                 shape = f"B{batch} Hq{size['heads']} Hkv{size['kv_heads']} N{n} d{size['d']}"
                 cells = gqa_cells(size, batch, n, dtype, device, gen)
-                rows += _run_case(case, cells, shape, cfg)
+                add(_run_case(case, cells, shape, cfg))
         elif case == "varlen":
             cells, lens = varlen_cells(size, dtype, device, gen)
             shape = f"{len(lens)} docs {'+'.join(map(str, lens))} H{size['heads']} d{size['d']}"
-            rows += _run_case(case, cells, shape, cfg)
+            add(_run_case(case, cells, shape, cfg))
         elif case == "window":
             cells = window_cells(size, dtype, device, gen, with_mask=cfg.window_mask)
             shape = f"B{size['batch']} H{size['heads']} N{size['n']} W{size['window']} d{size['d']}"
-            rows += _run_case(case, cells, shape, cfg)
+            add(_run_case(case, cells, shape, cfg))
         elif case == "kvcache":
             cells, lens = kvcache_cells(size, dtype, device, gen)
             shape = (
                 f"B{size['batch']} Hq{size['heads']} Hkv{size['kv_heads']} Nq1 "
                 f"S{size['rows']} filled {'+'.join(map(str, lens))} d{size['d']}"
             )
-            rows += _run_case(case, cells, shape, cfg)
+            add(_run_case(case, cells, shape, cfg))
         else:
             for b, h, h_kv, keys in size["shapes"]:
                 heads = f"H{h}" if h == h_kv else f"Hq{h} Hkv{h_kv}"
                 shape = f"B{b} {heads} Nq1 Nk{keys} d{size['d']}"
                 cells = decode_cells((b, h, h_kv, keys), size["d"], dtype, device, gen)
-                rows += _run_case(case, cells, shape, cfg)
+                add(_run_case(case, cells, shape, cfg))
     return rows
 
 
@@ -470,12 +479,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: parse, run the cases, print and save the table; 1 if a cell erred."""
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    rows = run(cfg)
-    dev = report.run_metadata()["device"]
+    meta = report.run_metadata()
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        report.save_rows(rows, csv_path=args.csv, json_path=args.json, meta=meta)
+
+    rows = run(cfg, on_rows=save if args.csv or args.json else None)
     report.print_table(
-        rows, COLUMNS, title=f"attention features on {dev}, {cfg.dtype}, do_bench median ms"
+        rows,
+        COLUMNS,
+        title=f"attention features on {meta['device']}, {cfg.dtype}, do_bench median ms",
     )
-    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
+    save(rows)
     return 1 if any(str(r["status"]).startswith("error") for r in rows) else 0
 
 
