@@ -148,4 +148,5 @@ def _plot_ratio(ax, rows: Sequence[dict[str, Any]], shapes: list, ratio: str) ->
     ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(shapes)), [f"{h}x{n}" for h, n in shapes], rotation=30)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # rows without a ratio (e.g. on a CPU) draw none
+        ax.legend(fontsize=7)
