@@ -479,16 +479,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The CLI: parse, run the cases, print and save the table; 1 if a cell erred."""
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    meta = report.run_metadata()
-
-    def save(rows: list[dict[str, Any]]) -> None:
-        report.save_rows(rows, csv_path=args.csv, json_path=args.json, meta=meta)
-
-    rows = run(cfg, on_rows=save if args.csv or args.json else None)
+    save = report.rows_saver(args.csv, args.json)
+    rows = run(cfg, on_rows=save)
+    dev = report.run_metadata()["device"]
     report.print_table(
-        rows,
-        COLUMNS,
-        title=f"attention features on {meta['device']}, {cfg.dtype}, do_bench median ms",
+        rows, COLUMNS, title=f"attention features on {dev}, {cfg.dtype}, do_bench median ms"
     )
     save(rows)
     return 1 if any(str(r["status"]).startswith("error") for r in rows) else 0

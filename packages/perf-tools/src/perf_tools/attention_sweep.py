@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from perf_tools import _cli, report
+from perf_tools import _cli, report, timing
 from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
 from perf_tools.attention_sweep_results import (
     add_ratios,
@@ -233,17 +232,8 @@ def _host_us(fn: Callable[[], Any], ms: float, cfg: SweepConfig) -> float:
     back-to-back calls with the clock stopped before synchronizing, median of HOST_SAMPLES.
     Where the GPU is slower than the host this is the submission cost alone, what a step
     pays on the host per call; on the CPU it is the call's wall time."""
-    sync = torch.cuda.synchronize if cfg.device.type == "cuda" else (lambda: None)
     calls = max(HOST_MIN_CALLS, min(HOST_CALLS, int(HOST_QUEUE_MS / max(ms, 1e-3))))
-    samples = []
-    for _ in range(HOST_SAMPLES):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        sync()
-    return statistics.median(samples)
+    return timing.host_us_per_call(fn, cfg.device, calls, HOST_SAMPLES)
 
 
 def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[torch.Tensor, ...]:
@@ -545,12 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch = "" if batches <= {1} else f", batch {', '.join(map(str, sorted(batches)))}"
     else:
         cfg = config_from_args(a)
-        meta = report.run_metadata()
-
-        def save(rows: list[dict[str, Any]]) -> None:
-            report.save_rows(rows, csv_path=a.csv, json_path=a.json, meta=meta)
-
-        rows = run_sweep(cfg, on_row=save if a.csv or a.json else None)
+        rows = run_sweep(cfg, on_row=report.rows_saver(a.csv, a.json))
         dev = torch.cuda.get_device_name(cfg.device) if cfg.device.type == "cuda" else "CPU"
         batch = "" if cfg.batch == 1 else f", batch {cfg.batch}"
     cols = [c for c in COLUMNS if any(c in r for r in rows)]

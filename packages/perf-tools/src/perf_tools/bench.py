@@ -247,12 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif multi:
         rows = run_dist_sweep(specs, opts)
     else:
-        meta = report.run_metadata()
-
-        def save(rows: list[dict]) -> None:  # the models finished so far
-            report.save_rows(rows, csv_path=args.csv, json_path=args.json, meta=meta)
-
-        rows = run_sweep(specs, opts, on_rows=save if args.csv or args.json else None)
+        rows = run_sweep(specs, opts, on_rows=report.rows_saver(args.csv, args.json))
     cols = [c for c in TABLE_COLUMNS if _shown(c, rows)]
     report.print_table(rows, cols, title=_title(opts, rows))
     if opts.isolate > 1:

@@ -18,7 +18,7 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,21 @@ def save_rows(
     if json_path is not None:
         payload = {"meta": meta if meta is not None else run_metadata(), "rows": list(rows)}
         _replace_file(Path(json_path), json.dumps(payload, indent=2, default=_json_default) + "\n")
+
+
+def rows_saver(
+    csv_path: str | Path | None, json_path: str | Path | None
+) -> Callable[[Sequence[Row]], None]:
+    """``save(rows)``: `save_rows` to these paths with one run's metadata, read now. A tool
+    calls it as rows finish and once at the end, so a run stopped part-way keeps its rows;
+    without a path it does nothing."""
+    meta = run_metadata() if csv_path is not None or json_path is not None else None
+
+    def save(rows: Sequence[Row]) -> None:
+        if meta is not None:
+            save_rows(rows, csv_path=csv_path, json_path=json_path, meta=meta)
+
+    return save
 
 
 def _replace_file(path: Path, text: str) -> None:

@@ -141,20 +141,28 @@ def bench_ms(
     return statistics.median(samples)
 
 
-def host_op_us(device: torch.device | str, calls: int = 2000, rounds: int = 5) -> float:
-    """Host time of one tiny in-place op on ``device`` (median over ``rounds`` of ``calls``
-    back-to-back calls, us): how fast this process issues work. Processes on one machine
-    differed by up to ~1.5x in it, which moves every host-bound step with it."""
-    x = torch.zeros(16, device=device)
+def host_us_per_call(
+    fn: Callable[[], Any], device: torch.device | str, calls: int, rounds: int
+) -> float:
+    """Host time to issue one call of ``fn``, us: ``calls`` back-to-back calls with the clock
+    stopped before synchronizing, median over ``rounds`` (on the CPU, the call's wall time)."""
     synchronize(device)
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(calls):
-            x.add_(1.0)
+            fn()
         samples.append((time.perf_counter() - start) / calls * 1e6)
         synchronize(device)
     return statistics.median(samples)
+
+
+def host_op_us(device: torch.device | str, calls: int = 2000, rounds: int = 5) -> float:
+    """Host time of one tiny in-place op on ``device`` (median over ``rounds`` of ``calls``
+    back-to-back calls, us): how fast this process issues work. Processes on one machine
+    differed by up to ~1.5x in it, which moves every host-bound step with it."""
+    x = torch.zeros(16, device=device)
+    return host_us_per_call(lambda: x.add_(1.0), device, calls, rounds)
 
 
 def reset_peak_memory(device: torch.device | str) -> None:
