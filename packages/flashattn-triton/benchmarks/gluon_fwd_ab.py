@@ -66,15 +66,19 @@ def run(q, k, v, causal, **kw):
 
 # The persistent kernel (one program per SM looping over the tiles) beside the one program
 # per tile of the shipped tiles, by head dim (``--persistent``).
+# "_tma": o stored through shared memory by TMA (``launch_fwd(tma_store=True)``).
 PERSISTENT_VARIANTS = {
     128: {
         "gluon": {"block_m": 128, "head_group": 4},
+        "gluon_tma": {"block_m": 128, "head_group": 4, "tma_store": True},
         "persistent": {"block_m": 128, "persistent": -1},
+        "persistent_tma": {"block_m": 128, "persistent": -1, "tma_store": True},
         "persistent_s3": {"block_m": 128, "stages": 3, "persistent": -1},
         "persistent_n64": {"block_m": 128, "block_n": 64, "stages": 3, "persistent": -1},
     },
     64: {
         "gluon": {"block_m": 192, "consumer_regs": 160, "head_group": 4},
+        "gluon_tma": {"block_m": 192, "consumer_regs": 160, "head_group": 4, "tma_store": True},
         "persistent": {"block_m": 192, "consumer_regs": 160, "persistent": -1},
         "persistent_m128": {"block_m": 128, "persistent": -1},
     },
@@ -177,7 +181,10 @@ def sweep(rows: list, rounds: int) -> None:
 # The shipped ``DEFAULTS`` (before any ``PackageDefaults`` block), and the persistent
 # variants that ``--persistent`` also times inside the package's forward + backward.
 SHIPPED = {d: dict(cfg) for d, cfg in gluon_fwd.DEFAULTS.items()}
-PACKAGE_PERSISTENT = {128: ("persistent",), 64: ("persistent", "persistent_m128")}
+PACKAGE_PERSISTENT = {
+    128: ("persistent", "persistent_tma"),
+    64: ("persistent", "persistent_m128"),
+}
 
 
 class PackageDefaults:
@@ -210,10 +217,16 @@ def gluon_forward(min_keys: int | None) -> PackageDefaults:
     return PackageDefaults(D, cfg)
 
 
-def check_persistent(rows: list) -> None:
+def chosen(d: int, only: list[str] | None) -> dict[str, dict]:
+    """The ``--persistent`` variants at head dim d, those named in ``only`` if given."""
+    return {n: kw for n, kw in PERSISTENT_VARIANTS[d].items() if not only or n in only}
+
+
+def check_persistent(rows: list, only: list[str] | None = None) -> None:
     """The persistent variants against a float32 reference on awkward shapes."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    for d, variants in PERSISTENT_VARIANTS.items():
+    for d in PERSISTENT_VARIANTS:
+        variants = chosen(d, only)
         for b, h, h_kv, n_q, n_k, causal in [
             (2, 3, 3, 1000, 1000, True), (2, 3, 3, 1000, 1000, False), (1, 2, 2, 77, 300, True),
             (1, 2, 2, 300, 77, False), (1, 1, 1, 1, 129, True), (2, 8, 2, 700, 700, True),
@@ -242,7 +255,9 @@ def check_persistent(rows: list) -> None:
                 print(row, flush=True)
 
 
-def time_persistent(rows: list, rounds: int, head_dims=(128, 64)) -> None:
+def time_persistent(
+    rows: list, rounds: int, head_dims=(128, 64), only: list[str] | None = None
+) -> None:
     """Over the attention sweep's batch-1 shapes, forward alone as GPU time (one CUDA
     graph; the kernel variants launch through Triton's dispatch, too slow a host to time
     otherwise): the package's forward (as shipped, and the Triton forward only), the Gluon
@@ -252,9 +267,11 @@ def time_persistent(rows: list, rounds: int, head_dims=(128, 64)) -> None:
     length), and both SDPA backends. Interleaved rounds, medians; "vs_cudnn": over cuDNN's
     time of the same kind."""
     for d in head_dims:
-        variants = PERSISTENT_VARIANTS[d]
+        variants = chosen(d, only)
         configs: dict[str, dict | None] = {"package": SHIPPED[d], "triton": None}
         for name in PACKAGE_PERSISTENT[d]:  # non-causal calls on the persistent grid
+            if name not in variants:
+                continue
             kw = {k: v for k, v in variants[name].items() if k != "persistent"}
             configs[f"package {name}"] = {**SHIPPED[d], **kw, "min_keys_persistent": 0}
         for h, n in [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]:
@@ -384,7 +401,7 @@ def timing(rows: list, shapes, rounds: int) -> None:
 
 def offline(
     causal: bool, kv_group: int, head_dim: int = D, block_m: int = 0, regs: int = 240,
-    persistent: bool = False,
+    persistent: bool = False, tma_store: bool = False,
 ) -> None:  # fmt: skip
     """Compile the shipped d = 128 variant (or, with ``head_dim`` / ``block_m`` / ``regs``,
     that kernel at another head dim, with 128 or 192 query rows, its math warpgroups'
@@ -412,6 +429,7 @@ def offline(
 
     sig = {"q_desc": desc(gluon_fwd.WG_ROWS), "k_desc": desc(cfg["block_n"])}
     sig["v_desc"] = sig["k_desc"]
+    sig["o_desc"] = sig["q_desc"]
     sig.update(Out="*bf16", LSE="*fp32", qk_scale="fp32")
     names_i32 = ("stride_ob", "stride_oh", "stride_om", "n_heads", "n_q", "n_k", "kv_group")
     extra = ("n_m", "total") if persistent else ("head_group",)
@@ -419,7 +437,8 @@ def offline(
         sig[name] = "i32"
     consts = {
         "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"], "HEAD_DIM": head_dim,
-        "STAGES": cfg["stages"], "CAUSAL": causal, "CONSUMER_REGS": regs, "num_warps": 4,
+        "STAGES": cfg["stages"], "CAUSAL": causal, "CONSUMER_REGS": regs,
+        "TMA_STORE": tma_store, "num_warps": 4,
     }  # fmt: skip
     if not persistent:
         consts.update(PINGPONG=cfg["pingpong"], GROUPED=True)
@@ -448,10 +467,12 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=D, choices=(64, 128), help="--offline")
     ap.add_argument("--block-m", type=int, default=0, choices=(0, 128, 192), help="--offline")
     ap.add_argument("--regs", type=int, default=240, help="--offline: CONSUMER_REGS")
+    ap.add_argument("--tma-store", action="store_true", help="--offline: TMA_STORE")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--rounds", type=int, default=0, help="--persistent: timing rounds (3)")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="--persistent")
+    ap.add_argument("--variants", nargs="+", help="--persistent: only these variants")
     ap.add_argument(
         "--persistent", action="store_true",
         help="the persistent kernel: check it, then time it over the sweep's shapes (only); "
@@ -459,16 +480,21 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     if args.offline:
-        offline(args.causal, args.kv_group, args.head_dim, args.block_m, args.regs, args.persistent)
+        offline(
+            args.causal, args.kv_group, args.head_dim, args.block_m, args.regs, args.persistent,
+            args.tma_store,
+        )  # fmt: skip
         return
     if args.out is None:
         ap.error("OUT.json is required unless --offline")
     rows: list = []
     if args.persistent:
-        check_persistent(rows)
-        time_persistent(rows, args.rounds or 3, args.head_dims)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        try:
+            check_persistent(rows, args.variants)
+            time_persistent(rows, args.rounds or 3, args.head_dims, args.variants)
+        finally:  # a run stopped by Ctrl-C (or ``timeout -s INT``) keeps its finished rows
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
         return
     check(rows)
     if args.sweep:

@@ -62,7 +62,7 @@ if HAVE_GLUON:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .gluon_dkdv import _query_tile, _store_dkdv, _tile_stage, _tma_load
+    from .gluon_dkdv import _query_tile, _store_dkdv, _sync_partition, _tile_stage, _tma_load
     from .kernels import _grouped_program
 
 HEAD_DIMS = (64, 128)
@@ -117,12 +117,6 @@ if HAVE_GLUON:
         _semantic.builder.create_async_tma_reduce(
             ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
         )
-
-    @builtin
-    def _sync_partition(_semantic=None):
-        """A barrier over the threads of the current partition (``gl.thread_barrier`` in
-        Triton 3.6, ``gl.barrier`` later)."""
-        return _semantic.debug_barrier()
 
     @gluon.jit
     def _ws_load(

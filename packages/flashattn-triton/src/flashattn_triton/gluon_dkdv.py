@@ -55,8 +55,18 @@ try:  # Gluon ships with Triton >= 3.5
 
     HAVE_GLUON = True
     _LOG2E = gl.constexpr(LOG2E)
+    from triton.experimental.gluon.language._core import builtin
+
     # Triton 3.6 names the TMA load async_copy_global_to_shared; later ones async_load.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # ... and the TMA store async_copy_shared_to_global; later ones async_store.
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
+    @builtin
+    def _sync_partition(_semantic=None):
+        """A barrier over the threads of the current partition (``gl.thread_barrier`` in
+        Triton 3.6, ``gl.barrier`` later)."""
+        return _semantic.debug_barrier()
 except ImportError:  # older Triton, or none
     HAVE_GLUON = False
 

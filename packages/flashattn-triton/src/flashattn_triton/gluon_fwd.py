@@ -75,12 +75,14 @@ if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
+        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
-    from .gluon_dkdv import _tma_load
+    from .gluon_dkdv import _sync_partition, _tma_load, _tma_store
     from .kernels import _grouped_program
 
     @gluon.jit
@@ -164,16 +166,19 @@ if HAVE_GLUON:
     @gluon.jit
     def _attend_rows(
         q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, q_empty,
-        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, row0, n_q, n_k,
-        n_tiles, count, causal_off, qk_scale,
+        Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b, h, n_heads, row0, n_q,
+        n_k, n_tiles, count, causal_off, qk_scale,
         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr,
+        PINGPONG: gl.constexpr, RELEASE_Q: gl.constexpr, TMA_STORE: gl.constexpr,
     ):  # fmt: skip
         """One math warpgroup's WG_M query rows from row0 over n_tiles key tiles: o and lse
         written. ``count``: how many key tiles the loader streamed before these (stages and
         barrier phases run on across a persistent program's tiles). RELEASE_Q: arrive on
-        q_empty once the last score product has read the Q tile."""
+        q_empty once the last score product has read the Q tile. TMA_STORE: o leaves through
+        the warpgroup's own ``o_smem`` (1, 1, WG_M, HEAD_DIM) by a TMA store, which the
+        caller waits for (``tma.store_wait``) before the program ends; otherwise straight
+        from the accumulator's registers."""
         dtype: gl.constexpr = k_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -253,11 +258,21 @@ if HAVE_GLUON:
 
         l_safe = gl.where(l_i == 0.0, 1.0, l_i)
         o = acc * gl.convert_layout(1.0 / l_safe, o_rows)[:, None]
-        out_rows = row0 + gl.arange(0, WG_M, layout=o_rows)
-        out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
-        offs = base + out_rows.to(gl.int64)[:, None] * stride_om + out_cols[None, :]
-        gl.store(Out + offs, o.to(dtype), mask=(out_rows < n_q)[:, None])
+        if TMA_STORE:
+            # The buffer's previous tile has left (only the issuing thread's wait counts,
+            # hence the barrier); rows past the head's end are clipped by the TMA unit.
+            tma.store_wait(0)
+            _sync_partition()
+            o_smem.reshape([WG_M, HEAD_DIM]).store(o.to(dtype))
+            fence_async_shared()
+            _sync_partition()
+            _tma_store(o_desc, [b, h, row0, 0], o_smem)
+        else:
+            out_rows = row0 + gl.arange(0, WG_M, layout=o_rows)
+            out_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            base = b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+            offs = base + out_rows.to(gl.int64)[:, None] * stride_om + out_cols[None, :]
+            gl.store(Out + offs, o.to(dtype), mask=(out_rows < n_q)[:, None])
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # -inf for a row that saw no key
         lse_base = (b * n_heads + h).to(gl.int64) * n_q
         gl.store(LSE + lse_base + offs_m, lse, mask=offs_m < n_q)
@@ -265,29 +280,32 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume(
         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn,
-        Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m, n_q, n_k,
-        n_tiles, causal_off, qk_scale,
+        Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m,
+        n_q, n_k, n_tiles, causal_off, qk_scale,
         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        PINGPONG: gl.constexpr,
+        PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
     ):  # fmt: skip
         """One math warpgroup: rows start_m + WG * WG_M .. + WG_M of the program's tile."""
         q_tile = q_smem.index(WG).reshape([WG_M, HEAD_DIM])
         mbarrier.wait(q_ready, 0)
         _attend_rows(
             q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, q_ready,
-            Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m + WG * WG_M,
-            n_q, n_k, n_tiles, 0, causal_off, qk_scale,
-            WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, False,
+            Out, LSE, o_desc, o_smem.index(WG), stride_ob, stride_oh, stride_om, b, h,
+            n_heads, start_m + WG * WG_M, n_q, n_k, n_tiles, 0, causal_off, qk_scale,
+            WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, False, TMA_STORE,
         )  # fmt: skip
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
     def fwd_kernel(
-        q_desc, k_desc, v_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q, n_k,
-        qk_scale, kv_group, head_group,
+        q_desc, k_desc, v_desc, o_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q,
+        n_k, qk_scale, kv_group, head_group,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, GROUPED: gl.constexpr, num_warps: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, GROUPED: gl.constexpr, TMA_STORE: gl.constexpr,
+        num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: BLOCK_M query rows of one (batch, head), 64 per math warpgroup (two,
         or three at BLOCK_M = 192); heaviest tiles first, with GROUPED head_group heads at a
@@ -314,6 +332,10 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        if TMA_STORE:  # each math warpgroup's o on its way out
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], o_desc.layout)
+        else:
+            o_smem = q_smem  # not used: o leaves from registers
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
@@ -340,18 +362,18 @@ if HAVE_GLUON:
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M, BLOCK_N,
-                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                        turn, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b,
+                        h, n_heads, start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, TMA_STORE,
                     ),
                 ),
                 (
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M, BLOCK_N,
-                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                        turn, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b,
+                        h, n_heads, start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, TMA_STORE,
                     ),
                 ),
                 (
@@ -373,27 +395,27 @@ if HAVE_GLUON:
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M, BLOCK_N,
-                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                        turn, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b,
+                        h, n_heads, start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 0, WG_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, TMA_STORE,
                     ),
                 ),
                 (
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M, BLOCK_N,
-                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                        turn, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b,
+                        h, n_heads, start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 1, WG_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, TMA_STORE,
                     ),
                 ),
                 (
                     _consume,
                     (
                         q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                        turn, Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads,
-                        start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 2, WG_M, BLOCK_N,
-                        HEAD_DIM, STAGES, CAUSAL, PINGPONG,
+                        turn, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, b,
+                        h, n_heads, start_m, n_q, n_k, n_tiles, causal_off, qk_scale, 2, WG_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, PINGPONG, TMA_STORE,
                     ),
                 ),
                 (
@@ -466,10 +488,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _consume_tiles(
         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-        Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group, n_q, n_k, n_m, total,
-        qk_scale,
+        Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om, n_heads, kv_group, n_q,
+        n_k, n_m, total, qk_scale,
         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        TMA_STORE: gl.constexpr,
     ):  # fmt: skip
         """One math warpgroup of a persistent program: its rows of each of the program's
         tiles in turn."""
@@ -484,20 +507,22 @@ if HAVE_GLUON:
             # (no ping-pong here: q_empty also fills the unused turn-barrier slot)
             _attend_rows(
                 q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, q_empty, q_empty,
-                Out, LSE, stride_ob, stride_oh, stride_om, b, h, n_heads, start_m + WG * WG_M,
-                n_q, n_k, n_tiles, count, n_k - n_q, qk_scale,
-                WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, True,
+                Out, LSE, o_desc, o_smem.index(WG), stride_ob, stride_oh, stride_om, b, h,
+                n_heads, start_m + WG * WG_M, n_q, n_k, n_tiles, count, n_k - n_q, qk_scale,
+                WG, WG_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, False, True, TMA_STORE,
             )  # fmt: skip
             count += n_tiles
             j += 1
+        if TMA_STORE:
+            tma.store_wait(0)
 
     @gluon.jit
     def fwd_persistent_kernel(
-        q_desc, k_desc, v_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q, n_k,
-        qk_scale, kv_group, n_m, total,
+        q_desc, k_desc, v_desc, o_desc, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, n_q,
+        n_k, qk_scale, kv_group, n_m, total,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``fwd_kernel`` on a persistent grid: each program takes tiles pid, pid + grid, ...
         of the ``total`` (B * H * n_m) tiles, so the loader fetches a tile's Q and first
@@ -511,6 +536,10 @@ if HAVE_GLUON:
         q_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, HEAD_DIM], v_desc.layout)
+        if TMA_STORE:  # each math warpgroup's o on its way out
+            o_smem = gl.allocate_shared_memory(dtype, [NUM_WG, 1, 1, WG_M, HEAD_DIM], o_desc.layout)
+        else:
+            o_smem = q_smem  # not used: o leaves from registers
         bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
         q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
         q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -534,18 +563,18 @@ if HAVE_GLUON:
                     _consume_tiles,
                     (
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
-                        n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        STAGES, CAUSAL,
+                        v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
+                        n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
                     ),
                 ),
                 (
                     _consume_tiles,
                     (
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
-                        n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        STAGES, CAUSAL,
+                        v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
+                        n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
                     ),
                 ),
                 (
@@ -567,27 +596,27 @@ if HAVE_GLUON:
                     _consume_tiles,
                     (
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
-                        n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        STAGES, CAUSAL,
+                        v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
+                        n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
                     ),
                 ),
                 (
                     _consume_tiles,
                     (
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
-                        n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        STAGES, CAUSAL,
+                        v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
+                        n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
                     ),
                 ),
                 (
                     _consume_tiles,
                     (
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                        v_empty, Out, LSE, stride_ob, stride_oh, stride_om, n_heads, kv_group,
-                        n_q, n_k, n_m, total, qk_scale, 2, WG_M, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        STAGES, CAUSAL,
+                        v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
+                        n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 2, WG_M, BLOCK_M,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
                     ),
                 ),
                 (
@@ -627,6 +656,7 @@ def launch_fwd(
     consumer_regs: int = 240,
     head_group: int = 0,
     persistent: int = 0,
+    tma_store: bool = False,
 ) -> None:
     """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
     (B, H, Nq, d), k, v (B, Hkv, Nk, d), Hkv dividing H (grouped-query heads), in the layouts
@@ -636,7 +666,8 @@ def launch_fwd(
     ``head_group``: programs of that many heads at a time (``kernels._grouped_program``); 0:
     the plain order. ``persistent``: that many programs (at most one per tile) loop over the
     tiles (``fwd_persistent_kernel``; no ping-pong, heads in the plain order); 0: one program
-    per tile."""
+    per tile. ``tma_store``: o leaves through shared memory by TMA stores (o's layout must be
+    TMA-readable, as ``applies`` checks) instead of from the registers."""
     if not HAVE_GLUON:
         raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
     if q.dtype not in GL_DTYPES:
@@ -652,26 +683,29 @@ def launch_fwd(
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     n_m = -(-n_q // block_m)
+    q_desc = _desc(q, WG_ROWS)
+    o_desc = _desc(o, WG_ROWS) if tma_store else q_desc  # q_desc: a placeholder, not read
     if persistent:
         if pingpong:
             raise ValueError("pingpong needs one program per tile (persistent=0)")
         fastlaunch.launch(
             fwd_persistent_kernel, (min(persistent, b * h * n_m),),
-            _desc(q, WG_ROWS), _desc(k, block_n), _desc(v, block_n), o, lse,
+            q_desc, _desc(k, block_n), _desc(v, block_n), o_desc, o, lse,
             o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
             h // k.shape[1], n_m, b * h * n_m,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-            CONSUMER_REGS=consumer_regs, num_warps=4,
+            CONSUMER_REGS=consumer_regs, TMA_STORE=tma_store, num_warps=4,
         )  # fmt: skip
         return
     group, grouped = launch_order(head_group, b * h)
     fastlaunch.launch(
         fwd_kernel, (b * h, -(-n_q // block_m)),
-        _desc(q, WG_ROWS), _desc(k, block_n), _desc(v, block_n), o, lse,
+        q_desc, _desc(k, block_n), _desc(v, block_n), o_desc, o, lse,
         o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
         h // k.shape[1], group,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, GROUPED=grouped, num_warps=4,
+        PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, GROUPED=grouped, TMA_STORE=tma_store,
+        num_warps=4,
     )  # fmt: skip
 
 
