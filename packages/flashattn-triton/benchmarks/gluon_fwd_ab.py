@@ -73,6 +73,12 @@ PERSISTENT_VARIANTS = {
         "gluon_tma": {"block_m": 128, "head_group": 4, "tma_store": True},
         "persistent": {"block_m": 128, "persistent": -1},
         "persistent_tma": {"block_m": 128, "persistent": -1, "tma_store": True},
+        "persistent_tma_serp": {
+            "block_m": 128,
+            "persistent": -1,
+            "tma_store": True,
+            "serpentine": True,
+        },
         "persistent_s3": {"block_m": 128, "stages": 3, "persistent": -1},
         "persistent_n64": {"block_m": 128, "block_n": 64, "stages": 3, "persistent": -1},
     },
@@ -255,9 +261,13 @@ def check_persistent(rows: list, only: list[str] | None = None) -> None:
                 print(row, flush=True)
 
 
+SWEEP_SHAPES = [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]
+
+
 def time_persistent(
-    rows: list, rounds: int, head_dims=(128, 64), only: list[str] | None = None
-) -> None:
+    rows: list, rounds: int, head_dims=(128, 64), only: list[str] | None = None,
+    shapes=SWEEP_SHAPES, fwd_only: bool = False,
+) -> None:  # fmt: skip
     """Over the attention sweep's batch-1 shapes, forward alone as GPU time (one CUDA
     graph; the kernel variants launch through Triton's dispatch, too slow a host to time
     otherwise): the package's forward (as shipped, and the Triton forward only), the Gluon
@@ -274,12 +284,12 @@ def time_persistent(
                 continue
             kw = {k: v for k, v in variants[name].items() if k != "persistent"}
             configs[f"package {name}"] = {**SHIPPED[d], **kw, "min_keys_persistent": 0}
-        for h, n in [(128, 512), (64, 1024), (32, 2048), (16, 4096), (8, 8192), (16, 16384)]:
+        for h, n in shapes:
             for causal in (False, True):
-                _time_shape(rows, d, h, n, causal, variants, configs, rounds)
+                _time_shape(rows, d, h, n, causal, variants, configs, rounds, fwd_only)
 
 
-def _time_shape(rows, d, h, n, causal, variants, configs, rounds) -> None:
+def _time_shape(rows, d, h, n, causal, variants, configs, rounds, fwd_only=False) -> None:
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
@@ -310,8 +320,9 @@ def _time_shape(rows, d, h, n, causal, variants, configs, rounds) -> None:
     for name, kw in variants.items():
         fns[name] = ((lambda kw=kw: run(q, k, v, causal, **kw)), "as is")
     for label, cfg in configs.items():
-        fns[label + " fwd+bwd"] = (ours(True), cfg)
-    for grad in (False, True):
+        if not fwd_only:
+            fns[label + " fwd+bwd"] = (ours(True), cfg)
+    for grad in (False,) if fwd_only else (False, True):
         for label, backend in (
             ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
             ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
@@ -440,7 +451,9 @@ def offline(
         "STAGES": cfg["stages"], "CAUSAL": causal, "CONSUMER_REGS": regs,
         "TMA_STORE": tma_store, "num_warps": 4,
     }  # fmt: skip
-    if not persistent:
+    if persistent:
+        consts.update(SERPENTINE=causal)
+    else:
         consts.update(PINGPONG=cfg["pingpong"], GROUPED=True)
     if kv_group == 1:
         consts["kv_group"] = 1  # as Triton specializes an argument equal to 1
@@ -474,6 +487,10 @@ def main() -> None:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="--persistent")
     ap.add_argument("--variants", nargs="+", help="--persistent: only these variants")
     ap.add_argument(
+        "--shapes", nargs="+", help="--persistent: HEADSxN shapes (default: the sweep's six)"
+    )
+    ap.add_argument("--fwd-only", action="store_true", help="--persistent: no fwd+bwd timings")
+    ap.add_argument(
         "--persistent", action="store_true",
         help="the persistent kernel: check it, then time it over the sweep's shapes (only); "
         "with --offline: compile it",
@@ -491,7 +508,10 @@ def main() -> None:
     if args.persistent:
         try:
             check_persistent(rows, args.variants)
-            time_persistent(rows, args.rounds or 3, args.head_dims, args.variants)
+            shapes = [tuple(map(int, x.split("x"))) for x in args.shapes or []] or SWEEP_SHAPES
+            time_persistent(
+                rows, args.rounds or 3, args.head_dims, args.variants, shapes, args.fwd_only
+            )
         finally:  # a run stopped by Ctrl-C (or ``timeout -s INT``) keeps its finished rows
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)

@@ -187,32 +187,46 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     monkeypatch.setattr(gluon_fwd, "_applies", lambda *t, defaults=None: True)
     monkeypatch.setattr(gluon_fwd, "launch_fwd", lambda *a, **kw: launches.append(kw))
     monkeypatch.setattr(gluon_fwd, "head_group_args", lambda *a: {"head_group": 3})
-    n = gluon_fwd.DEFAULTS[128]["min_keys"]
+    cfg = gluon_fwd.DEFAULTS[128]
+    # Causal, past the persistent grid's cap: one program per tile from min_keys keys.
+    n = max(cfg["min_keys"], cfg["max_keys_persistent_causal"] + 1)
     q = torch.zeros(2, 8, n, 128, dtype=torch.bfloat16)
     kv = torch.zeros(2, 2, n, 128, dtype=torch.bfloat16)
     lse = torch.zeros(2, 8, n)
-    short = kv[:, :, : n - 1]
+    short = kv[:, :, : cfg["min_keys_persistent"] - 1]
     assert not gluon_fwd.try_fwd(q, short, short, q, lse, True, 0.1)
     assert not launches
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
-    shipped = {k: v for k, v in gluon_fwd.DEFAULTS[128].items() if not k.startswith("min_")}
+    shipped = {k: v for k, v in cfg.items() if k not in gluon_fwd.RULES and k != "serpentine"}
     assert launches == [shipped]
+    assert shipped["tma_store"] is True
     set_options(head_group="off")
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
     long_q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda t: 132)
-    # d = 128 non-causal: the persistent grid from min_keys_persistent keys, one program
-    # per SM, whatever the head-group option; causal calls there keep the Triton forward.
-    m = gluon_fwd.DEFAULTS[128]["min_keys_persistent"]
+    # d = 128: the persistent grid from min_keys_persistent keys, one program per SM,
+    # whatever the head-group option; causal only up to max_keys_persistent_causal keys
+    # (tiles in the serpentine order), per tile beyond.
+    m = cfg["min_keys_persistent"]
     assert m < n
     few_keys = kv[:, :, :m]
     assert gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, False, 0.1)
     persistent = {k: v for k, v in shipped.items() if k != "head_group"}
-    assert launches[-1] == {**persistent, "persistent": 132}
-    assert not gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, True, 0.1)
+    assert launches[-1] == {**persistent, "serpentine": True, "persistent": 132}
+    assert gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, True, 0.1)
+    assert launches[-1]["persistent"] == 132
+    cap = cfg["max_keys_persistent_causal"]
+    assert m <= cap < 16384
+    capped = torch.zeros(1, 2, cap + 1, 128, dtype=torch.bfloat16)
+    assert gluon_fwd.try_fwd(capped, capped, capped, capped, lse, True, 0.1)
+    assert "persistent" not in launches[-1]
+    assert "serpentine" not in launches[-1]
+    assert gluon_fwd.try_fwd(capped, capped, capped, capped, lse, False, 0.1)
+    assert launches[-1]["persistent"] == 132
     fewer = kv[:, :, : m - 1]
     assert not gluon_fwd.try_fwd(q, fewer, fewer, q, lse, False, 0.1)
+    assert not gluon_fwd.try_fwd(q, fewer, fewer, q, lse, True, 0.1)
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, False, 0.1)  # long: persistent too
     assert launches[-1]["persistent"] == 132
     # d = 64 on 176 programs of 192 rows (1.3 waves): the Triton forward's

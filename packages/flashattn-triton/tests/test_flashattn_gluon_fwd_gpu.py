@@ -21,8 +21,9 @@ DEV = "cuda"
 
 @pytest.fixture
 def gluon_forward(monkeypatch):
-    """Counts the Gluon forward's launches; ``allow(min_keys)`` sets where it starts (None:
-    the shipped default). Skips off Hopper or without Gluon."""
+    """Counts the Gluon forward's launches; ``allow(min_keys, head_dim, **over)`` sets where
+    it starts (None: the shipped default) and overrides other ``DEFAULTS`` entries. Skips off
+    Hopper or without Gluon."""
     if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on Hopper GPUs (compute capability 9) only")
     launches: list[tuple] = []
@@ -34,12 +35,13 @@ def gluon_forward(monkeypatch):
 
     monkeypatch.setattr(gluon_fwd, "launch_fwd", spy)
 
-    def allow(min_keys: int | None, head_dim: int = 128) -> list[tuple]:
+    def allow(min_keys: int | None, head_dim: int = 128, **over) -> list[tuple]:
+        cfg = {**gluon_fwd.DEFAULTS[head_dim], **over}
         if min_keys is not None:
-            cfg = {**gluon_fwd.DEFAULTS[head_dim], "min_keys": min_keys}
+            cfg["min_keys"] = min_keys
             if "min_waves" in cfg:  # small test grids take it too
                 cfg["min_waves"] = 0
-            monkeypatch.setitem(gluon_fwd.DEFAULTS, head_dim, cfg)
+        monkeypatch.setitem(gluon_fwd.DEFAULTS, head_dim, cfg)
         launch.clear_plans()
         return launches
 
@@ -89,6 +91,15 @@ def _check(q, k, v, do, causal, compare_sdpa=True):
         assert err.max().item() < 1e-3
 
 
+# Where each grid runs, forced: per tile (never persistent) or persistent (any length,
+# causal too).
+GRIDS = {
+    "per_tile": {"min_keys_persistent": 1 << 40},
+    "persistent": {"min_keys_persistent": 0, "max_keys_persistent_causal": 1 << 40},
+}
+
+
+@pytest.mark.parametrize("grid", sorted(GRIDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("b", "h", "h_kv", "n_q", "n_k", "causal"),
@@ -102,8 +113,8 @@ def _check(q, k, v, do, causal, compare_sdpa=True):
         (1, 4, 1, 513, 513, False),  # multi-query
     ],
 )
-def test_gluon_forward(b, h, h_kv, n_q, n_k, causal, dtype, gluon_forward):
-    launches = gluon_forward(0)
+def test_gluon_forward(b, h, h_kv, n_q, n_k, causal, dtype, grid, gluon_forward):
+    launches = gluon_forward(0, **GRIDS[grid])
     q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, dtype, seed=n_q + n_k + h)
     _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
     assert launches
@@ -129,6 +140,20 @@ def test_gluon_forward_d64_three_warpgroups(b, h, h_kv, n_q, n_k, causal, gluon_
     assert launches
 
 
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+@pytest.mark.parametrize(
+    ("b", "h", "h_kv", "n_q", "n_k", "causal"),
+    [(2, 3, 3, 1000, 1000, True), (1, 2, 2, 300, 77, False), (2, 8, 2, 700, 700, True)],
+)
+def test_gluon_forward_register_stores(b, h, h_kv, n_q, n_k, causal, grid, gluon_forward):
+    """With ``tma_store`` off, o leaves from the registers (rows past the end masked)."""
+    launches = gluon_forward(0, **GRIDS[grid], tma_store=False)
+    q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q + 7 * n_k)
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
+    assert launches
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     ("b", "h", "h_kv", "n_q", "n_k"),
     [
@@ -139,10 +164,11 @@ def test_gluon_forward_d64_three_warpgroups(b, h, h_kv, n_q, n_k, causal, gluon_
         (3, 50, 10, 512, 512),  # the sweep's shortest length, batched
     ],
 )
-def test_gluon_forward_persistent(b, h, h_kv, n_q, n_k, gluon_forward, monkeypatch):
-    """d = 128 non-causal from min_keys_persistent keys: the persistent grid (one program
-    per SM), against the float64 reference."""
-    gluon_forward(None)
+def test_gluon_forward_persistent(b, h, h_kv, n_q, n_k, causal, gluon_forward, monkeypatch):
+    """d = 128 from min_keys_persistent keys (causal: up to max_keys_persistent_causal,
+    raised here): the persistent grid (one program per SM), against the float64 reference;
+    causal tiles in the serpentine order and in the plain one."""
+    gluon_forward(None, max_keys_persistent_causal=1 << 40)
     grids = []
     real = gluon_fwd.launch_fwd
     monkeypatch.setattr(
@@ -152,8 +178,12 @@ def test_gluon_forward_persistent(b, h, h_kv, n_q, n_k, gluon_forward, monkeypat
     )
     assert n_k >= gluon_fwd.DEFAULTS[128]["min_keys_persistent"]
     q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q * n_k + h)
-    _check(q, k, v, do, False)
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
     assert grids == [torch.cuda.get_device_properties(0).multi_processor_count]
+    if causal:
+        gluon_forward(None, max_keys_persistent_causal=1 << 40, serpentine=False)
+        _check(q, k, v, do, causal, compare_sdpa=n_q == n_k)
+        assert len(grids) == 2
 
 
 def test_gluon_forward_on_strided_views(gluon_forward):
@@ -170,17 +200,21 @@ def test_gluon_forward_on_strided_views(gluon_forward):
 
 
 def test_gluon_forward_default_length(gluon_forward, monkeypatch):
-    """Shipped default: the Gluon forward from min_keys keys on, the Triton forward below;
-    both give the same o to within rounding."""
+    """Shipped default, causal: the Gluon forward from min_keys_persistent keys on (the
+    persistent grid up to max_keys_persistent_causal, per tile from min_keys), the Triton
+    forward below; both give the same o to within rounding."""
     launches = gluon_forward(None)
     cfg = dict(gluon_fwd.DEFAULTS[128])
     n = cfg["min_keys"]
     q, k, v, _ = _tensors(1, 2, 2, n, n, torch.bfloat16, seed=1)
     o_gluon = flash_attention(q, k, v, True)
     assert len(launches) == 1
-    flash_attention(q[:, :, : n // 2], k[:, :, : n // 2], v[:, :, : n // 2], True)
+    m = cfg["min_keys_persistent"] - 1
+    flash_attention(q[:, :, :m], k[:, :, :m], v[:, :, :m], True)
     assert len(launches) == 1
-    monkeypatch.setitem(gluon_fwd.DEFAULTS, 128, {**cfg, "min_keys": 2 * n})
+    monkeypatch.setitem(
+        gluon_fwd.DEFAULTS, 128, {**cfg, "min_keys": 2 * n, "min_keys_persistent": 2 * n}
+    )
     launch.clear_plans()
     o_triton = flash_attention(q, k, v, True)
     assert len(launches) == 1
@@ -209,10 +243,11 @@ def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
     assert rel_err(o_gluon, o_triton) < 1e-2
 
 
-@pytest.mark.parametrize("causal", [True, False])  # per tile; non-causal: persistent
-def test_gluon_forward_in_cuda_graph(gluon_forward, causal):
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_forward_in_cuda_graph(gluon_forward, causal, grid):
     """Replays of a captured forward + backward give the eager result bit for bit."""
-    launches = gluon_forward(0)
+    launches = gluon_forward(0, **GRIDS[grid])
     q, k, v, do = _tensors(2, 4, 4, 1024, 1024, torch.bfloat16, seed=3)
 
     def step():

@@ -63,13 +63,16 @@ WG_ROWS = 64
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
-        "min_keys": 2048, "min_keys_persistent": 512,
+        "tma_store": True, "serpentine": True,
+        "min_keys": 2048, "min_keys_persistent": 512, "max_keys_persistent_causal": 2048,
     },
     64: {
         "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
-        "consumer_regs": 160, "min_keys": 2048, "min_waves": 8,
+        "consumer_regs": 160, "tma_store": True, "min_keys": 2048, "min_waves": 8,
     },
 }  # fmt: skip
+# Keys of DEFAULTS that choose where the kernel runs, not how it is launched.
+RULES = ("min_keys", "min_keys_persistent", "max_keys_persistent_causal", "min_waves")
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -443,11 +446,19 @@ if HAVE_GLUON:
     def _tile_coords(
         t, n_m, total, n_heads, kv_group, n_q, n_k,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+        SERPENTINE: gl.constexpr,
     ):  # fmt: skip
         """Tile t of a persistent grid: (batch, q head, k/v head, first query row, key
         tiles). Non-causal: the n_m query tiles of one head in a row (their K / V rows stay
         in L2); causal: every head's heaviest tile first, then the next heaviest, so that the
-        programs' shares of work even out."""
+        programs' shares of work even out. SERPENTINE (causal): every other full round of
+        tiles goes to the programs in reverse, so that the program that took a round's
+        heaviest tile takes the next round's lightest."""
+        if CAUSAL and SERPENTINE:
+            grid = gl.num_programs(0)
+            rnd = t // grid
+            if (rnd % 2 == 1) & ((rnd + 1) * grid <= total):
+                t = rnd * grid + (grid - 1 - (t - rnd * grid))
         if CAUSAL:
             n_bh = total // n_m
             pid_bh = t % n_bh
@@ -466,6 +477,7 @@ if HAVE_GLUON:
         v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m, total,
         STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         WG_M: gl.constexpr, NUM_WG: gl.constexpr, CAUSAL: gl.constexpr,
+        SERPENTINE: gl.constexpr,
     ):  # fmt: skip
         """Loader warp of a persistent program: for each of its tiles, the Q rows once the
         math warpgroups have released the previous ones, then K and V of each key tile into
@@ -474,7 +486,7 @@ if HAVE_GLUON:
         j = gl.program_id(0) * 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             b, h, hk, start_m, n_tiles = _tile_coords(
-                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, SERPENTINE
             )
             mbarrier.wait(q_empty, (j & 1) ^ 1)
             _load_tile(
@@ -492,7 +504,7 @@ if HAVE_GLUON:
         n_k, n_m, total, qk_scale,
         WG: gl.constexpr, WG_M: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        TMA_STORE: gl.constexpr,
+        TMA_STORE: gl.constexpr, SERPENTINE: gl.constexpr,
     ):  # fmt: skip
         """One math warpgroup of a persistent program: its rows of each of the program's
         tiles in turn."""
@@ -501,7 +513,7 @@ if HAVE_GLUON:
         j = gl.program_id(0) * 0
         for t in range(gl.program_id(0), total, gl.num_programs(0)):
             b, h, _, start_m, n_tiles = _tile_coords(
-                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL
+                t, n_m, total, n_heads, kv_group, n_q, n_k, BLOCK_M, BLOCK_N, CAUSAL, SERPENTINE
             )
             mbarrier.wait(q_ready, j & 1)
             # (no ping-pong here: q_empty also fills the unused turn-barrier slot)
@@ -522,7 +534,7 @@ if HAVE_GLUON:
         n_k, qk_scale, kv_group, n_m, total,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
+        TMA_STORE: gl.constexpr, SERPENTINE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """``fwd_kernel`` on a persistent grid: each program takes tiles pid, pid + grid, ...
         of the ``total`` (B * H * n_m) tiles, so the loader fetches a tile's Q and first
@@ -565,7 +577,7 @@ if HAVE_GLUON:
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
                         n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE, SERPENTINE,
                     ),
                 ),
                 (
@@ -574,7 +586,7 @@ if HAVE_GLUON:
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
                         n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE, SERPENTINE,
                     ),
                 ),
                 (
@@ -582,7 +594,7 @@ if HAVE_GLUON:
                     (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                         k_ready, k_empty, v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m,
-                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL,
+                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL, SERPENTINE,
                     ),
                 ),
                 ],
@@ -598,7 +610,7 @@ if HAVE_GLUON:
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
                         n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 0, WG_M, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE, SERPENTINE,
                     ),
                 ),
                 (
@@ -607,7 +619,7 @@ if HAVE_GLUON:
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
                         n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 1, WG_M, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE, SERPENTINE,
                     ),
                 ),
                 (
@@ -616,7 +628,7 @@ if HAVE_GLUON:
                         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
                         v_empty, Out, LSE, o_desc, o_smem, stride_ob, stride_oh, stride_om,
                         n_heads, kv_group, n_q, n_k, n_m, total, qk_scale, 2, WG_M, BLOCK_M,
-                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE,
+                        BLOCK_N, HEAD_DIM, STAGES, CAUSAL, TMA_STORE, SERPENTINE,
                     ),
                 ),
                 (
@@ -624,7 +636,7 @@ if HAVE_GLUON:
                     (
                         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
                         k_ready, k_empty, v_ready, v_empty, n_heads, kv_group, n_q, n_k, n_m,
-                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL,
+                        total, STAGES, BLOCK_M, BLOCK_N, WG_M, NUM_WG, CAUSAL, SERPENTINE,
                     ),
                 ),
                 ],
@@ -657,6 +669,7 @@ def launch_fwd(
     head_group: int = 0,
     persistent: int = 0,
     tma_store: bool = False,
+    serpentine: bool = False,
 ) -> None:
     """Write o (B, H, Nq, d) and lse (B, H, Nq) float32 (natural log) of 16-bit q
     (B, H, Nq, d), k, v (B, Hkv, Nk, d), Hkv dividing H (grouped-query heads), in the layouts
@@ -667,7 +680,9 @@ def launch_fwd(
     the plain order. ``persistent``: that many programs (at most one per tile) loop over the
     tiles (``fwd_persistent_kernel``; no ping-pong, heads in the plain order); 0: one program
     per tile. ``tma_store``: o leaves through shared memory by TMA stores (o's layout must be
-    TMA-readable, as ``applies`` checks) instead of from the registers."""
+    TMA-readable, as ``applies`` checks) instead of from the registers. ``serpentine``
+    (persistent, causal): every other round of tiles is handed to the programs in reverse
+    (``_tile_coords``)."""
     if not HAVE_GLUON:
         raise RuntimeError("gluon_fwd needs triton.experimental.gluon (Triton >= 3.5)")
     if q.dtype not in GL_DTYPES:
@@ -694,7 +709,8 @@ def launch_fwd(
             o.stride(0), o.stride(1), o.stride(2), h, n_q, n_k, softmax_scale * LOG2E,
             h // k.shape[1], n_m, b * h * n_m,
             BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
-            CONSUMER_REGS=consumer_regs, TMA_STORE=tma_store, num_warps=4,
+            CONSUMER_REGS=consumer_regs, TMA_STORE=tma_store, SERPENTINE=serpentine,
+            num_warps=4,
         )  # fmt: skip
         return
     group, grouped = launch_order(head_group, b * h)
@@ -723,7 +739,9 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     if cfg is None:
         return False
     n_k = k.shape[2]
-    persistent = not causal and n_k >= cfg.get("min_keys_persistent", float("inf"))
+    persistent = n_k >= cfg.get("min_keys_persistent", float("inf")) and (
+        not causal or n_k <= cfg.get("max_keys_persistent_causal", 0)
+    )
     if not persistent and n_k < cfg["min_keys"]:
         return False
     if not _applies(q, k, v, o, defaults=DEFAULTS):
@@ -735,12 +753,14 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     min_waves = cfg.get("min_waves")
     if not persistent and min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
         return False  # programs (one per SM at a time) against waves of the GPU's SMs
-    tiles = {name: value for name, value in cfg.items() if not name.startswith("min_")}
-    if persistent:  # one program per SM, looping over the tiles in the plain head order
+    tiles = {name: value for name, value in cfg.items() if name not in RULES}
+    if persistent:  # one program per SM, looping over the tiles in its own order
         tiles["persistent"] = sm_count(q)
         tiles.pop("head_group", None)
-    elif opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
-        tiles["head_group"] = head_group_args(k, b * h, n_k, d)["head_group"]
+    else:
+        tiles.pop("serpentine", None)
+        if opts.head_group != "auto":  # "off" or a number of heads, as for every kernel
+            tiles["head_group"] = head_group_args(k, b * h, n_k, d)["head_group"]
     return run_guarded(
         "forward",
         (d, q.dtype, causal, k.shape[1] != h, persistent),
