@@ -168,3 +168,27 @@ def test_attention_flash_cuda_tiny(tmp_path):
             assert r["status"] == "ok", r
             assert r["fwd_bwd_ms"] > 0
             assert r["floor_fwd_bwd_ms"] > 0
+
+
+def test_sweep_failed_capture_leaves_the_next_cells_unharmed():
+    """A call that cannot be captured (it synchronizes) raises its own error, tried twice;
+    the calling stream is current again and the next capture and replay work."""
+    from perf_tools import attention_sweep as sweep
+
+    cfg = sweep.SweepConfig(shapes=((1, 16),), device="cuda", rep_ms=5.0, warmup_ms=1.0)
+    x = torch.zeros(16, device="cuda")
+    calls = []
+
+    def syncs() -> None:
+        calls.append(1)
+        x.add_(1.0)
+        torch.cuda.synchronize()
+
+    with pytest.raises(RuntimeError):
+        sweep._graphed_ms(syncs, cfg)
+    assert len(calls) == 4  # warm-up and capture, twice
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    before = x.clone()
+    assert sweep._graphed_ms(lambda: x.add_(1.0), cfg) > 0
+    torch.cuda.synchronize()
+    assert (x > before).all()  # the replays ran

@@ -206,20 +206,42 @@ def _bench(fn: Callable[[], Any], cfg: SweepConfig) -> float:
 
 
 def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
-    """GPU time of one call captured in a CUDA graph (no host cost)."""
+    """GPU time of one call captured in a CUDA graph (no host cost). A capture that fails
+    for any reason but memory is tried once more before the error goes on."""
     import triton
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    try:
+        graph = _capture(fn)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:
+        graph = _capture(fn)
     return triton.testing.do_bench(
         graph.replay, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
     )
+
+
+def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """One call of ``fn`` recorded in a CUDA graph on a side stream, after a warm-up call
+    there. Not ``torch.cuda.graph``: where its capture fails, its exit leaves the capture
+    stream current, and every later cell of a sweep failed after one OOM. Here a failed
+    capture is ended, the calling stream restored, and ``fn``'s own error raised."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph.capture_begin()
+        try:
+            fn()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture is invalid; end it
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph
 
 
 # Host time per call: back-to-back calls per sample (fewer for long calls, so that a sample
