@@ -222,25 +222,23 @@ def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
 
 
 def _capture(fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """One call of ``fn`` recorded in a CUDA graph on a side stream, after a warm-up call
-    there. Not ``torch.cuda.graph``: where its capture fails, its exit leaves the capture
-    stream current, and every later cell of a sweep failed after one OOM. Here a failed
-    capture is ended, the calling stream restored, and ``fn``'s own error raised."""
+    """One call of ``fn`` recorded in a CUDA graph, after a warm-up call on a side stream.
+    Where the capture fails, ``torch.cuda.graph``'s exit can leave its capture stream
+    current (it restores the stream only after ending the capture succeeds), and then every
+    later cell of a sweep failed; here the calling stream is made current again."""
+    calling = torch.cuda.current_stream()
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(calling)
     with torch.cuda.stream(stream):
         fn()
-        torch.cuda.synchronize()
-        graph.capture_begin()
-        try:
+    calling.wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
             fn()
-        except BaseException:
-            with contextlib.suppress(RuntimeError):  # the capture is invalid; end it
-                graph.capture_end()
-            raise
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(stream)
+    finally:
+        if torch.cuda.current_stream() != calling:
+            torch.cuda.set_stream(calling)
     return graph
 
 
