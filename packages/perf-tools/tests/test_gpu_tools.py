@@ -171,8 +171,8 @@ def test_attention_flash_cuda_tiny(tmp_path):
 
 
 def test_sweep_failed_capture_leaves_the_next_cells_unharmed():
-    """A call that cannot be captured (it synchronizes) raises its own error, tried twice;
-    the calling stream is current again and the next capture and replay work."""
+    """A call that cannot be captured (it synchronizes) raises; the calling stream is
+    current again and the next capture and replay work."""
     from perf_tools import attention_sweep as sweep
 
     cfg = sweep.SweepConfig(shapes=((1, 16),), device="cuda", rep_ms=5.0, warmup_ms=1.0)
@@ -186,9 +186,24 @@ def test_sweep_failed_capture_leaves_the_next_cells_unharmed():
 
     with pytest.raises(RuntimeError):
         sweep._graphed_ms(syncs, cfg)
-    assert len(calls) == 4  # warm-up and capture, twice
+    assert len(calls) == 2  # warm-up and capture
     assert torch.cuda.current_stream() == torch.cuda.default_stream()
     before = x.clone()
     assert sweep._graphed_ms(lambda: x.add_(1.0), cfg) > 0
     torch.cuda.synchronize()
     assert (x > before).all()  # the replays ran
+
+
+def test_sweep_graphed_cell_of_leaves_used_on_the_default_stream():
+    """The sweep's inputs are leaves first used on the default stream (its timed calls run
+    there); the graphed cell still captures, on fresh leaves, and replays."""
+    from perf_tools import attention_sweep as sweep
+
+    cfg = sweep.SweepConfig(
+        shapes=((2, 64),), device="cuda", rep_ms=5.0, warmup_ms=1.0, graphed=True
+    )
+    q, k, v, do = sweep._inputs(2, 64, 32, cfg, seed=0)
+    torch.autograd.grad((q * k * v).sum(), (q, k, v))  # the leaves' nodes: default stream
+    cell = sweep._cell(lambda a, b, c: a * b + c, q, k, v, do, cfg)
+    assert cell["graphed_ms"] > 0
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()

@@ -16,9 +16,12 @@ This kernel follows FlashAttention-3's schedule:
 * Optionally (``PINGPONG``, off by default: measured no faster, the hardware already
   interleaves the two warpgroups), a pair of mbarriers hands the tensor cores back and forth
   between the warpgroups: each issues its two products only in its turn.
-* Non-causal at d = 128 (``min_keys_persistent``), ``fwd_persistent_kernel`` runs the same
-  warpgroups on a persistent grid, one program per SM looping over the tiles, so that the
-  loader fetches a tile's Q and first K / V while the warpgroups finish the previous tile.
+* At d = 128 from ``min_keys_persistent`` keys (causal: up to ``max_keys_persistent_causal``),
+  ``fwd_persistent_kernel`` runs the same warpgroups on a persistent grid, one program per
+  SM looping over the tiles, so that the loader fetches a tile's Q and first K / V while the
+  warpgroups finish the previous tile.
+* ``TMA_STORE`` (the default): each warpgroup writes o into a shared buffer of its own and
+  hands it to a TMA store, instead of storing from the accumulator's registers.
 
 q, k, v, o are (B, H, N, d) with any strides whose last is 1 (TMA reads 4-D tiles; rows past
 a head's end read as zeros); lse is (B, H, Nq) float32, natural log.
@@ -52,14 +55,19 @@ WG_ROWS = 64
 # it was 0.5-20% slower, where the Triton forward's tiles run two programs per SM (H200,
 # forward alone; raw benchmarks/results/current/h200_d64_fwd_parts_three_warpgroups.json and
 # h200_d64_fwd_tiles.json). Below 2048 keys: not measured.
-# d = 128, non-causal: the persistent grid (``fwd_persistent_kernel``, one program per SM)
-# from ``min_keys_persistent`` = 512 keys, where its overlap of one tile's start with the
-# previous tile's end pays at every length: forward GPU time 0.89-0.98x that of the forward
-# that ran before (the Triton forward below 2048 keys, the per-tile kernel from there) over
-# the sweep's six batch-1 shapes, 512 to 16384 keys (H100; raw
-# benchmarks/results/current/h100_gluon_fwd_persistent_d128.json). Causal it lost at every
-# length but 2048 (uneven shares of work), and at d = 64 it did not beat the Triton forward's
-# two programs per SM (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
+# d = 128: the persistent grid (``fwd_persistent_kernel``, one program per SM) from
+# ``min_keys_persistent`` = 512 keys, where its overlap of one tile's start with the previous
+# tile's end pays: non-causal at every length (forward GPU time 0.89-0.98x that of the
+# forward before it over the sweep's six batch-1 shapes, 512 to 16384 keys; H100, raw
+# benchmarks/results/current/h100_gluon_fwd_persistent_d128.json), causal up to
+# ``max_keys_persistent_causal`` = 2048 keys with o stored by TMA and the tiles handed out in
+# the serpentine order (``serpentine``): 0.93-0.95x the per-tile kernel there, 1.04-1.09x
+# beyond, where causal tiles' uneven work ends the static shares unevenly
+# (h100_gluon_fwd_causal_persistent.json). ``tma_store``: o through shared memory by TMA,
+# 4-13% off the forward at 512-2048 keys on either grid (h100_gluon_fwd_tma_store_d128.json),
+# 0.5% at d = 64 on 16 x 16384 (h100_gluon_fwd_tma_store_d64.json). At d = 64 the persistent
+# grid did not beat the Triton forward's two programs per SM
+# (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,

@@ -206,16 +206,10 @@ def _bench(fn: Callable[[], Any], cfg: SweepConfig) -> float:
 
 
 def _graphed_ms(fn: Callable[[], Any], cfg: SweepConfig) -> float:
-    """GPU time of one call captured in a CUDA graph (no host cost). A capture that fails
-    for any reason but memory is tried once more before the error goes on."""
+    """GPU time of one call captured in a CUDA graph (no host cost)."""
     import triton
 
-    try:
-        graph = _capture(fn)
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError:
-        graph = _capture(fn)
+    graph = _capture(fn)
     return triton.testing.do_bench(
         graph.replay, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
     )
@@ -267,21 +261,29 @@ def _inputs(heads: int, n: int, d: int, cfg: SweepConfig, seed: int) -> tuple[to
     return q, k, v, do
 
 
-def _fwd_bwd(attn, q, k, v, do) -> Callable[[], None]:
-    """One forward and backward of ``attn``, as every cell times it."""
+def _fwd_bwd(attn, q, k, v, do, fresh_leaves: bool = False) -> Callable[[], None]:
+    """One forward and backward of ``attn``, as every cell times it. ``fresh_leaves``: q, k,
+    v are detached into new leaves per call, for CUDA graph capture: a leaf's gradient node
+    belongs to the stream it was first used on, and the backward of a leaf used on the
+    default stream makes that stream wait on the capturing one, which ends the capture
+    ("operation would make the legacy stream depend on a capturing blocking stream")."""
 
     def fwd_bwd() -> None:
         o = attn(q, k, v)
         torch.autograd.grad(o, (q, k, v), do)
 
-    return fwd_bwd
+    def fwd_bwd_fresh() -> None:
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        torch.autograd.grad(attn(*leaves), leaves, do)
+
+    return fwd_bwd_fresh if fresh_leaves else fwd_bwd
 
 
 def _cell(attn, q, k, v, do, cfg: SweepConfig) -> dict[str, float]:
     fwd_bwd = _fwd_bwd(attn, q, k, v, do)
     out = {"ms": _bench(fwd_bwd, cfg)}
     if cfg.graphed and cfg.device.type == "cuda":
-        out["graphed_ms"] = _graphed_ms(fwd_bwd, cfg)
+        out["graphed_ms"] = _graphed_ms(_fwd_bwd(attn, q, k, v, do, fresh_leaves=True), cfg)
     if cfg.host:
         out["host_us"] = _host_us(fwd_bwd, out["ms"], cfg)
     return out
