@@ -87,6 +87,13 @@ PERSISTENT_VARIANTS = {
         "gluon_tma": {"block_m": 192, "consumer_regs": 160, "head_group": 4, "tma_store": True},
         "persistent": {"block_m": 192, "consumer_regs": 160, "persistent": -1},
         "persistent_m128": {"block_m": 128, "persistent": -1},
+        "persistent_tma": {
+            "block_m": 192,
+            "consumer_regs": 160,
+            "persistent": -1,
+            "tma_store": True,
+        },
+        "persistent_m128_tma": {"block_m": 128, "persistent": -1, "tma_store": True},
     },
 }
 
