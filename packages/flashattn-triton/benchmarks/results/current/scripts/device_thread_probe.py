@@ -7,6 +7,7 @@ median of seven batches) at 1 x 128 x 512, bf16: d = 64 causal and d = 128 non-c
     python device_thread_probe.py inside OUT.json  # our backward timed from inside it
     python device_thread_probe.py spin OUT.json    # a Python backward that waits X us
     python device_thread_probe.py replay OUT.json  # the backward's replay path by part
+    python device_thread_probe.py pinned OUT.json  # the step with the threads on chosen cores
 
 ``parts``: three interleaved rounds of the whole step (``*_step``: backward on the device
 thread; ``*_step_calling``: on the calling thread), the forward with and without grad, our
@@ -27,6 +28,13 @@ one, on each thread (us, medians).
 
 ``spin``: a one-tensor Function whose backward waits X us in Python; the step's host time on
 each thread and the difference (``extra``).
+
+``pinned``: ours, SDPA cuDNN and the trivial nodes' steps (backward on the device thread)
+with the calling thread and autograd's device thread on chosen cores (Linux affinity, per
+thread): ``free`` (every core for both), ``same_core`` (both on the core the calling thread
+runs on: the device thread then finds the caches the forward just used), ``main_only``
+(the calling thread on it, the device thread free) and ``apart`` (each on a core of its
+own). Tells a cold core from the hand-off itself; three interleaved rounds.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -278,6 +287,75 @@ def replay(d: int, causal: bool) -> dict:
     }
 
 
+def _current_cpu() -> int:
+    """The core the calling thread runs on now (field 39 of its /proc stat line)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+
+
+def _pin(main: set[int], device: set[int]) -> None:
+    """The calling thread on ``main``, autograd's CUDA device thread on ``device`` (set from
+    inside a backward, which runs there)."""
+    os.sched_setaffinity(0, main)
+    x = torch.zeros(1, device="cuda", requires_grad=True)
+
+    class Pin(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            os.sched_setaffinity(0, device)
+            return grad
+
+    with torch.autograd.set_multithreading_enabled(True):
+        torch.autograd.grad(Pin.apply(x), (x,), torch.ones_like(x))
+
+
+def pinned(d: int, causal: bool) -> dict:
+    q, k, v, do = inputs(d)
+    x = torch.randn(64, device="cuda", requires_grad=True)
+    g = torch.randn(64, device="cuda")
+
+    def sdpa_step():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    fns = {
+        "ours_step": lambda: torch.autograd.grad(
+            fa.flash_attention(q, k, v, causal), (q, k, v), do
+        ),
+        "sdpa_step": sdpa_step,
+        "py_fn_step": lambda: torch.autograd.grad(PyIdentity.apply(x), (x,), g),
+        "cpp_fn_step": lambda: torch.autograd.grad(x.clone(), (x,), g),
+    }
+    every = os.sched_getaffinity(0)
+    here = _current_cpu()
+    other = min(every - {here}, default=here)
+    settings = {
+        "free": (every, every),
+        "same_core": ({here}, {here}),
+        "main_only": ({here}, every),
+        "apart": ({here}, {other}),
+    }
+    samples: dict[str, list[float]] = {}
+    try:
+        for _ in range(3):
+            for tag, (main, device) in settings.items():
+                _pin(main, device)
+                for name, fn in fns.items():
+                    for _ in range(20):
+                        fn()
+                    samples.setdefault(f"{name}_{tag}", []).append(host_us(fn))
+    finally:
+        _pin(every, every)
+    res = {name: round(statistics.median(s), 1) for name, s in samples.items()}
+    res["cores"] = {"calling": here, "apart": other, "count": len(every)}
+    return res
+
+
 def spin() -> dict:
     x = torch.randn(1, 128, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
@@ -320,7 +398,7 @@ def main() -> None:
     if mode == "spin":
         res = spin()
     else:
-        probe = {"parts": parts, "inside": inside, "replay": replay}[mode]
+        probe = {"parts": parts, "inside": inside, "replay": replay, "pinned": pinned}[mode]
         res = {}
         for d, causal in CASES:
             key = f"d{d}_{'causal' if causal else 'noncausal'}"
