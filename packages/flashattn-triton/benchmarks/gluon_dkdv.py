@@ -16,9 +16,9 @@ at d = 64; in the whole backward it wins on small grids and, with the head-group
 order, wherever there are 2048 keys or more, where the package uses it
 (``gluon_dq.DEFAULTS``, ``gluon_dq.small_grid``, ``gluon_dq.MIN_KEYS``).
 
-Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]`` (MAXNREG 0: Triton's default;
-``ws`` and ``rt``, lse / delta rows by TMA with Q / dO, for dK/dV only; ``rt`` is in the
-d = 128 default).
+Spec of a variant: ``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt][,ts]`` (MAXNREG 0: Triton's
+default; ``ws``, ``rt`` (lse / delta rows by TMA with Q / dO) and ``ts`` (dK, dV stored by
+TMA through the K / V buffers) for dK/dV only; ``rt`` is in the d = 128 default).
 
     python benchmarks/gluon_dkdv.py offline 32,64,4,128 64,128,3,168,ws  # any machine
     python benchmarks/gluon_dkdv.py check 32,64,4,128 --out $OUT         # Hopper GPU
@@ -47,21 +47,22 @@ LEADERBOARD = (16, 1, 16384, 64)  # B, H, N, d: q, k, v (16, 16384, 64) bf16, ca
 def _dq_spec(spec: str) -> dict:
     """The dQ kernel's launch options (no warp specialization)."""
     o = parse_spec(spec)
-    if o.pop("ws") or o.pop("row_tma", False):
-        raise ValueError(f"{spec!r}: the dQ kernel has no 'ws' or 'rt' variant")
+    if o.pop("ws") or o.pop("row_tma", False) or o.pop("tma_store", False):
+        raise ValueError(f"{spec!r}: the dQ kernel has no 'ws', 'rt' or 'ts' variant")
     return o
 
 
 def parse_spec(spec: str) -> dict:
-    """``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt]`` -> launch options (``rt``: row
-    statistics by TMA, dK/dV only)."""
+    """``BLOCK_M,BLOCK_N,STAGES,MAXNREG[,ws][,rt][,ts]`` -> launch options (``rt``: row
+    statistics by TMA; ``ts``: dK, dV stored by TMA; dK/dV only)."""
     parts = spec.split(",")
     flags = set(parts[4:])
-    if not flags <= {"ws", "rt"}:
-        raise ValueError(f"{spec!r}: flags are ws, rt")
+    if not flags <= {"ws", "rt", "ts"}:
+        raise ValueError(f"{spec!r}: flags are ws, rt, ts")
     bm, bn, stages, maxnreg = (int(x) for x in parts[:4])
     out = {"block_m": bm, "block_n": bn, "stages": stages, "maxnreg": maxnreg or None}
-    return out | {"ws": "ws" in flags} | ({"row_tma": True} if "rt" in flags else {})
+    out |= {"ws": "ws" in flags} | ({"row_tma": True} if "rt" in flags else {})
+    return out | ({"tma_store": True} if "ts" in flags else {})
 
 
 def _inputs(shape, n_k=None, dtype=torch.bfloat16, device="cuda"):
@@ -114,11 +115,12 @@ def offline(
         else:
             rt = o.get("row_tma", False)
             rows = (_flat_desc(lse, o["block_m"]),) * 2 if rt else (None, None)
+            ts = o.get("tma_store", False)
             c = dkdv_kernel.warmup(
                 *descs, lse, lse, q, q, *q.stride()[:3], *q.stride()[:3], h, n, n, n, 0.18, 0.125,
-                2, *rows, kv_group, **tiles, **opts, WARP_SPEC=o["ws"], ABLATE=0,
-                GROUPED=grouped, ROW_TMA=rt, LSE_LOG2=True, GQA=kv_group > 1,
-                num_warps=o["block_n"] // 16,
+                2, *rows, kv_group, descs[1], descs[2], **tiles, **opts, WARP_SPEC=o["ws"],
+                ABLATE=0, GROUPED=grouped, ROW_TMA=rt, LSE_LOG2=True, GQA=kv_group > 1,
+                TMA_STORE=ts, num_warps=o["block_n"] // 16,
             )  # fmt: skip
         ptx = c.asm["ptx"]
         split = sorted(set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)))

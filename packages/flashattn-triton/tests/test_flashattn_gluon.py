@@ -325,22 +325,25 @@ def test_defaults_cover_only_measured_head_dims():
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(
-    ("kernel", "shape", "grouped", "kv_group"),
+    ("kernel", "shape", "grouped", "kv_group", "flags"),
     [
-        ("dkdv", "2,1,256,128", False, 1),
-        ("dkdv", "2,1,256,64", False, 1),
-        ("dq", "2,1,256,128", False, 1),
-        ("dkdv", "2,1,256,128", True, 1),
-        ("dq", "2,1,256,128", True, 1),
-        ("dkdv", "2,4,256,128", False, 4),
-        ("dq", "2,4,256,128", False, 4),
+        ("dkdv", "2,1,256,128", False, 1, ""),
+        ("dkdv", "2,1,256,64", False, 1, ""),
+        ("dq", "2,1,256,128", False, 1, ""),
+        ("dkdv", "2,1,256,128", True, 1, ""),
+        ("dq", "2,1,256,128", True, 1, ""),
+        ("dkdv", "2,4,256,128", False, 4, ""),
+        ("dq", "2,4,256,128", False, 4, ""),
+        ("dkdv", "2,1,256,128", False, 1, ",ts"),
+        ("dkdv", "2,4,256,128", True, 4, ",ts"),
     ],
 )
-def test_kernel_compiles_for_hopper(kernel, shape, grouped, kv_group):
+def test_kernel_compiles_for_hopper(kernel, shape, grouped, kv_group, flags):
     """The default d = 128 variants (and a d = 64 dK/dV one) compile for sm_90 (catches
     Gluon API drift across Triton versions before any GPU time is spent), also in the
     head-grouped order, whose index math is the @triton.jit ``kernels._grouped_program``,
-    and for grouped-query heads (kv_group q heads per k/v head)."""
+    for grouped-query heads (kv_group q heads per k/v head), and with dK, dV stored by TMA
+    (``ts``)."""
     env = {**os.environ, "PYTHONPATH": str(Path(gluon_dkdv.__file__).parents[1])}
     env.pop("TRITON_INTERPRET", None)
     spec = "32,64,4,128"  # d = 64: an explored variant; d = 128: the default (row_tma: rt)
@@ -348,6 +351,7 @@ def test_kernel_compiles_for_hopper(kernel, shape, grouped, kv_group):
         cfg = (gluon_dkdv if kernel == "dkdv" else gluon_dq).DEFAULTS[128]
         spec = f"{cfg['block_m']},{cfg['block_n']},{cfg['stages']},{cfg['maxnreg'] or 0}"
         spec += ",rt" * bool(cfg.get("row_tma"))
+    spec += flags
     args = [sys.executable, str(BENCH), "--kernel", kernel, "offline", spec, "--shape", shape]
     out = subprocess.run(
         args + ["--grouped"] * grouped + ["--kv-group", str(kv_group)],

@@ -369,6 +369,47 @@ def test_gluon_dkdv_on_strided_views(monkeypatch, set_options):
     assert calls == [(True, True), (True, True)]
 
 
+@pytest.mark.parametrize(
+    ("shape", "n_k", "h_kv", "causal"),
+    [
+        ((2, 3, 1000, 128), 1000, 3, True),  # ragged: the last key tile runs past n_k
+        ((1, 2, 300, 128), 500, 2, False),
+        ((2, 8, 700, 128), 700, 2, True),  # grouped-query heads: dK, dV per k/v head
+    ],
+)
+def test_gluon_dkdv_tma_store_matches_register_stores(shape, n_k, h_kv, causal, monkeypatch):
+    """dK, dV stored by TMA through the K / V buffers equal the register stores bit for bit
+    (the same products and rounding), on a qkv-buffer view too; rows past n_k are left."""
+    from flashattn_triton import gluon_dkdv, launch
+
+    _require_hopper_gluon(gluon_dkdv)
+    b, h, n_q, d = shape
+    q, do = (torch.randn(b, h, n_q, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    kv = torch.randn(b, n_k + 64, 2, h_kv, d, device=DEV, dtype=torch.bfloat16)
+    k, v = (kv[:, :n_k, i].transpose(1, 2) for i in range(2))  # strided (B, Hkv, N, d)
+    scale = d**-0.5
+    o, lse = launch.forward(q, k, v, causal, scale)
+    delta = (do.float() * o.float()).sum(-1)
+    rows = -(-n_q // 256) * 256  # the launcher's padded row statistics
+    lse_p, delta_p = (
+        torch.nn.functional.pad(t, (0, rows - n_q)).contiguous() for t in (lse, delta)
+    )
+    cfg = {**gluon_dkdv.DEFAULTS[128], "row_tma": True}
+    out = {}
+    for tma_store in (False, True):
+        buf = torch.full((b, n_k + 64, 2, h_kv, d), 7.0, device=DEV, dtype=torch.bfloat16)
+        dk, dv = (buf[:, :, i].transpose(1, 2) for i in range(2))  # rows past n_k: 7
+        gluon_dkdv.launch_dkdv(
+            q, k, v, do, lse_p, delta_p, dk[:, :, :n_k], dv[:, :, :n_k], causal, scale,
+            **{**cfg, "tma_store": tma_store},
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        out[tma_store] = buf
+    assert torch.isfinite(out[True][:, :n_k]).all()
+    assert torch.equal(out[False], out[True])
+    assert (out[True][:, n_k:] == 7.0).all()  # nothing written past the tensors' rows
+
+
 def test_gluon_dkdv_falls_back(monkeypatch, set_options):
     """Inputs TMA cannot read (a base 2 bytes past 16-byte alignment, 258-byte rows), and
     FLASHATTN_TRITON_GLUON=0, take the Triton kernel, with the Gluon path's gradients."""

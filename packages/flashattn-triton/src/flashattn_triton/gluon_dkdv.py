@@ -42,6 +42,7 @@ try:  # Gluon ships with Triton >= 3.5
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -74,10 +75,21 @@ GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Measured defaults by head dim (H100): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
 # where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes).
+# tma_store (dK, dV stored by TMA through the K / V buffers, as the forward stores o) is off:
+# not yet timed against the register stores (benchmarks/results/current/scripts/
+# dkdv_tma_store_probe.py times it).
 # d = 64 is absent: there, with row_tma and 168 registers, the whole backward is
 # 0.98-1.03x the Triton kernel's on full grids, not a clear win.
 DEFAULTS: dict[int, dict] = {
-    128: {"block_m": 64, "block_n": 64, "stages": 2, "maxnreg": None, "ws": False, "row_tma": True},
+    128: {
+        "block_m": 64,
+        "block_n": 64,
+        "stages": 2,
+        "maxnreg": None,
+        "ws": False,
+        "row_tma": True,
+        "tma_store": False,
+    },
 }
 _FAILED: dict[tuple, str] = {}  # (kernel, d, dtype, causal) -> why its compile failed
 _COMPILED: set[tuple] = set()
@@ -212,14 +224,16 @@ if HAVE_GLUON:
         q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
         LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group, stride_dk, stride_dv, start_n, lo,
         tiles_per_head, n_iters, n_q, n_k, stride_stats, qk_scale, sm_scale, lse_desc,
-        delta_desc, lse_smem, delta_smem,
+        delta_desc, lse_smem, delta_smem, dk_desc, dv_desc,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
         ABLATE: gl.constexpr, ROW_TMA: gl.constexpr, LSE_LOG2: gl.constexpr, GQA: gl.constexpr,
-        num_warps: gl.constexpr,
+        TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """The math: accumulate dK, dV over the query tiles (``_query_tile``: n_iters of
-        them), then store them. stride_dk, stride_dv: (batch, head, row) strides of DK, DV."""
+        them), then store them. stride_dk, stride_dv: (batch, head, row) strides of DK, DV.
+        TMA_STORE: dK and dV leave through the K and V buffers (no product reads them any
+        more) by TMA stores; otherwise straight from the accumulators' registers."""
         dtype: gl.constexpr = q_desc.dtype
         # 2-D views of the 4-D (1, 1, rows, d) TMA tiles, for the products.
         k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
@@ -302,20 +316,31 @@ if HAVE_GLUON:
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
 
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        _store_dkdv(
-            DK, DV, dk, dv, b, hk, start_n, n_k, stride_dk[0], stride_dk[1], stride_dk[2],
-            stride_dv[0], stride_dv[1], stride_dv[2], sm_scale, BLOCK_N, HEAD_DIM, acc_layout,
-        )  # fmt: skip
+        if TMA_STORE:  # rows past n_k are clipped by the TMA unit
+            k_tile.store((dk * sm_scale).to(dtype))
+            v_tile.store(dv.to(dtype))
+            fence_async_shared()
+            _sync_partition()
+            _tma_store(dk_desc, [b, hk, start_n, 0], k_smem)
+            _tma_store(dv_desc, [b, hk, start_n, 0], v_smem)
+            tma.store_wait(0)  # the buffers must be read before the program ends
+        else:
+            _store_dkdv(
+                DK, DV, dk, dv, b, hk, start_n, n_k, stride_dk[0], stride_dk[1], stride_dk[2],
+                stride_dv[0], stride_dv[1], stride_dv[2], sm_scale, BLOCK_N, HEAD_DIM,
+                acc_layout,
+            )  # fmt: skip
 
     @gluon.jit
     def dkdv_kernel(
         q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
         n_heads, n_q, n_k, stride_stats, qk_scale, sm_scale, head_group, lse_desc, delta_desc,
-        kv_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPEC: gl.constexpr,
-        ABLATE: gl.constexpr, GROUPED: gl.constexpr, ROW_TMA: gl.constexpr,
-        LSE_LOG2: gl.constexpr, GQA: gl.constexpr, num_warps: gl.constexpr,
+        kv_group, dk_desc, dv_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        WARP_SPEC: gl.constexpr, ABLATE: gl.constexpr, GROUPED: gl.constexpr,
+        ROW_TMA: gl.constexpr, LSE_LOG2: gl.constexpr, GQA: gl.constexpr,
+        TMA_STORE: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         """One program: dK, dV of one key tile of one (batch, k/v head); DK, DV addressed
         through their (batch, head, row) strides (unit last stride). n_heads: q heads; with
@@ -381,8 +406,9 @@ if HAVE_GLUON:
                             kv_ready, LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group,
                             stride_dk, stride_dv, start_n, lo, tiles_per_head, n_iters, n_q,
                             n_k, stride_stats, qk_scale, sm_scale, lse_desc, delta_desc,
-                            lse_smem, delta_smem, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL,
-                            WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA, num_warps,
+                            lse_smem, delta_smem, dk_desc, dv_desc, BLOCK_M, BLOCK_N, HEAD_DIM,
+                            STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA,
+                            TMA_STORE, num_warps,
                         ),
                     ),
                     (
@@ -414,8 +440,9 @@ if HAVE_GLUON:
                 q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, ready, empty, kv_ready,
                 LSE, DELTA, DK, DV, pid_bh, b, hk, n_heads, kv_group, stride_dk, stride_dv,
                 start_n, lo, tiles_per_head, n_iters, n_q, n_k, stride_stats, qk_scale,
-                sm_scale, lse_desc, delta_desc, lse_smem, delta_smem, BLOCK_M, BLOCK_N,
-                HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA, num_warps,
+                sm_scale, lse_desc, delta_desc, lse_smem, delta_smem, dk_desc, dv_desc, BLOCK_M,
+                BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WARP_SPEC, ABLATE, ROW_TMA, LSE_LOG2, GQA,
+                TMA_STORE, num_warps,
             )  # fmt: skip
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
@@ -485,6 +512,7 @@ def launch_dkdv(
     head_group: int = 0,
     row_tma: bool = False,
     lse_log2: bool = False,
+    tma_store: bool = False,
 ) -> None:
     """Write dK, dV of (B, H, N, d) 16-bit q, do and (B, Hkv, N, d) k, v (layouts as in
     ``applies``; Hkv divides H: grouped-query heads, dk and dv summed over each group) into dk,
@@ -496,21 +524,27 @@ def launch_dkdv(
     the exponentials, 2 the element-wise dS, 3 both. ``head_group``: programs of that many
     heads at a time (``kernels._grouped_program``); 0: the plain order. ``row_tma``: each
     query tile's lse / delta rows arrive by TMA with its Q / dO (contiguous lse, delta) where
-    ``rows_by_tma`` allows it; elsewhere they are loaded per tile."""
+    ``rows_by_tma`` allows it; elsewhere they are loaded per tile. ``tma_store``: dk and dv
+    leave through shared memory by TMA stores (their layouts TMA-writable, as ``applies``
+    checks)."""
     b, h, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     group, grouped = launch_order(head_group, b * h_kv)
     row_tma = row_tma and rows_by_tma(lse, delta)
     rows = (_flat_desc(lse, block_m), _flat_desc(delta, block_m)) if row_tma else (None, None)
+    k_desc = _desc(k, block_n)
+    # dk and dv share k's block and dtype, so the K / V buffers' layout; unread without it
+    outs = (_desc(dk, block_n), _desc(dv, block_n)) if tma_store else (k_desc, k_desc)
     fastlaunch.launch(
         dkdv_kernel, (b * h_kv, -(-n_k // block_n)),
-        _desc(q, block_m), _desc(k, block_n), _desc(v, block_n), _desc(do, block_m),
+        _desc(q, block_m), k_desc, _desc(v, block_n), _desc(do, block_m),
         lse, delta, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, n_q, n_k, lse.shape[-1],
-        softmax_scale * LOG2E, softmax_scale, group, *rows, h // h_kv,
+        softmax_scale * LOG2E, softmax_scale, group, *rows, h // h_kv, *outs,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, STAGES=stages, CAUSAL=causal,
         WARP_SPEC=ws, ABLATE=ablate, GROUPED=grouped, ROW_TMA=row_tma, LSE_LOG2=lse_log2,
-        GQA=h_kv != h, num_warps=block_n // 16, **({"maxnreg": maxnreg} if maxnreg else {}),
+        GQA=h_kv != h, TMA_STORE=tma_store, num_warps=block_n // 16,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
