@@ -75,9 +75,9 @@ GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Measured defaults by head dim (H100): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
 # where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes).
-# tma_store (dK, dV stored by TMA through the K / V buffers, as the forward stores o) is off:
-# not yet timed against the register stores (benchmarks/results/current/scripts/
-# dkdv_tma_store_probe.py times it).
+# tma_store (dK, dV stored by TMA through the K / V buffers, as the forward stores o) is off
+# until a timing shows it faster than the register stores
+# (benchmarks/results/current/scripts/dkdv_tma_store_probe.py times it).
 # d = 64 is absent: there, with row_tma and 168 registers, the whole backward is
 # 0.98-1.03x the Triton kernel's on full grids, not a clear win.
 DEFAULTS: dict[int, dict] = {
