@@ -377,3 +377,26 @@ def test_a_failing_profiler_leaves_a_note(monkeypatch):
 
     monkeypatch.setattr(torch.profiler, "profile", Broken)
     assert sweep.profile_kernels(lambda: None) == "(profiler failed: CUPTI unavailable)"
+
+
+def test_graph_captures_get_fresh_leaves():
+    """The graphed cell's call detaches q, k, v into new leaves (their gradient nodes belong
+    to the capture's stream); the timed call uses the inputs as they are."""
+    cfg = sweep.SweepConfig(shapes=((2, 8),), device="cpu")
+    q, k, v, do = sweep._inputs(2, 8, 4, cfg, seed=0)
+    seen = []
+
+    def attn(a, b, c):
+        seen.append((a, b, c))
+        return a * b + c
+
+    sweep._fwd_bwd(attn, q, k, v, do)()
+    sweep._fwd_bwd(attn, q, k, v, do, fresh_leaves=True)()
+    plain, fresh = seen
+    assert all(x is y for x, y in zip(plain, (q, k, v), strict=True))
+    for leaf, t in zip(fresh, (q, k, v), strict=True):
+        assert leaf is not t
+        assert leaf.is_leaf
+        assert leaf.requires_grad
+        assert leaf.data_ptr() == t.data_ptr()  # a view of the same memory, not a copy
+    assert q.grad is None  # torch.autograd.grad returns the gradients, accumulating none
