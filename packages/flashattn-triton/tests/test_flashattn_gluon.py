@@ -186,7 +186,8 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     launches = []
     monkeypatch.setattr(gluon_fwd, "_applies", lambda *t, defaults=None: True)
     monkeypatch.setattr(gluon_fwd, "launch_fwd", lambda *a, **kw: launches.append(kw))
-    monkeypatch.setattr(gluon_fwd, "head_group_args", lambda *a: {"head_group": 3})
+    group = {"heads": 3}  # what the L2 rule (or the option) says, per case below
+    monkeypatch.setattr(gluon_fwd, "head_group_args", lambda *a: {"head_group": group["heads"]})
     cfg = gluon_fwd.DEFAULTS[128]
     # Causal, past the persistent grid's cap: one program per tile from min_keys keys.
     n = max(cfg["min_keys"], cfg["max_keys_persistent_causal"] + 1)
@@ -203,6 +204,8 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     set_options(head_group="off")
     assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     assert launches[-1]["head_group"] == 3  # from head_group_args, which reads the option
+    set_options(head_group="auto")
+    group["heads"] = 1 << 20  # the plain order: the heads' K / V fit L2
     long_q = torch.zeros(1, 16, 16384, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(gluon_fwd, "sm_count", lambda t: 132)
     # d = 128: the persistent grid from min_keys_persistent keys, one program per SM,
@@ -216,6 +219,17 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     assert launches[-1] == {**persistent, "serpentine": True, "persistent": 132}
     assert gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, True, 0.1)
     assert launches[-1]["persistent"] == 132
+    # Causal, where the L2 rule would launch heads in groups: not the persistent grid (its
+    # causal order reads every head at once); below min_keys that is the Triton forward.
+    group["heads"] = 2
+    n_launches = len(launches)
+    assert not gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, True, 0.1)
+    assert len(launches) == n_launches
+    assert gluon_fwd.try_fwd(q, few_keys, few_keys, q, lse, False, 0.1)  # head by head
+    assert launches[-1]["persistent"] == 132
+    assert gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)  # per tile, from min_keys
+    assert "persistent" not in launches[-1]
+    group["heads"] = 1 << 20
     cap = cfg["max_keys_persistent_causal"]
     assert m <= cap < 16384
     capped = torch.zeros(1, 2, cap + 1, 128, dtype=torch.bfloat16)

@@ -737,8 +737,10 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     """Run the Gluon forward where it applies: the Gluon kernels apply
     (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
     ``DEFAULTS`` and at least its ``min_keys`` keys (and, where it has ``min_waves``, a grid
-    of that many waves of one program per SM), or, non-causal, its ``min_keys_persistent``
-    (then on the persistent grid), and no forward tiles are asked for
+    of that many waves of one program per SM), or its ``min_keys_persistent`` (then on the
+    persistent grid; causal: up to ``max_keys_persistent_causal`` keys, and only where the
+    heads' K / V rows fit the L2 rule that would otherwise launch heads in groups,
+    ``configs.head_group``), and no forward tiles are asked for
     (``Options.tile_configs`` with a ``fwd`` entry, or ``autotune``). False if the caller
     should run the Triton forward (also after a failed first compile,
     ``gluon_dkdv.run_guarded``)."""
@@ -758,6 +760,13 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     if opts.autotune or "fwd" in parse_overrides(opts.tile_configs):
         return False  # the caller asked for the Triton forward's tiles: it gets them
     b, h, n_q = q.shape[:3]
+    if persistent and causal and head_group_args(k, b * h, n_k, d)["head_group"] < b * h:
+        # Causal tiles go heaviest first across every head, so the concurrent programs read
+        # every head's K / V; where those overflow L2 (or the option groups heads), the
+        # per-tile grid (or the Triton forward) launches heads in groups instead.
+        persistent = False
+        if n_k < cfg["min_keys"]:
+            return False
     min_waves = cfg.get("min_waves")
     if not persistent and min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
         return False  # programs (one per SM at a time) against waves of the GPU's SMs
