@@ -290,6 +290,7 @@ def time_persistent(
             if name not in variants:
                 continue
             kw = {k: v for k, v in variants[name].items() if k != "persistent"}
+            kw.setdefault("tma_store", False)  # the variant's store, not the shipped one
             configs[f"package {name}"] = {**SHIPPED[d], **kw, "min_keys_persistent": 0}
         for h, n in shapes:
             for causal in (False, True):

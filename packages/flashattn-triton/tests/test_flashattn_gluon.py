@@ -171,7 +171,14 @@ def test_gluon_forward_defaults():
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("block_m", 64), ("block_n", 256), ("persistent", True), ("persistent", -1)],
+    [
+        ("block_m", 64),
+        ("block_n", 256),
+        ("persistent", True),
+        ("persistent", -1),
+        ("tma_store", 1),
+        ("serpentine", "yes"),
+    ],
 )
 def test_gluon_forward_rejects_tiles_it_cannot_run(name, value):
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)

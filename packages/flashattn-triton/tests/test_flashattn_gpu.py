@@ -380,7 +380,7 @@ def test_gluon_dkdv_on_strided_views(monkeypatch, set_options):
 def test_gluon_dkdv_tma_store_matches_register_stores(shape, n_k, h_kv, causal, monkeypatch):
     """dK, dV stored by TMA through the K / V buffers equal the register stores bit for bit
     (the same products and rounding), on a qkv-buffer view too; rows past n_k are left."""
-    from flashattn_triton import gluon_dkdv, launch
+    from flashattn_triton import configs, gluon_dkdv, launch
 
     _require_hopper_gluon(gluon_dkdv)
     b, h, n_q, d = shape
@@ -390,7 +390,7 @@ def test_gluon_dkdv_tma_store_matches_register_stores(shape, n_k, h_kv, causal, 
     scale = d**-0.5
     o, lse = launch.forward(q, k, v, causal, scale)
     delta = (do.float() * o.float()).sum(-1)
-    rows = -(-n_q // 256) * 256  # the launcher's padded row statistics
+    rows = -(-n_q // configs.STATS_ROWS) * configs.STATS_ROWS  # padded as the launcher does
     lse_p, delta_p = (
         torch.nn.functional.pad(t, (0, rows - n_q)).contiguous() for t in (lse, delta)
     )

@@ -703,6 +703,9 @@ def launch_fwd(
         raise ValueError(f"block_n must be 64 or 128, got {block_n}")
     if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent < 0:
         raise ValueError(f"persistent must be a count of programs >= 0, got {persistent!r}")
+    for name, flag in (("tma_store", tma_store), ("serpentine", serpentine)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
     b, h, n_q, d = q.shape
     n_k = k.shape[2]
     n_m = -(-n_q // block_m)
