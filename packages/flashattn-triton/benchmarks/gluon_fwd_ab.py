@@ -512,6 +512,9 @@ def main() -> None:
         return
     if args.out is None:
         ap.error("OUT.json is required unless --offline")
+    known = {name for variants in PERSISTENT_VARIANTS.values() for name in variants}
+    if unknown := set(args.variants or ()) - known:
+        ap.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(known)}")
     rows: list = []
     if args.persistent:
         try:
