@@ -75,9 +75,10 @@ GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # Measured defaults by head dim (H100): block_m, block_n, stages, maxnreg
 # (None: Triton's), warp specialization, and row_tma (lse / delta rows by TMA with Q / dO
 # where ``rows_by_tma`` allows: 1.11-1.13x on the whole backward over five d = 128 shapes).
-# tma_store (dK, dV stored by TMA through the K / V buffers, as the forward stores o) is off
-# until a timing shows it faster than the register stores
-# (benchmarks/results/current/scripts/dkdv_tma_store_probe.py times it).
+# tma_store: dK and dV stored by TMA through the K / V buffers, as the forward stores o; the
+# package's forward + backward 0.91-0.97x of the register stores' at 512 and 1024 keys, equal
+# at 2048, results bitwise equal (H100, scripts/dkdv_tma_store_probe.py; raw
+# benchmarks/results/current/h100_dkdv_tma_store.json).
 # d = 64 is absent: there, with row_tma and 168 registers, the whole backward is
 # 0.98-1.03x the Triton kernel's on full grids, not a clear win.
 DEFAULTS: dict[int, dict] = {
@@ -88,7 +89,7 @@ DEFAULTS: dict[int, dict] = {
         "maxnreg": None,
         "ws": False,
         "row_tma": True,
-        "tma_store": False,
+        "tma_store": True,
     },
 }
 _FAILED: dict[tuple, str] = {}  # (kernel, d, dtype, causal) -> why its compile failed
