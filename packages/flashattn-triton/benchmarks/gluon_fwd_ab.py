@@ -291,7 +291,11 @@ def time_persistent(
                 continue
             kw = {k: v for k, v in variants[name].items() if k != "persistent"}
             kw.setdefault("tma_store", False)  # the variant's store, not the shipped one
-            configs[f"package {name}"] = {**SHIPPED[d], **kw, "min_keys_persistent": 0}
+            configs[f"package {name}"] = {
+                **SHIPPED[d],
+                "persistent_tiles": kw,
+                "min_keys_persistent": 0,
+            }
         for h, n in shapes:
             for causal in (False, True):
                 _time_shape(rows, d, h, n, causal, variants, configs, rounds, fwd_only)

@@ -166,6 +166,10 @@ def test_gluon_forward_defaults():
     d64 = gluon_fwd.DEFAULTS[64]
     assert (d64["block_m"], d64["consumer_regs"]) == (192, 160)
     assert (d64["min_keys"], d64["min_waves"]) == (2048, 8)
+    # d = 64 below min_waves waves: non-causal calls from 2048 keys on the persistent grid,
+    # with two math warpgroups (128-row tiles)
+    assert (d64["min_keys_persistent"], d64["max_keys_persistent_causal"]) == (2048, 0)
+    assert d64[gluon_fwd.PERSISTENT_TILES] == {"block_m": 128, "consumer_regs": 240}
 
 
 @pytest.mark.skipif(not gluon_dkdv.HAVE_GLUON, reason="this Triton has no Gluon")
@@ -261,10 +265,21 @@ def test_gluon_forward_dispatch_rule(monkeypatch, set_options):
     batch = torch.zeros(8, 16, 2048, 64, dtype=torch.bfloat16)  # 1408 programs: 10.7 waves
     assert gluon_fwd.try_fwd(batch, batch, batch, batch, lse, False, 0.1)
     assert launches[-1]["block_m"] == 192
-    one = batch[:1, :, :, :]  # 176 programs: 1.3 waves
-    assert not gluon_fwd.try_fwd(one, one, one, one, lse, False, 0.1)
+    one = batch[:1, :, :, :]  # 176 programs: 1.3 waves; non-causal: the persistent grid
+    assert gluon_fwd.try_fwd(one, one, one, one, lse, False, 0.1)
+    d64 = gluon_fwd.DEFAULTS[64]
+    per_tile = {k: v for k, v in d64.items() if k not in gluon_fwd.RULES}
+    per_tile.pop(gluon_fwd.PERSISTENT_TILES)
+    assert launches[-1] == {
+        **{k: v for k, v in per_tile.items() if k != "head_group"},
+        "block_m": 128, "consumer_regs": 240, "persistent": 132,
+    }  # fmt: skip
+    assert not gluon_fwd.try_fwd(one, one, one, one, lse, True, 0.1)  # causal: Triton's
+    assert gluon_fwd.try_fwd(long_q, long_q, long_q, long_q, lse, False, 0.1)  # 10.4 waves
+    assert launches[-1] == per_tile  # one program per tile, heads in groups
     short_kv = batch[:, :, :2047]  # many waves, but under min_keys keys
     assert not gluon_fwd.try_fwd(batch, short_kv, short_kv, batch, lse, False, 0.1)
+    assert not gluon_fwd.try_fwd(one, one[:, :, :2047], one[:, :, :2047], one, lse, False, 0.1)
     set_options(head_group="auto", tile_configs="fwd=128,64,4,2")  # explicit Triton tiles
     assert not gluon_fwd.try_fwd(q, kv, kv, q, lse, True, 0.1)
     set_options(tile_configs="dq=128,64,8,3")  # other kinds leave the forward alone

@@ -222,10 +222,17 @@ def test_gluon_forward_default_length(gluon_forward, monkeypatch):
 
 
 def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
-    """Shipped d = 64 rule: the three-warpgroup forward from min_keys keys on grids of at
-    least min_waves waves of programs (a batch), the Triton forward on a batch of one; both
-    give the same o to within rounding."""
+    """Shipped d = 64 rule from min_keys keys: the three-warpgroup forward, one program per
+    tile, on grids of at least min_waves waves of programs (a batch); below that (a batch of
+    one) the persistent grid of two-warpgroup programs if non-causal, the Triton forward if
+    causal. All give the same o to within rounding."""
     launches = gluon_forward(None)
+    grids = []
+    real = gluon_fwd.launch_fwd  # the fixture's spy
+    monkeypatch.setattr(
+        gluon_fwd, "launch_fwd",
+        lambda *a, **kw: grids.append((kw["block_m"], kw.get("persistent", 0))) or real(*a, **kw),
+    )  # fmt: skip
     cfg = dict(gluon_fwd.DEFAULTS[64])
     n, rows = cfg["min_keys"], cfg["block_m"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -234,13 +241,41 @@ def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
     q, k, v, _ = _tensors(b, 16, 16, n, n, torch.bfloat16, seed=4, d=64)
     o_gluon = flash_attention(q, k, v, False)
     assert launches == [(tuple(q.shape), tuple(k.shape))]
-    flash_attention(q[:1], k[:1], v[:1], False)  # 1 / b of the waves
-    assert len(launches) == 1
-    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**cfg, "min_keys": 1 << 40})
+    assert grids == [(192, 0)]
+    o_persistent = flash_attention(q[:1], k[:1], v[:1], False)  # 1 / b of the waves
+    assert grids == [(192, 0), (cfg["persistent_tiles"]["block_m"], sms)]
+    flash_attention(q[:1], k[:1], v[:1], True)  # causal: the Triton forward
+    assert len(launches) == 2
+    never = {"min_keys": 1 << 40, "min_keys_persistent": 1 << 40}
+    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**cfg, **never})
     launch.clear_plans()
     o_triton = flash_attention(q, k, v, False)
-    assert len(launches) == 1
+    assert len(launches) == 2
     assert rel_err(o_gluon, o_triton) < 1e-2
+    assert rel_err(o_persistent, o_triton[:1]) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "h_kv", "n_q", "n_k", "causal"),
+    [
+        (2, 3, 3, 1000, 1000, False),  # ragged: 7.8 tiles of 128 rows
+        (1, 3, 3, 777, 600, False),  # Nq > Nk
+        (1, 2, 2, 130, 513, False),  # one row past a tile
+        (2, 8, 2, 700, 700, False),  # grouped-query heads
+        (2, 40, 40, 1000, 1000, False),  # 640 tiles: each program loops over several
+        (2, 3, 3, 1000, 1000, True),  # causal, the grid's cap raised
+    ],
+)
+def test_gluon_forward_d64_persistent(b, h, h_kv, n_q, n_k, causal, gluon_forward):
+    """d = 64 on the persistent grid with its own tiles (``persistent_tiles``), from any
+    length here, against the float64 reference."""
+    never_per_tile = 1 << 40  # min_keys; the fixture also drops min_waves
+    launches = gluon_forward(
+        never_per_tile, head_dim=64, min_keys_persistent=0, max_keys_persistent_causal=1 << 40
+    )
+    q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q + 3 * n_k, d=64)
+    _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
+    assert launches
 
 
 @pytest.mark.parametrize("grid", sorted(GRIDS))

@@ -120,10 +120,11 @@ def test_auto_scheme_by_grid_size(shape, causal, kinds, monkeypatch, set_options
     """The default (auto) backward's Triton schemes: fused on small causal grids, split
     elsewhere; both within the accuracy bounds. The Gluon kernels that take long rows on
     Hopper are held off: the one-pass backward (its rule: test_flashattn_onepass_gpu.py)
-    and the d = 64 forward on grids of 8 waves from 2048 keys (test_flashattn_gluon_fwd_gpu.py)."""
+    and the d = 64 Gluon forward from 2048 keys (test_flashattn_gluon_fwd_gpu.py)."""
     set_options(backward="auto")
     monkeypatch.setattr(gluon_bwd, "MIN_KEYS", 1 << 40)
-    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**gluon_fwd.DEFAULTS[64], "min_keys": 1 << 40})
+    never = {"min_keys": 1 << 40, "min_keys_persistent": 1 << 40}
+    monkeypatch.setitem(gluon_fwd.DEFAULTS, 64, {**gluon_fwd.DEFAULTS[64], **never})
     seen = set()
     run = launch._run
 

@@ -77,10 +77,14 @@ DEFAULTS: dict[int, dict] = {
     64: {
         "block_m": 192, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
         "consumer_regs": 160, "tma_store": True, "min_keys": 2048, "min_waves": 8,
+        "min_keys_persistent": 2048, "max_keys_persistent_causal": 0,
+        "persistent_tiles": {"block_m": 128, "consumer_regs": 240},
     },
 }  # fmt: skip
 # Keys of DEFAULTS that choose where the kernel runs, not how it is launched.
 RULES = ("min_keys", "min_keys_persistent", "max_keys_persistent_causal", "min_waves")
+# Tiles that replace the per-tile ones on the persistent grid (where a head dim has them).
+PERSISTENT_TILES = "persistent_tiles"
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -771,11 +775,16 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
         if n_k < cfg["min_keys"]:
             return False
     min_waves = cfg.get("min_waves")
-    if not persistent and min_waves and b * h * -(-n_q // cfg["block_m"]) < min_waves * sm_count(q):
-        return False  # programs (one per SM at a time) against waves of the GPU's SMs
+    if min_waves:  # programs (one per SM at a time) against waves of the GPU's SMs
+        waves = b * h * -(-n_q // cfg["block_m"]) >= min_waves * sm_count(q)
+        if waves and n_k >= cfg["min_keys"]:
+            persistent = False  # a grid of many waves: one program per tile
+        elif not persistent:
+            return False
     tiles = {name: value for name, value in cfg.items() if name not in RULES}
+    persistent_tiles = tiles.pop(PERSISTENT_TILES, {})
     if persistent:  # one program per SM, looping over the tiles in its own order
-        tiles["persistent"] = sm_count(q)
+        tiles.update(persistent_tiles, persistent=sm_count(q))
         tiles.pop("head_group", None)
     else:
         tiles.pop("serpentine", None)
