@@ -65,9 +65,13 @@ WG_ROWS = 64
 # beyond, where causal tiles' uneven work ends the static shares unevenly
 # (h100_gluon_fwd_causal_persistent.json). ``tma_store``: o through shared memory by TMA,
 # 4-13% off the forward at 512-2048 keys on either grid (h100_gluon_fwd_tma_store_d128.json),
-# 0.5% at d = 64 on 16 x 16384 (h100_gluon_fwd_tma_store_d64.json). At d = 64 the persistent
-# grid did not beat the Triton forward's two programs per SM
-# (h100_gluon_fwd_persistent_d64.json). Below 512 keys: not measured.
+# 0.5% at d = 64 on 16 x 16384 (h100_gluon_fwd_tma_store_d64.json). d = 64 on grids under
+# ``min_waves`` waves: non-causal from 2048 keys the persistent grid with two math
+# warpgroups (``persistent_tiles``) and o by TMA store, 0.96-0.97x the Triton forward at
+# 2048-8192 keys (H100, h100_gluon_fwd_persistent_d64_tma.json; without the TMA store it did
+# not beat the Triton forward, h100_gluon_fwd_persistent_d64.json); causal: the Triton
+# forward (the persistent grid took 1.13x its time at 2048 keys). Below 512 keys at d = 128:
+# not measured.
 DEFAULTS: dict[int, dict] = {
     128: {
         "block_m": 128, "block_n": 128, "stages": 2, "pingpong": False, "head_group": 4,
@@ -745,7 +749,9 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
     (``gluon_dkdv.applies``: Hopper, 16-bit, TMA-readable layouts), the head dim has
     ``DEFAULTS`` and at least its ``min_keys`` keys (and, where it has ``min_waves``, a grid
     of that many waves of one program per SM), or its ``min_keys_persistent`` (then on the
-    persistent grid; causal: up to ``max_keys_persistent_causal`` keys, and only where the
+    persistent grid, with its ``persistent_tiles`` if any, and, where the head dim has
+    ``min_waves``, only on grids that the per-tile rule leaves; causal: up to
+    ``max_keys_persistent_causal`` keys, and only where the
     heads' K / V rows fit the L2 rule that would otherwise launch heads in groups,
     ``configs.head_group``), and no forward tiles are asked for
     (``Options.tile_configs`` with a ``fwd`` entry, or ``autotune``). False if the caller
