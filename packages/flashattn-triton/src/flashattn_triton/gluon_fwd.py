@@ -782,8 +782,8 @@ def try_fwd(q, k, v, o, lse, causal: bool, softmax_scale: float) -> bool:
             return False
     min_waves = cfg.get("min_waves")
     if min_waves:  # programs (one per SM at a time) against waves of the GPU's SMs
-        waves = b * h * -(-n_q // cfg["block_m"]) >= min_waves * sm_count(q)
-        if waves and n_k >= cfg["min_keys"]:
+        many_waves = b * h * -(-n_q // cfg["block_m"]) >= min_waves * sm_count(q)
+        if many_waves and n_k >= cfg["min_keys"]:
             persistent = False  # a grid of many waves: one program per tile
         elif not persistent:
             return False
