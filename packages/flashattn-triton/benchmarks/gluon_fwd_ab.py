@@ -293,7 +293,7 @@ def time_persistent(
             kw.setdefault("tma_store", False)  # the variant's store, not the shipped one
             configs[f"package {name}"] = {
                 **SHIPPED[d],
-                "persistent_tiles": kw,
+                gluon_fwd.PERSISTENT_TILES: kw,
                 "min_keys_persistent": 0,
             }
         for h, n in shapes:

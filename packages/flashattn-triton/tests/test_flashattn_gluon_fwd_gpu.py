@@ -27,10 +27,12 @@ def gluon_forward(monkeypatch):
     if not gluon_dkdv.HAVE_GLUON or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels run on Hopper GPUs (compute capability 9) only")
     launches: list[tuple] = []
+    grids: list[tuple] = []  # (block_m, persistent programs or 0) per launch
     real = gluon_fwd.launch_fwd
 
     def spy(q, k, v, *args, **kwargs):
         launches.append((tuple(q.shape), tuple(k.shape)))
+        grids.append((kwargs.get("block_m", 128), kwargs.get("persistent", 0)))
         return real(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(gluon_fwd, "launch_fwd", spy)
@@ -45,6 +47,7 @@ def gluon_forward(monkeypatch):
         launch.clear_plans()
         return launches
 
+    allow.grids = grids
     yield allow
     launch.clear_plans()
 
@@ -226,13 +229,7 @@ def test_d64_gluon_forward_by_grid(gluon_forward, monkeypatch):
     tile, on grids of at least min_waves waves of programs (a batch); below that (a batch of
     one) the persistent grid of two-warpgroup programs if non-causal, the Triton forward if
     causal. All give the same o to within rounding."""
-    launches = gluon_forward(None)
-    grids = []
-    real = gluon_fwd.launch_fwd  # the fixture's spy
-    monkeypatch.setattr(
-        gluon_fwd, "launch_fwd",
-        lambda *a, **kw: grids.append((kw["block_m"], kw.get("persistent", 0))) or real(*a, **kw),
-    )  # fmt: skip
+    launches, grids = gluon_forward(None), gluon_forward.grids
     cfg = dict(gluon_fwd.DEFAULTS[64])
     n, rows = cfg["min_keys"], cfg["block_m"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -276,6 +273,9 @@ def test_gluon_forward_d64_persistent(b, h, h_kv, n_q, n_k, causal, gluon_forwar
     q, k, v, do = _tensors(b, h, h_kv, n_q, n_k, torch.bfloat16, seed=n_q + 3 * n_k, d=64)
     _check(q, k, v, do, causal, compare_sdpa=not (causal and n_q != n_k))
     assert launches
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    block_m = gluon_fwd.DEFAULTS[64][gluon_fwd.PERSISTENT_TILES]["block_m"]
+    assert set(gluon_forward.grids) == {(block_m, sms)}  # the persistent grid, its own tiles
 
 
 @pytest.mark.parametrize("grid", sorted(GRIDS))
