@@ -70,7 +70,9 @@ HEAD_DIMS = (64, 128)
 # replayed launches, ms against the split kernels: 1 x 64 heads x 1024 causal 0.34-0.44
 # against 0.22-0.26 (lost), 1 x 32 x 2048 causal 0.32 against 0.33, 1 x 16 x 4096 causal
 # 0.52 against 0.55, 1 x 32 x 2048 non-causal 0.51 against 0.57, and faster on every longer
-# shape measured (DESIGN, "One-pass backward").
+# shape measured. As GPU time on an H100 (CUDA-graph replays) it still loses at 512 and 1024
+# keys: 1 x 128 x 512 non-causal 0.214 against 0.196 ms, 1 x 64 x 1024 0.309 against 0.301
+# (DESIGN, "One-pass backward").
 MIN_KEYS = 2048
 # At head dim 64 a program does half of d = 128's math per query tile while its row loads,
 # dS exchange and dQ reduce-adds per tile stay, so it needs longer key ranges to beat the
