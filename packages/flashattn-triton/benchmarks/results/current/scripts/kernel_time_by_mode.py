@@ -26,9 +26,10 @@ from torch.profiler import ProfilerActivity, profile
 from perf_tools.attention_sweep import _attention, _fwd_bwd
 
 
-def kernel_times(fn, calls: int = 5) -> dict[str, float]:
-    """ms per call of each CUDA kernel name (first 60 characters) over ``calls`` calls."""
-    for _ in range(3):
+def kernel_times(fn, calls: int = 5, warmup: int = 3, width: int = 60) -> dict[str, float]:
+    """ms per call of each CUDA kernel name (its first ``width`` characters) over ``calls``
+    calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -38,7 +39,7 @@ def kernel_times(fn, calls: int = 5) -> dict[str, float]:
     per: dict[str, float] = collections.defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:60]] += e.device_time_total / 1000 / calls
+            per[e.name[:width]] += e.device_time_total / 1000 / calls
     return {name: round(ms, 4) for name, ms in per.items()}
 
 

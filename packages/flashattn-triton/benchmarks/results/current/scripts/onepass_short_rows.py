@@ -9,15 +9,14 @@ eager calls. Produced ``h100_onepass_short_rows.json``:
 
 from __future__ import annotations
 
-import collections
 import json
 import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
+from kernel_time_by_mode import kernel_times  # this folder: run the script from any directory
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 from flashattn_triton import flash_attention, gluon_bwd, launch_plans, use_options
 
@@ -57,18 +56,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 20, samples: int = 7) 
     return statistics.median(times)
 
 
-def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per: dict[str, float] = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:50]] += e.device_time_total / 1000 / calls
-    return {name: round(ms, 4) for name, ms in per.items()}
-
-
 def measure(heads: int, n: int, causal: bool) -> dict:
     q, k, v = (
         torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -95,7 +82,7 @@ def measure(heads: int, n: int, causal: bool) -> dict:
         for name, graph in graphs.items():
             row.setdefault(name, []).append(round(replay_ms(graph), 5))
     for name, fn in fns.items():
-        row[name + "_kernels_ms"] = kernel_ms(fn)
+        row[name + "_kernels_ms"] = kernel_times(fn, warmup=0, width=50)
     return row
 
 
