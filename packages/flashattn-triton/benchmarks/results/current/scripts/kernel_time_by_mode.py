@@ -14,16 +14,37 @@ the sweep's eager and compiled rows differ in the kernels' own time, or around t
 from __future__ import annotations
 
 import collections
-import contextlib
+import functools
 import json
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from perf_tools.attention_sweep import _attention, _fwd_bwd
+from flashattn_triton import flash_attention
+
+
+def attention(provider: str, compiled: bool):
+    """Non-causal attention (q, k, v) -> o: ours, or SDPA pinned to cuDNN inside the
+    function (so a compiled graph keeps the pin); compiled with static shapes."""
+    if provider == "ours":
+
+        def fn(q, k, v):
+            return flash_attention(q, k, v, causal=False)
+    else:
+
+        def fn(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v)
+
+    return torch.compile(fn, dynamic=False) if compiled else fn
+
+
+def fwd_bwd(attn, q, k, v, do) -> None:
+    torch.autograd.grad(attn(q, k, v), (q, k, v), do)
 
 
 def kernel_times(fn, calls: int = 5, warmup: int = 3, width: int = 60) -> dict[str, float]:
@@ -60,13 +81,8 @@ def main(argv: list[str]) -> None:
         for rnd in range(2):
             for provider in ("ours", "sdpa-cudnn"):
                 for compiled in modes:
-                    pin = provider != "ours" and not compiled
-                    ctx = (
-                        sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if pin else contextlib.nullcontext()
-                    )
-                    with ctx:
-                        fn = _fwd_bwd(_attention(provider, False, compiled), q, k, v, do)
-                        kernels = kernel_times(fn)
+                    call = functools.partial(fwd_bwd, attention(provider, compiled), q, k, v, do)
+                    kernels = kernel_times(call)
                     row = {
                         "shape": f"{heads}x{n}", "provider": provider, "compiled": compiled,
                         "round": rnd, "kernels_ms": kernels,
