@@ -7,7 +7,8 @@ ops) -> ``autograd`` (FlashAttention2Triton) -> ``api`` (flash_attention,
 flash_attention_varlen, flash_attention_kvcache, FlashAttention).
 The launchers build on ``launch_common`` (one kernel's launch), ``launch_backward`` (the
 backward schemes) and ``launch_plans`` (launch-plan keys). ``options`` holds the launch
-switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans,
+switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans
+(``cpp_launch`` / ``cpp_plans``: their replay from a C++ autograd node),
 ``traced_ops`` the launchers as ops torch.compile traces into (``for_cuda_graphs``),
 ``features`` what grouped-query heads, windows and packing ask of them.
 """
@@ -20,6 +21,8 @@ from .api import (
     flash_attention_varlen,
 )
 from .autograd import FlashAttention2Triton
+from .cpp_launch import build as build_cpp_launch
+from .cpp_launch import status as cpp_launch_status
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
 from .reference import attention_reference, causal_mask
@@ -38,7 +41,9 @@ __all__ = [
     "attention_floor_ms",
     "attention_flops",
     "attention_reference",
+    "build_cpp_launch",
     "causal_mask",
+    "cpp_launch_status",
     "flash_attention",
     "flash_attention_kvcache",
     "flash_attention_varlen",

@@ -36,6 +36,8 @@ _PLANS = fastlaunch.PlanCache()
 _GENERATION = [0]
 # The launchers' per-key choices (``keyed_cache``), dropped with the plans.
 _KEYED: list[dict] = []
+# Called by ``clear_plans`` (the C++ launch path drops its entries).
+_ON_CLEAR: list = []
 
 
 def keyed_cache() -> dict:
@@ -52,6 +54,13 @@ def clear_plans() -> None:
     _PLANS.clear()
     for cache in _KEYED:
         cache.clear()
+    for listener in _ON_CLEAR:
+        listener()
+
+
+def on_clear(listener) -> None:
+    """Call ``listener`` after every ``clear_plans`` (option changes included)."""
+    _ON_CLEAR.append(listener)
 
 
 on_change(clear_plans)

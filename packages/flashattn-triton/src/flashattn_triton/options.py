@@ -35,6 +35,7 @@ ENV_VARS = {
     "autotune": "FLASHATTN_TRITON_AUTOTUNE",
     "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
     "traced_compile": "FLASHATTN_TRITON_TRACED_COMPILE",
+    "cpp_launch": "FLASHATTN_TRITON_CPP_LAUNCH",
 }
 _BOOLS = ("gluon", "autotune", "fast_launch")  # the on/off options
 _TRUE = ("1", "true", "yes", "on")
@@ -74,6 +75,11 @@ class Options:
         outside graphs compiled for CUDA graphs, on GPUs like the ones its tiles were
         measured on (``_device.tables_fit``), which makes host-bound compiled models faster
         (the default).
+    cpp_launch: repeated eager calls (4-D, recording autograd) through a C++ autograd node
+        that replays the recorded launches, forward and backward (``cpp_launch``); ``auto``
+        compiles it in the background at the first such call and uses it once ready (the
+        default; without a C++ compiler the Python path stays), True compiles it in the first
+        call and raises if that fails, False keeps the Python launchers.
     """
 
     backward: str = "auto"
@@ -84,6 +90,7 @@ class Options:
     autotune: bool = False
     fast_launch: bool = True
     traced_compile: bool | str = "auto"
+    cpp_launch: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:
@@ -96,10 +103,10 @@ class Options:
         for name in _BOOLS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not (isinstance(self.traced_compile, bool) or self.traced_compile == "auto"):
-            raise ValueError(
-                f"traced_compile must be True, False or 'auto', got {self.traced_compile!r}"
-            )
+        for name in ("traced_compile", "cpp_launch"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
         object.__setattr__(self, "head_group", _head_group(self.head_group))
         if not isinstance(self.tile_configs, str):
             raise TypeError(f"tile_configs must be a str, got {type(self.tile_configs).__name__}")
@@ -146,7 +153,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Options:
             if low not in _TRUE + _FALSE:
                 raise ValueError(f"{var} must be 1 or 0, got {raw!r}")
             value = low in _TRUE
-        elif name == "traced_compile":
+        elif name in ("traced_compile", "cpp_launch"):
             low = raw.strip().lower()
             if low not in _TRUE + _FALSE + ("auto",):
                 raise ValueError(f"{var} must be 1, 0 or auto, got {raw!r}")

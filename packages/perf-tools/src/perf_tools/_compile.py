@@ -3,11 +3,13 @@
 Dynamo keys its cache on a function's code object; a sweep compiles the same code (a model's
 forward, an attention function) for many shapes, dtypes and grad modes. Past the recompile
 limit (8 by default) Dynamo quietly falls back to eager, and the "compiled" column would lie.
-`traced_compile_option` is the flashattn-triton setting compiled rows record beside it.
+`traced_compile_option` is the flashattn-triton setting compiled rows record beside it;
+`ready_cpp_launch` readies its C++ launch path before a timed run.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,3 +44,27 @@ def traced_compile_option() -> bool | str | None:
     except ImportError:
         return None
     return get_options().traced_compile
+
+
+_CPP_NOTED: set[str] = set()
+
+
+def ready_cpp_launch() -> str | None:
+    """Build (or load) flashattn_triton's C++ launch path now, so that warm-up and timed steps
+    all use it (by default it compiles in the background and the first steps would take the
+    Python path); its status ('ready', 'off', 'failed: ...'), None where flashattn_triton is
+    not installed or no GPU is present. A failure is printed once and the run goes on."""
+    try:
+        import flashattn_triton
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    if flashattn_triton.cpp_launch_status() not in ("off", "ready"):
+        with contextlib.suppress(RuntimeError):  # reported below, through the status
+            flashattn_triton.build_cpp_launch()
+    status = flashattn_triton.cpp_launch_status()
+    if status.startswith("failed") and status not in _CPP_NOTED:
+        _CPP_NOTED.add(status)
+        print(f"note: flashattn_triton's C++ launch path is not used ({status})", flush=True)
+    return status

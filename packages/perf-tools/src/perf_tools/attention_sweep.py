@@ -58,7 +58,12 @@ import torch
 import torch.nn.functional as F
 
 from perf_tools import _cli, report, timing
-from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
+from perf_tools._compile import (
+    allow_recompiles,
+    compile_for_bench,
+    ready_cpp_launch,
+    traced_compile_option,
+)
 from perf_tools.attention_sweep_results import (
     add_ratios,
     fill_medians,
@@ -300,6 +305,7 @@ def run_sweep(
     best SDPA. ``on_row(rows)`` runs after each row with the rows so far (``main`` saves
     them, so a sweep stopped part-way keeps its finished rows)."""
     allow_recompiles()
+    cpp = ready_cpp_launch() if "ours" in cfg.providers and cfg.device.type == "cuda" else None
     rows: list[dict[str, Any]] = []
     groups = [
         (m, c, d, t)
@@ -322,6 +328,8 @@ def run_sweep(
                 row["batch"] = cfg.batch
             if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
                 row["traced_compile"] = traced_compile_option()
+            elif cpp is not None:
+                row["cpp_launch"] = cpp
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             label = f"{mode} causal={causal} d={d} {shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
@@ -523,7 +531,8 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
 
 
 COLUMNS = (
-    "mode", "autograd_threads", "traced_compile", "causal", "d", "batch", "heads", "N",
+    "mode", "autograd_threads", "traced_compile", "cpp_launch", "causal", "d", "batch",
+    "heads", "N",
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
     "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
     "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us", "sdpa-cudnn_host_us",

@@ -68,11 +68,16 @@ def resolve_config(
 
 
 def build_model(config: Any, device: torch.device | str) -> nn.Module:
-    """lm_core.TransformerLM(config), created directly on `device` (no host-side copy)."""
+    """lm_core.TransformerLM(config), created directly on `device` (no host-side copy); with
+    flash-triton attention on a GPU, its C++ launch path readied first (`ready_cpp_launch`)."""
     from lm_core import TransformerLM
 
     with torch.device(device):
         model = TransformerLM(config)
+    if getattr(config, "attention", None) == "flash-triton" and torch.device(device).type == "cuda":
+        from perf_tools._compile import ready_cpp_launch
+
+        ready_cpp_launch()  # the timed steps' launcher: ready before the first step
     return model.to(device)
 
 

@@ -1,0 +1,240 @@
+"""Repeated eager ``flash_attention`` calls through a C++ autograd node (``Options.cpp_launch``).
+
+Inside an eager model, our Python launchers cost two to three times what they cost back to
+back (the interpreter competes with the model's own host work), and the backward's Python
+runs on autograd's device thread between C++ nodes. The C++ node (``csrc/launch_replay.cpp``)
+replays the kernel launches that the Python launchers recorded for an input layout: a
+repeated call is found in C++ by its layouts, allocates its outputs and launches the compiled
+kernels with ``cuLaunchKernelEx``; its backward runs in C++ as well once a dO layout has been
+seen (the first backward of a dO layout takes the Python path, which then registers it).
+
+The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja; no CUDA toolkit) and cached per user, named by a hash of the source and the torch and
+Triton versions. ``cpp_launch="auto"`` (the default) compiles it on a background thread at the
+first eligible call and keeps the Python path until it is ready, or for good if it cannot be
+built (``status()`` says why); ``True`` compiles it in the first call and raises if that
+fails; ``False`` never uses it.
+
+Eligible calls: 4-D CUDA float16/bfloat16 inputs that record a graph (grad mode on, an input
+requiring grad), outside torch.compile and functorch transforms, the default scale, no window
+or lse, ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``, on Triton 3.6
+(``cpp_plans``). Everything else, and every layout whose launches cannot be described, takes
+the Python path unchanged. Triton launch hooks (e.g. proton's) do not see these launches;
+set ``cpp_launch=False`` while using them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from importlib import resources
+from typing import Any
+
+import torch
+
+from . import configs as C
+from . import cpp_plans, launch, launch_backward
+from .launch_plans import call_key, on_clear
+from .options import get_options
+
+_log = logging.getLogger(__name__)
+
+# Seconds a ``cpp_launch=True`` call waits for the build (a stale lock left by a killed build
+# makes torch's builder wait forever).
+BUILD_TIMEOUT_S = 900.0
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"module": None, "status": "not built", "thread": None, "error": None}
+# Layouts (the extension's forward keys) whose calls cannot be described: not tried again.
+_refused: set[str] = set()
+_registered: set[tuple] = set()  # call keys with an entry
+# True while calls may take the C++ path (the extension is loaded and the options allow it).
+ACTIVE = [False]
+
+
+def status() -> str:
+    """'ready', 'building', 'off' (``cpp_launch=False``), 'not built', or 'failed: <why>'."""
+    if not get_options().cpp_launch:
+        return "off"
+    return _state["status"]
+
+
+def _source() -> str:
+    return resources.files(__package__).joinpath("csrc", "launch_replay.cpp").read_text()
+
+
+def compile_extension() -> Any:
+    """Compile (or load the cached build of) ``csrc/launch_replay.cpp``; the module."""
+    import triton
+    from torch.utils.cpp_extension import load
+
+    include = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
+    digest = hashlib.sha256(
+        "\0".join((_source(), torch.__version__, triton.__version__)).encode()
+    ).hexdigest()[:16]
+    path = resources.files(__package__).joinpath("csrc", "launch_replay.cpp")
+    with resources.as_file(path) as source:
+        return load(
+            name=f"flashattn_triton_launch_{digest}", sources=[str(source)],
+            extra_include_paths=[include], extra_cflags=["-O2"], with_cuda=False,
+            verbose=False,
+        )  # fmt: skip
+
+
+def _compile_supported() -> Any:
+    import triton
+
+    if not cpp_plans.supported(triton.__version__):
+        raise RuntimeError(
+            f"triton {triton.__version__} is not supported (the parameter layout is "
+            f"triton {cpp_plans.TRITON_SERIES}x's)"
+        )
+    return compile_extension()
+
+
+def _build_into_state() -> None:
+    try:
+        module = _compile_supported()
+    except Exception as e:  # no compiler, no ninja, an unsupported Triton: the Python path
+        with _lock:
+            _state["status"] = f"failed: {type(e).__name__}: {str(e).strip()[:400]}"
+            _state["error"] = e
+        _log.info("flashattn_triton: C++ launch path unavailable (%s)", _state["status"])
+        return
+    with _lock:
+        _state["module"] = module
+        _state["status"] = "ready"
+    _refresh()
+
+
+def _start_build() -> threading.Thread:
+    with _lock:
+        thread = _state["thread"]
+        if thread is None:
+            _state["status"] = "building"
+            thread = threading.Thread(
+                target=_build_into_state, name="flashattn-triton-cpp-build", daemon=True
+            )
+            _state["thread"] = thread
+            thread.start()
+        return thread
+
+
+def build(timeout: float = BUILD_TIMEOUT_S) -> None:
+    """Compile (or load the cached) extension now and wait for it; raises RuntimeError if it
+    cannot be built. Training scripts may call it before the first step, so that every step
+    from the first takes the C++ path (``cpp_launch="auto"`` builds in the background)."""
+    thread = _start_build()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RuntimeError(
+            f"flashattn_triton: building the C++ launch path took over {timeout:.0f} s "
+            "(a stale 'lock' file in the torch extensions directory, left by a killed build?)"
+        )
+    if _state["module"] is None:
+        raise RuntimeError(
+            f"flashattn_triton: cpp_launch=True, but the C++ launch path {_state['status']}"
+        ) from _state["error"]
+
+
+def _refresh() -> None:
+    """Recompute ``ACTIVE`` and drop every registered layout (the options or the tile tables
+    changed, and the Python launchers dropped their plans)."""
+    opts = get_options()
+    module = _state["module"]
+    _refused.clear()
+    _registered.clear()
+    if module is not None:
+        module.reset()
+    ACTIVE[0] = (
+        module is not None and opts.cpp_launch is not False and opts.fast_launch
+        and not opts.autotune
+    )  # fmt: skip
+
+
+on_clear(_refresh)
+
+
+def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and not C.OVERRIDES and not torch._C._are_functorch_transforms_active()
+    )  # fmt: skip
+
+
+def known_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """The output of a call whose layouts have a C++ entry (launched there), else None."""
+    if not _eligible(q, k, v):
+        return None
+    return _state["module"].attention_if_known(q, k, v, causal)
+
+
+def after_python_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> None:
+    """After a plain eager call took the Python path: register its layouts if the extension
+    is loaded; else, on CUDA, start building it (``auto``: in the background; ``True``: now)."""
+    if ACTIVE[0]:
+        learn(q, k, v, causal, scale)
+    elif _state["thread"] is None and q.is_cuda:
+        mode = get_options().cpp_launch
+        if mode is True:
+            build()
+            learn(q, k, v, causal, scale)  # (the next call with these layouts replays)
+        elif mode == "auto":
+            _start_build()
+
+
+def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> None:
+    """After the Python path ran a call: give its layouts a C++ entry, if it can have one."""
+    module = _state["module"]
+    if module is None or not _eligible(q, k, v) or q.dim() != 4:
+        return
+    key = module.fwd_key(q, k, v, causal)
+    if key in _refused:
+        return
+    call = call_key((q, k, v), causal, scale, -1, -1)
+    if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
+        return
+    if call is None:
+        _refused.add(key)
+        return
+    remembered = launch._CALLS.get(call)
+    if remembered is None or remembered[1] != ():
+        _refused.add(key)
+        return
+    launches = cpp_plans.describe(remembered[0])
+    if launches is None:
+        _refused.add(key)
+        return
+
+    def backward_fallback(entry, do, q, k, v, o, lse):
+        grads = launch_backward.backward(do, q, k, v, o, lse, causal, scale)
+        _learn_backward(module, entry, do, q, k, v, o, lse, causal, scale)
+        return grads
+
+    entry = module.add_entry(launches, backward_fallback)
+    _registered.add(call)
+    module.index_entry(key, entry)
+
+
+def _learn_backward(module, entry: int, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
+    """After a Python backward of a C++ entry: register its launches for this dO layout."""
+    if do.stride(-1) != 1:
+        return
+    call = call_key((q, k, v, do, o, lse), causal, scale, -1, -1)
+    remembered = launch_backward._CALLS.get(call) if call is not None else None
+    if remembered is None:
+        return
+    replay, (_packed, stats_shape, delta_offset, onepass) = remembered
+    if stats_shape is None:  # padded statistics rows: buffers of the first call, not described
+        return
+    launches = cpp_plans.describe(replay)
+    if launches is not None:
+        module.add_backward(
+            entry, module.layout_key(do), launches, list(stats_shape), int(delta_offset),
+            bool(onepass),
+        )  # fmt: skip

@@ -1,0 +1,400 @@
+// flash_attention's repeated eager calls as a C++ autograd node (``cpp_launch.py``).
+//
+// The first call of an input layout runs the Python launchers, which record their kernel
+// launches (``fastlaunch``); ``cpp_plans.py`` turns that record into launch descriptions and
+// registers them here. Later calls with the same layouts are found here by their layouts and
+// launch the compiled kernels with cuLaunchKernelEx, forward and backward, with no Python
+// per backward and a few checks per forward. Kernel parameters are laid out as Triton 3.6's
+// generated launcher lays them out: one slot per non-constexpr argument, TMA descriptors as
+// filled 128-byte CUtensorMaps, then the two scratch pointers.
+//
+// Only libtorch is linked: the CUDA driver is opened at run time, and the current device and
+// stream come through c10's device-generic interface, so no CUDA toolkit is needed to build.
+// cuda.h (types only) comes from Triton's bundled headers.
+#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <ATen/Context.h>
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+namespace {
+
+// Calls served in C++, and backward calls handed to Python (``counters()``: tests, debugging).
+std::atomic<int64_t> n_forward{0}, n_backward{0}, n_fallback{0};
+
+typedef CUresult (*LaunchEx)(const CUlaunchConfig*, CUfunction, void**, void**);
+
+LaunchEx launch_ex() {
+  static LaunchEx fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_LAZY);
+    TORCH_CHECK(lib, "flashattn_triton cpp_launch: cannot open libcuda.so.1");
+    auto f = reinterpret_cast<LaunchEx>(dlsym(lib, "cuLaunchKernelEx"));
+    TORCH_CHECK(f, "flashattn_triton cpp_launch: no cuLaunchKernelEx in libcuda.so.1");
+    return f;
+  }();
+  return fn;
+}
+
+struct Desc {
+  int64_t offset;  // byte offset of the 128-byte CUtensorMap in the parameter blob
+  int64_t buffer;  // which address it describes
+  py::object fill; // base address -> bytes(128) (cache misses only, under the GIL)
+  std::mutex m;    // guards cache; never held while taking the GIL
+  std::unordered_map<uint64_t, std::string> cache;
+};
+
+struct Launch {
+  uint64_t function = 0;
+  unsigned grid[3] = {1, 1, 1};
+  int num_warps = 4, num_ctas = 1, shared = 0;
+  bool coop = false, pdl = false;
+  std::string blob;                  // every parameter's bytes, each at its offset
+  std::vector<int64_t> offsets;      // parameter i starts at blob[offsets[i]]
+  std::vector<std::pair<int64_t, int64_t>> pointers;  // (byte offset, address index)
+  std::vector<std::unique_ptr<Desc>> descs;
+};
+
+struct Plan {
+  std::vector<std::unique_ptr<Launch>> launches;
+};
+
+struct BwdPlan {
+  Plan plan;
+  std::vector<int64_t> stats_shape;
+  int64_t delta_offset = 0;
+  bool onepass = false;
+};
+
+struct Entry {
+  Plan fwd;
+  double scale = 1.0;
+  bool causal = false;
+  std::mutex lock;  // guards bwd (the device thread and the calling thread may both look)
+  std::unordered_map<std::string, std::shared_ptr<BwdPlan>> bwd;
+  py::object bwd_fallback;  // (entry id, do, q, k, v, o, lse) -> (dq, dk, dv)
+};
+
+// Leaked on purpose: the entries hold Python objects, which must not be released after the
+// interpreter has shut down (static destructors run then).
+std::vector<std::unique_ptr<Entry>>& entries() {
+  static auto* all = new std::vector<std::unique_ptr<Entry>>();
+  return *all;
+}
+
+std::mutex& entries_lock() {
+  static std::mutex m;
+  return m;
+}
+
+// Entries by the forward's layouts (fwd_key), so that a repeated call is found in C++.
+std::unordered_map<std::string, int64_t>& fwd_index() {
+  static auto* index = new std::unordered_map<std::string, int64_t>();
+  return *index;
+}
+
+// Entries are never removed, so the pointer stays valid after the lock is released.
+Entry& entry(int64_t id) {
+  std::lock_guard<std::mutex> guard(entries_lock());
+  return *entries().at(id);
+}
+
+// One aligned parameter area per thread (CUtensorMap parameters are 64-byte aligned types).
+uint8_t* scratch_area(size_t bytes) {
+  thread_local std::vector<uint8_t> area;
+  if (area.size() < bytes + 128) area.resize(bytes + 128);
+  auto p = reinterpret_cast<uintptr_t>(area.data());
+  return reinterpret_cast<uint8_t*>((p + 127) & ~uintptr_t(127));
+}
+
+void run_launch(Launch& L, const std::vector<uint64_t>& addr, CUstream stream) {
+  uint8_t* area = scratch_area(L.blob.size());
+  std::memcpy(area, L.blob.data(), L.blob.size());
+  for (auto& [off, idx] : L.pointers) std::memcpy(area + off, &addr[idx], 8);
+  for (auto& d : L.descs) {
+    uint64_t base = addr[d->buffer];
+    bool hit = false;
+    {
+      std::lock_guard<std::mutex> guard(d->m);
+      auto it = d->cache.find(base);
+      if (it != d->cache.end()) {
+        std::memcpy(area + d->offset, it->second.data(), 128);
+        hit = true;
+      }
+    }
+    if (hit) continue;
+    std::string bytes;
+    {
+      py::gil_scoped_acquire gil;
+      bytes = d->fill(base).cast<std::string>();
+    }
+    TORCH_CHECK(bytes.size() == 128, "flashattn_triton cpp_launch: a tensor map is 128 bytes");
+    std::memcpy(area + d->offset, bytes.data(), 128);
+    std::lock_guard<std::mutex> guard(d->m);
+    if (d->cache.size() >= 64) d->cache.clear();
+    d->cache.emplace(base, std::move(bytes));
+  }
+  std::vector<void*> params(L.offsets.size());
+  for (size_t i = 0; i < L.offsets.size(); ++i) params[i] = area + L.offsets[i];
+  CUlaunchAttribute attrs[4];
+  int n = 0;
+  if (L.pdl) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (L.coop) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attrs[n].value.cooperative = 1;
+    ++n;
+  }
+  if (L.num_ctas != 1) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[n].value.clusterDim.x = L.num_ctas;
+    attrs[n].value.clusterDim.y = 1;
+    attrs[n].value.clusterDim.z = 1;
+    ++n;
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+    attrs[n].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
+    ++n;
+  }
+  CUlaunchConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = L.grid[0] * L.num_ctas;
+  cfg.gridDimY = L.grid[1];
+  cfg.gridDimZ = L.grid[2];
+  cfg.blockDimX = 32 * L.num_warps;
+  cfg.blockDimY = 1;
+  cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = L.shared;
+  cfg.hStream = stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  if (L.grid[0] * L.grid[1] * L.grid[2] == 0) return;
+  CUresult r = launch_ex()(&cfg, reinterpret_cast<CUfunction>(L.function), params.data(), nullptr);
+  TORCH_CHECK(r == CUDA_SUCCESS, "flashattn_triton cpp_launch: cuLaunchKernelEx failed with ", int(r));
+}
+
+void run_plan(Plan& p, const std::vector<uint64_t>& addr, const at::Tensor& like) {
+  if (p.launches.empty()) return;  // (the CPU tests of the autograd plumbing)
+  auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  auto stream = reinterpret_cast<CUstream>(impl->getStream(like.device()).native_handle());
+  for (auto& L : p.launches) run_launch(*L, addr, stream);
+}
+
+// Whether q's device is the current one (the kernels were loaded in its context).
+bool on_current_device(const at::Tensor& q) {
+  if (!q.is_cuda()) return true;  // (the CPU tests: plans without launches)
+  auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getDevice().index() == q.get_device();
+}
+
+// The layout of a tensor as the backward's plan table keys it.
+std::string layout_key(const at::Tensor& t) {
+  std::string key;
+  key.reserve(80);
+  key += std::to_string(static_cast<int>(t.scalar_type()));
+  key += t.data_ptr() != nullptr && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) ? "u" : "a";
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    key += ':';
+    key += std::to_string(t.size(i));
+    key += '/';
+    key += std::to_string(t.stride(i));
+  }
+  key += '@';
+  key += std::to_string(t.get_device());
+  return key;
+}
+
+std::string fwd_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
+  return layout_key(q) + "|" + layout_key(k) + "|" + layout_key(v) + (causal ? "|c" : "|n");
+}
+
+bool distinct_and_aligned(const std::vector<uint64_t>& addr, size_t first_output) {
+  for (size_t i = first_output; i < addr.size(); ++i)
+    if (addr[i] & 15) return false;
+  for (size_t i = 0; i < addr.size(); ++i)
+    for (size_t j = i + 1; j < addr.size(); ++j)
+      if (addr[i] == addr[j]) return false;
+  return true;
+}
+
+uint64_t ptr(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+class FlashFn : public torch::autograd::Function<FlashFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
+                            int64_t id) {
+    Entry& e = entry(id);
+    at::Tensor o = at::empty_like(q);
+    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)};
+    TORCH_CHECK(distinct_and_aligned(addr, 3), "flashattn_triton cpp_launch: buffers alias or are misaligned");
+    run_plan(e.fwd, addr, q);
+    n_forward.fetch_add(1, std::memory_order_relaxed);
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["id"] = id;
+    return o;
+  }
+
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    int64_t id = ctx->saved_data["id"].toInt();
+    Entry& e = entry(id);
+    auto saved = ctx->get_saved_variables();
+    at::Tensor q = saved[0], k = saved[1], v = saved[2], o = saved[3], lse = saved[4];
+    at::Tensor dout = grads[0];
+    c10::OptionalDeviceGuard device_guard;
+    if (q.is_cuda()) device_guard.reset_device(q.device());
+    std::shared_ptr<BwdPlan> plan;
+    bool deterministic = at::globalContext().deterministicAlgorithms();
+    if (dout.defined() && dout.stride(-1) == 1) {
+      std::string key = layout_key(dout);
+      std::lock_guard<std::mutex> guard(e.lock);
+      auto it = e.bwd.find(key);
+      if (it != e.bwd.end()) plan = it->second;
+    }
+    if (plan && !(plan->onepass && deterministic)) {
+      at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+      std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(dout), ptr(o), ptr(lse),
+                                    ptr(dq), ptr(dk), ptr(dv)};
+      at::Tensor stats = at::empty(plan->stats_shape, lse.options());
+      addr.push_back(ptr(stats));
+      addr.push_back(ptr(stats) + plan->delta_offset);
+      at::Tensor acc;
+      if (plan->onepass) {
+        acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+        addr.push_back(ptr(acc));
+      }
+      if (distinct_and_aligned(addr, 6)) {
+        run_plan(plan->plan, addr, q);
+        if (plan->onepass) dq.copy_(acc);
+        n_backward.fetch_add(1, std::memory_order_relaxed);
+        return {dq, dk, dv, at::Tensor()};
+      }
+    }
+    n_fallback.fetch_add(1, std::memory_order_relaxed);
+    py::gil_scoped_acquire gil;  // first backward of this dO layout, or one that cannot replay
+    py::tuple r = e.bwd_fallback(id, dout, q, k, v, o, lse);
+    return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>(),
+            at::Tensor()};
+  }
+};
+
+std::unique_ptr<Launch> make_launch(py::dict d) {
+  auto L = std::make_unique<Launch>();
+  L->function = d["function"].cast<uint64_t>();
+  auto g = d["grid"].cast<std::vector<int64_t>>();
+  for (int i = 0; i < 3; ++i) L->grid[i] = static_cast<unsigned>(g.at(i));
+  L->num_warps = d["num_warps"].cast<int>();
+  L->num_ctas = d["num_ctas"].cast<int>();
+  L->shared = d["shared"].cast<int>();
+  L->coop = d["coop"].cast<bool>();
+  L->pdl = d["pdl"].cast<bool>();
+  L->blob = d["blob"].cast<std::string>();
+  L->offsets = d["offsets"].cast<std::vector<int64_t>>();
+  L->pointers = d["pointers"].cast<std::vector<std::pair<int64_t, int64_t>>>();
+  for (auto item : d["descs"].cast<py::list>()) {
+    auto t = item.cast<py::tuple>();
+    auto desc = std::make_unique<Desc>();
+    desc->offset = t[0].cast<int64_t>();
+    desc->buffer = t[1].cast<int64_t>();
+    desc->fill = t[2].cast<py::object>();
+    L->descs.push_back(std::move(desc));
+  }
+  return L;
+}
+
+void fill_plan(Plan& p, py::list launches) {
+  for (auto d : launches) p.launches.push_back(make_launch(d.cast<py::dict>()));
+}
+
+}  // namespace
+
+int64_t add_entry(py::list fwd_launches, py::object bwd_fallback) {
+  auto e = std::make_unique<Entry>();
+  fill_plan(e->fwd, fwd_launches);
+  e->bwd_fallback = bwd_fallback;
+  std::lock_guard<std::mutex> guard(entries_lock());
+  entries().push_back(std::move(e));
+  return static_cast<int64_t>(entries().size()) - 1;
+}
+
+void add_backward(int64_t id, const std::string& key, py::list launches,
+                  std::vector<int64_t> stats_shape, int64_t delta_offset, bool onepass) {
+  auto plan = std::make_shared<BwdPlan>();
+  fill_plan(plan->plan, launches);
+  plan->stats_shape = std::move(stats_shape);
+  plan->delta_offset = delta_offset;
+  plan->onepass = onepass;
+  Entry& e = entry(id);
+  std::lock_guard<std::mutex> guard(e.lock);
+  e.bwd[key] = plan;
+}
+
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t id) {
+  return FlashFn::apply(q, k, v, id);
+}
+
+void index_entry(const std::string& key, int64_t id) {
+  std::lock_guard<std::mutex> guard(entries_lock());
+  fwd_index()[key] = id;
+}
+
+// The call through C++ if its layouts have an entry, else None (the caller's Python path).
+py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal) {
+  std::string key = fwd_key(q, k, v, causal);
+  int64_t id = -1;
+  {
+    std::lock_guard<std::mutex> guard(entries_lock());
+    auto it = fwd_index().find(key);
+    if (it != fwd_index().end()) id = it->second;
+  }
+  if (id < 0 || !on_current_device(q)) return py::none();
+  // Inputs sharing an address (e.g. q is k) take the Python path, as its replays refuse them.
+  if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
+  return py::cast(FlashFn::apply(q, k, v, id));
+}
+
+// After an options or tile-table change: forget every layout (entries stay allocated: nodes of
+// live graphs may still point at them, and their backward plans are dropped too).
+void reset() {
+  std::lock_guard<std::mutex> guard(entries_lock());
+  fwd_index().clear();
+  for (auto& e : entries()) {
+    std::lock_guard<std::mutex> g(e->lock);
+    e->bwd.clear();
+  }
+}
+
+py::dict counters() {
+  py::dict d;
+  d["forward"] = n_forward.load();
+  d["backward"] = n_backward.load();
+  d["backward_fallback"] = n_fallback.load();
+  return d;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("counters", &counters);
+  m.def("reset", &reset);
+  m.def("add_entry", &add_entry);
+  m.def("add_backward", &add_backward);
+  m.def("attention", &attention);
+  m.def("layout_key", &layout_key);
+  m.def("fwd_key", &fwd_key);
+  m.def("index_entry", &index_entry);
+  m.def("attention_if_known", &attention_if_known);
+}
