@@ -1,19 +1,21 @@
 """Repeated eager ``flash_attention`` calls through a C++ autograd node (``Options.cpp_launch``).
 
-Inside an eager model, our Python launchers cost two to three times what they cost back to
-back (the interpreter competes with the model's own host work), and the backward's Python
-runs on autograd's device thread between C++ nodes. The C++ node (``csrc/launch_replay.cpp``)
+Inside an eager model, our Python launchers cost 2.5-3.1x what they cost back to back (the
+interpreter competes with the model's own host work), and the backward's Python runs on
+autograd's device thread between C++ nodes. The C++ node (``csrc/launch_replay.cpp``)
 replays the kernel launches that the Python launchers recorded for an input layout: a
-repeated call is found in C++ by its layouts, allocates its outputs and launches the compiled
-kernels with ``cuLaunchKernelEx``; its backward runs in C++ as well once a dO layout has been
-seen (the first backward of a dO layout takes the Python path, which then registers it).
+repeated call is found in C++ by its layouts, allocates its outputs and launches the
+compiled kernels with ``cuLaunchKernelEx``; its backward runs in C++ as well once a dO
+layout has been seen (the first backward of a dO layout takes the Python path, which then
+registers it).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
-ninja; no CUDA toolkit) and cached per user, named by a hash of the source and the torch and
-Triton versions. ``cpp_launch="auto"`` (the default) compiles it on a background thread at the
-first eligible call and keeps the Python path until it is ready, or for good if it cannot be
-built (``status()`` says why); ``True`` compiles it in the first call and raises if that
-fails; ``False`` never uses it.
+ninja; no CUDA toolkit) and cached per user, named by a hash of the source, the torch and
+Triton versions and Triton's header path (environments that differ there get builds of their
+own rather than rebuilding one another's). ``cpp_launch="auto"`` (the default) compiles it
+on a background thread at the first eligible call and keeps the Python path until it is
+ready, or for good if it cannot be built (``status()`` says why); ``True`` compiles it in
+the first call and raises if that fails; ``False`` never uses it.
 
 Eligible calls: 4-D CUDA float16/bfloat16 inputs that record a graph (grad mode on, an input
 requiring grad), outside torch.compile and functorch transforms, the default scale, no window
@@ -72,7 +74,7 @@ def compile_extension() -> Any:
 
     include = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
     digest = hashlib.sha256(
-        "\0".join((_source(), torch.__version__, triton.__version__)).encode()
+        "\0".join((_source(), torch.__version__, triton.__version__, include)).encode()
     ).hexdigest()[:16]
     path = resources.files(__package__).joinpath("csrc", "launch_replay.cpp")
     with resources.as_file(path) as source:
