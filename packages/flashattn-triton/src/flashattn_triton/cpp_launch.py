@@ -1,13 +1,12 @@
 """Repeated eager ``flash_attention`` calls through a C++ autograd node (``Options.cpp_launch``).
 
-Inside an eager model, our Python launchers cost 2.5-3.1x what they cost back to back (the
-interpreter competes with the model's own host work), and the backward's Python runs on
-autograd's device thread between C++ nodes. The C++ node (``csrc/launch_replay.cpp``)
-replays the kernel launches that the Python launchers recorded for an input layout: a
-repeated call is found in C++ by its layouts, allocates its outputs and launches the
-compiled kernels with ``cuLaunchKernelEx``; its backward runs in C++ as well once a dO
-layout has been seen (the first backward of a dO layout takes the Python path, which then
-registers it).
+Inside an eager model, our Python launchers cost 2.5-3.1x what they cost back to back (lm-
+core's small model, flashattn-triton DESIGN), and the backward's Python runs on autograd's
+device thread between C++ nodes. The C++ node (``csrc/launch_replay.cpp``) replays the
+kernel launches that the Python launchers recorded for an input layout: a repeated call is
+found in C++ by its layouts, allocates its outputs and launches the compiled kernels with
+``cuLaunchKernelEx``; its backward runs in C++ as well once a dO layout has been seen (the
+first backward of a dO layout takes the Python path, which then registers it).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja; no CUDA toolkit) and cached per user, named by a hash of the source, the torch and
