@@ -400,3 +400,44 @@ def test_graph_captures_get_fresh_leaves():
         assert leaf.requires_grad
         assert leaf.data_ptr() == t.data_ptr()  # a view of the same memory, not a copy
     assert q.grad is None  # torch.autograd.grad returns the gradients, accumulating none
+
+
+def test_eager_rows_record_the_cpp_launch_status(monkeypatch):
+    """Eager rows on a GPU say whether ours ran through flashattn_triton's C++ launch path,
+    readied once before the first row."""
+    times = {p: iter([1.0]) for p in sweep.PROVIDERS}
+    _fake_providers(monkeypatch, times)
+    readied = []
+    monkeypatch.setattr(sweep, "ready_cpp_launch", lambda: readied.append(1) or "ready")
+    cfg = sweep.SweepConfig(
+        shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("eager",),
+        device=torch.device("cuda"), dtype=torch.float32, quiet=True,
+    )  # fmt: skip
+    monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
+    [row] = sweep.run_sweep(cfg)
+    assert row["cpp_launch"] == "ready"
+    assert readied == [1]
+
+
+def test_ready_cpp_launch_builds_and_reports_a_failure_once(monkeypatch, capsys):
+    import flashattn_triton
+    from perf_tools import _compile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    state = {"status": "not built", "builds": 0}
+
+    def build():
+        state["builds"] += 1
+        state["status"] = "failed: OSError: no compiler"
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(flashattn_triton, "build_cpp_launch", build)
+    monkeypatch.setattr(flashattn_triton, "cpp_launch_status", lambda: state["status"])
+    monkeypatch.setattr(_compile, "_CPP_NOTED", set())
+    assert _compile.ready_cpp_launch() == "failed: OSError: no compiler"
+    assert _compile.ready_cpp_launch() == "failed: OSError: no compiler"
+    assert state["builds"] == 1
+    assert capsys.readouterr().out.count("C++ launch path is not used") == 1
+    state["status"] = "off"
+    assert _compile.ready_cpp_launch() == "off"
+    assert state["builds"] == 1

@@ -60,7 +60,7 @@ def ready_cpp_launch() -> str | None:
         return None
     if not torch.cuda.is_available():
         return None
-    if flashattn_triton.cpp_launch_status() not in ("off", "ready"):
+    if flashattn_triton.cpp_launch_status() in ("not built", "building"):
         with contextlib.suppress(RuntimeError):  # reported below, through the status
             flashattn_triton.build_cpp_launch()
     status = flashattn_triton.cpp_launch_status()
