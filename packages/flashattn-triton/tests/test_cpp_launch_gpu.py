@@ -149,3 +149,23 @@ def test_cuda_graph_capture(ext):
     assert torch.equal(o, o_ref)
     for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
         _close(a, r, name)
+
+
+def test_activation_checkpointing(ext):
+    """Under torch.utils.checkpoint (saved-tensor hooks, the forward run again in the
+    backward) the C++ node gives the gradients of the plain call."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, dos = _inputs(2, 8, 8, 512, 64, seed=6)
+    for _ in range(2):
+        torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), dos[0])
+    before = ext.counters()["forward"]
+    o = checkpoint(
+        lambda a, b, c: flash_attention(a, b, c, causal=True), q, k, v, use_reentrant=False
+    )
+    grads = torch.autograd.grad(o, (q, k, v), dos[0])
+    assert ext.counters()["forward"] - before == 2  # the call and its recomputation
+    o_ref = flash_attention(q, k, v, causal=True, softmax_scale=0.125)
+    refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
+    for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+        _close(a, r, name)
