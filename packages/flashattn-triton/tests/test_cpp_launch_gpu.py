@@ -77,9 +77,12 @@ def test_matches_python_path(ext, b, h, hkv, n, d, causal):
             _close(a, r, (i, name))
     after = ext.counters()
     assert after["forward"] - before["forward"] == 5  # all but the first call
-    # the first backward of each dO layout in Python, the other four in C++
-    assert after["backward"] - before["backward"] == 3
-    assert after["backward_fallback"] - before["backward_fallback"] == 2
+    # the first backward of each dO layout in Python, the other four in C++; query lengths
+    # off a multiple of 256 pad the row statistics per call: their backward stays in Python
+    # (the first call's backward is the Python Function's, not the node's)
+    in_cpp = 3 if n % 256 == 0 else 0
+    assert after["backward"] - before["backward"] == in_cpp
+    assert after["backward_fallback"] - before["backward_fallback"] == 5 - in_cpp
 
 
 def test_only_some_inputs_require_grad(ext):

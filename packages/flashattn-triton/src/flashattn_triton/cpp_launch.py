@@ -51,6 +51,7 @@ _state: dict[str, Any] = {"module": None, "status": "not built", "thread": None,
 # Layouts (the extension's forward keys) whose calls cannot be described: not tried again.
 _refused: set[str] = set()
 _registered: set[tuple] = set()  # call keys with an entry
+_bwd_refused: set[tuple] = set()  # (entry, dO layout) whose backward was tried
 # True while calls may take the C++ path (the extension is loaded and the options allow it).
 ACTIVE = [False]
 
@@ -147,6 +148,7 @@ def _refresh() -> None:
     module = _state["module"]
     _refused.clear()
     _registered.clear()
+    _bwd_refused.clear()
     if module is not None:
         module.reset()
     ACTIVE[0] = (
@@ -223,9 +225,14 @@ def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale
 
 
 def _learn_backward(module, entry: int, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
-    """After a Python backward of a C++ entry: register its launches for this dO layout."""
+    """After a Python backward of a C++ entry: register its launches for this dO layout
+    (layouts that cannot be registered are not tried again)."""
     if do.stride(-1) != 1:
         return
+    tried = (entry, module.layout_key(do))
+    if tried in _bwd_refused:
+        return
+    _bwd_refused.add(tried)  # a registered layout does not come back here
     call = call_key((q, k, v, do, o, lse), causal, scale, -1, -1)
     remembered = launch_backward._CALLS.get(call) if call is not None else None
     if remembered is None:
