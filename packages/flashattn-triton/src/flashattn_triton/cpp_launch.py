@@ -137,7 +137,7 @@ def build(timeout: float = BUILD_TIMEOUT_S) -> None:
         )
     if _state["module"] is None:
         raise RuntimeError(
-            f"flashattn_triton: cpp_launch=True, but the C++ launch path {_state['status']}"
+            f"flashattn_triton: the C++ launch path could not be built ({_state['status']})"
         ) from _state["error"]
 
 
