@@ -296,6 +296,16 @@ def test_no_grad_and_subclasses_skip_the_extension(standin):
     assert fake.lookups == []
 
 
+def test_bad_inputs_get_the_python_paths_errors(standin):
+    fake, _ = standin
+    _, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"q must be a torch\.Tensor, got NoneType"):
+        flash_attention(None, k, v)
+    with pytest.raises(TypeError, match=r"k must be a torch\.Tensor, got list"):
+        flash_attention(k, [1.0], v)
+    assert fake.lookups == []
+
+
 def test_inactive_path_is_not_consulted(standin, monkeypatch):
     fake, _ = standin
     monkeypatch.setattr(cpp_launch, "ACTIVE", [False])

@@ -161,9 +161,11 @@ on_clear(_refresh)
 
 
 def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Plain tensors first: anything else (None, a subclass) goes on to the Python path,
+    whose checks name the bad argument."""
     return (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         and not C.OVERRIDES and not torch._C._are_functorch_transforms_active()
     )  # fmt: skip
 
