@@ -372,3 +372,45 @@ def test_auto_builds_in_the_background_on_cuda_only(fresh_state, monkeypatch, se
     while not started and time.time() < deadline:
         time.sleep(0.01)
     assert started == [1]
+
+
+def test_learn_registers_forward_then_backward(ext, monkeypatch):
+    """The Python glue end to end on the real extension: ``learn`` gives a call's layouts an
+    entry (from the launchers' remembered call), the next call is found in C++, its first
+    backward goes to the launchers' backward and registers the dO layout, the next runs in
+    C++. Launch-free plans stand in for the recorded launches (no GPU here)."""
+    from flashattn_triton import launch, launch_backward
+
+    monkeypatch.setitem(cpp_launch._state, "module", ext)
+    for name in ("_refused", "_registered", "_bwd_refused"):
+        monkeypatch.setattr(cpp_launch, name, set())
+    monkeypatch.setattr(cpp_launch, "call_key", lambda tensors, *flags: (len(tensors), *flags))
+    monkeypatch.setattr(cpp_plans, "describe", lambda replay: [])
+    monkeypatch.setitem(launch._CALLS, (3, True, 0.5, -1, -1), ("replay", ()))
+    monkeypatch.setitem(
+        launch_backward._CALLS, (6, True, 0.5, -1, -1), ("replay", (True, [2, 8], 16, False))
+    )
+    python_backwards = []
+
+    def fake_backward(do, q, k, v, o, lse, causal, scale):
+        python_backwards.append((causal, scale))
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(launch_backward, "backward", fake_backward)
+    q, k, v = _qkv(shape=(1, 2, 8, 4))
+    k = k.detach()[:, :, :7].requires_grad_()  # layouts of their own (no other test's entry)
+    v = v.detach()[:, :, :7].requires_grad_()
+    assert ext.attention_if_known(q, k, v, True) is None
+    cpp_launch.learn(q, k, v, True, 0.5)
+    start = ext.counters()
+    do = torch.randn(1, 2, 8, 4)
+    for _ in range(3):
+        o = ext.attention_if_known(q, k, v, True)
+        assert o is not None
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    end = ext.counters()
+    assert python_backwards == [(True, 0.5)]  # only the first backward of this dO layout
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert end["forward"] - start["forward"] == 3
+    assert end["backward"] - start["backward"] == 2
+    assert end["backward_fallback"] - start["backward_fallback"] == 1
