@@ -372,3 +372,24 @@ def test_compiled_flash_triton_rows_record_the_traced_compile_option():
         assert "traced_compile" not in row("flash-triton", False)
         assert "traced_compile" not in row("sdpa", True)
     assert row("flash-triton", True)["traced_compile"] is flash.get_options().traced_compile
+
+
+def test_eager_flash_triton_rows_on_a_gpu_record_the_cpp_launch_status(monkeypatch):
+    """Eager flash-triton rows on a GPU say whether calls replayed from flashattn_triton's
+    C++ launch path; CPU rows, compiled rows and other attentions do not."""
+    import torch
+
+    from perf_tools import cells
+    from perf_tools.cells import BenchOptions, BenchSpec, cell_row
+
+    monkeypatch.setattr(cells, "cpp_launch_status", lambda: "ready")
+
+    def row(attention: str, compiled: bool, device: str) -> dict:
+        opts = BenchOptions(device=torch.device(device), batch=2, warmup=1, steps=2, overrides={})
+        spec = BenchSpec("lm_core", "tiny", attention, compiled, "fp32", "train", 16)
+        return cell_row(spec, {}, opts, {})
+
+    assert row("flash-triton", False, "cuda")["cpp_launch"] == "ready"
+    assert "cpp_launch" not in row("flash-triton", False, "cpu")
+    assert "cpp_launch" not in row("flash-triton", True, "cuda")
+    assert "cpp_launch" not in row("sdpa", False, "cuda")

@@ -49,6 +49,16 @@ def traced_compile_option() -> bool | str | None:
 _CPP_NOTED: set[str] = set()
 
 
+def cpp_launch_status() -> str | None:
+    """flashattn_triton's C++ launch path status (``ready``, ``off``, ``failed: ...``; None
+    where it is not installed). Eager benchmark rows with its attention record it."""
+    try:
+        from flashattn_triton import cpp_launch_status as status
+    except ImportError:
+        return None
+    return status()
+
+
 def ready_cpp_launch() -> str | None:
     """Build (or load) flashattn_triton's C++ launch path now, so that warm-up and timed steps
     all use it (by default it compiles in the background and the first steps would take the

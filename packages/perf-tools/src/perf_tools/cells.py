@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from perf_tools import hardware, harness, timing
-from perf_tools._compile import allow_recompiles, compile_for_bench, traced_compile_option
+from perf_tools._compile import (
+    allow_recompiles,
+    compile_for_bench,
+    cpp_launch_status,
+    traced_compile_option,
+)
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
 from perf_tools.steps import Annotator, PhaseTimer, lm_core_annotations, make_step
@@ -539,6 +544,8 @@ def cell_row(
         row["compile_backend"] = opts.compile_backend
         if spec.attention == "flash-triton":  # how compiled graphs call our kernels
             row["traced_compile"] = traced_compile_option()
+    elif spec.attention == "flash-triton" and opts.device.type == "cuda":
+        row["cpp_launch"] = cpp_launch_status()  # whether eager calls replay from C++
     if spec.fsdp is not None:
         assert opts.nprocs is not None
         dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
