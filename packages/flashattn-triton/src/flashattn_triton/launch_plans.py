@@ -23,6 +23,7 @@ once per layer from host-bound graphs, where these microseconds are step time
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +38,7 @@ _GENERATION = [0]
 # The launchers' per-key choices (``keyed_cache``), dropped with the plans.
 _KEYED: list[dict] = []
 # Called by ``clear_plans`` (the C++ launch path drops its entries).
-_ON_CLEAR: list = []
+_ON_CLEAR: list[Callable[[], None]] = []
 
 
 def keyed_cache() -> dict:
@@ -58,7 +59,7 @@ def clear_plans() -> None:
         listener()
 
 
-def on_clear(listener) -> None:
+def on_clear(listener: Callable[[], None]) -> None:
     """Call ``listener`` after every ``clear_plans`` (option changes included)."""
     _ON_CLEAR.append(listener)
 
