@@ -401,6 +401,10 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch):
     k = k.detach()[:, :, :7].requires_grad_()  # layouts of their own (no other test's entry)
     v = v.detach()[:, :, :7].requires_grad_()
     assert ext.attention_if_known(q, k, v, True) is None
+    monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 0)  # full: no new entry
+    cpp_launch.learn(q, k, v, True, 0.5)
+    assert ext.attention_if_known(q, k, v, True) is None
+    monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 1)
     cpp_launch.learn(q, k, v, True, 0.5)
     start = ext.counters()
     do = torch.randn(1, 2, 8, 4)

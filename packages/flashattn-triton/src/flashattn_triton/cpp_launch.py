@@ -42,6 +42,10 @@ from .options import get_options
 
 _log = logging.getLogger(__name__)
 
+# Entries registered at most (each holds its launches and up to 64 filled TMA descriptors per
+# descriptor argument, never freed): workloads with ever new shapes keep the Python path for
+# layouts past this many rather than growing host memory without bound.
+MAX_ENTRIES = 1024
 # Seconds a ``cpp_launch=True`` call waits for the build (a stale lock left by a killed build
 # makes torch's builder wait forever).
 BUILD_TIMEOUT_S = 900.0
@@ -198,9 +202,13 @@ def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale
     module = _state["module"]
     if module is None or not _eligible(q, k, v) or q.dim() != 4:
         return
+    if len(_registered) >= MAX_ENTRIES:
+        return
     key = module.fwd_key(q, k, v, causal)
     if key in _refused:
         return
+    if len(_refused) >= 16 * MAX_ENTRIES:
+        _refused.clear()
     call = call_key((q, k, v), causal, scale, -1, -1)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
