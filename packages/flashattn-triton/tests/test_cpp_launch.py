@@ -347,6 +347,13 @@ def test_build_failure_is_reported(fresh_state, monkeypatch, set_options):
     assert not cpp_launch.ACTIVE[0]
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, "60", True, float("nan")])
+def test_build_rejects_a_bad_timeout(fresh_state, timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive number"):
+        cpp_launch.build(timeout=timeout)
+    assert fresh_state["thread"] is None  # nothing started
+
+
 def test_build_timeout_names_the_lock(fresh_state, monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(

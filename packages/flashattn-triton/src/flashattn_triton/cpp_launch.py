@@ -131,7 +131,10 @@ def _start_build() -> threading.Thread:
 def build(timeout: float = BUILD_TIMEOUT_S) -> None:
     """Compile (or load the cached) extension now and wait for it; raises RuntimeError if it
     cannot be built. Training scripts may call it before the first step, so that every step
-    from the first takes the C++ path (``cpp_launch="auto"`` builds in the background)."""
+    from the first takes the C++ path (``cpp_launch="auto"`` builds in the background).
+    ``timeout``: seconds to wait, a positive number."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     thread = _start_build()
     thread.join(timeout)
     if thread.is_alive():
