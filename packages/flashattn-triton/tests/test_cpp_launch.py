@@ -306,6 +306,35 @@ def test_bad_inputs_get_the_python_paths_errors(standin):
     assert fake.lookups == []
 
 
+def test_refused_layouts_are_not_offered_to_learn(standin, monkeypatch):
+    """A lookup answering False (a refused layout) runs the Python path and skips ``learn``;
+    an unknown layout (None) is offered to it."""
+    fake, _ = standin
+    learned = []
+    monkeypatch.setattr(cpp_launch, "learn", lambda *a: learned.append(a[3]))
+    q, k, v = _qkv()
+    fake.answer = False
+    o = flash_attention(q, k, v, causal=True, backend="triton")
+    assert o.shape == q.shape and learned == []
+    fake.answer = None
+    flash_attention(q, k, v, causal=False, backend="triton")
+    assert learned == [False] and fake.lookups == [True, False]
+
+
+def test_refused_marks_are_bounded_and_reset(ext, monkeypatch):
+    monkeypatch.setattr(cpp_launch, "_n_refused", [0])
+    monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 1)  # at most 16 refused marks
+    layouts = [_qkv(shape=(1, 2, n, 4)) for n in range(3, 21)]  # 18 layouts of their own
+    for q, k, v in layouts:
+        cpp_launch._refuse(ext, ext.fwd_key(q, k, v, False))
+    first, last = layouts[0], layouts[-1]
+    assert ext.attention_if_known(*first, False) is None  # dropped at the 17th mark
+    assert ext.attention_if_known(*last, False) is False
+    assert cpp_launch._n_refused[0] == 2
+    ext.reset()
+    assert ext.attention_if_known(*last, False) is None
+
+
 def test_inactive_path_is_not_consulted(standin, monkeypatch):
     fake, _ = standin
     monkeypatch.setattr(cpp_launch, "ACTIVE", [False])
@@ -318,8 +347,9 @@ def test_learn_refuses_cpu_layouts(ext, monkeypatch):
     monkeypatch.setitem(cpp_launch._state, "module", ext)
     q, k, v = _qkv()
     cpp_launch.learn(q, k, v, False, 0.5)  # no call key off the GPU: never an entry
-    assert ext.fwd_key(q, k, v, False) in cpp_launch._refused
-    assert ext.attention_if_known(q, k, v, False) is None
+    assert ext.attention_if_known(q, k, v, False) is False  # marked refused in the index
+    assert cpp_launch._n_refused[0] >= 1
+    ext.reset()
 
 
 # ---------------------------------------------------------------- building
@@ -389,8 +419,9 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch):
     from flashattn_triton import launch, launch_backward
 
     monkeypatch.setitem(cpp_launch._state, "module", ext)
-    for name in ("_refused", "_registered", "_bwd_refused"):
+    for name in ("_registered", "_bwd_refused"):
         monkeypatch.setattr(cpp_launch, name, set())
+    monkeypatch.setattr(cpp_launch, "_n_refused", [0])
     monkeypatch.setattr(cpp_launch, "call_key", lambda tensors, *flags: (len(tensors), *flags))
     monkeypatch.setattr(cpp_plans, "describe", lambda replay: [])
     monkeypatch.setitem(launch._CALLS, (3, True, 0.5, -1, -1), ("replay", ()))

@@ -95,7 +95,9 @@ def flash_attention(
     if cpp and cpp_launch.ACTIVE[0]:
         o = cpp_launch.known_call(q, k, v, causal)
         if o is not None:
-            return o
+            if o is not False:
+                return o
+            cpp = False  # a refused layout: the Python path, without offering it again
     check_qkv(q, k, v, causal)
     if resolve_backend(backend, q) == "triton":
         check_triton_dtype_and_dim(q)

@@ -52,8 +52,9 @@ BUILD_TIMEOUT_S = 900.0
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"module": None, "status": "not built", "thread": None, "error": None}
-# Layouts (the extension's forward keys) whose calls cannot be described: not tried again.
-_refused: set[str] = set()
+# Layouts marked refused in the extension's index (their calls cannot be described; the
+# lookup answers False for them, and they are not offered to ``learn`` again).
+_n_refused = [0]
 _registered: set[tuple] = set()  # call keys with an entry
 _bwd_refused: set[tuple] = set()  # (entry, dO layout) whose backward was tried
 # True while calls may take the C++ path (the extension is loaded and the options allow it).
@@ -153,7 +154,7 @@ def _refresh() -> None:
     changed, and the Python launchers dropped their plans)."""
     opts = get_options()
     module = _state["module"]
-    _refused.clear()
+    _n_refused[0] = 0
     _registered.clear()
     _bwd_refused.clear()
     if module is not None:
@@ -178,7 +179,8 @@ def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def known_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """The output of a call whose layouts have a C++ entry (launched there), else None."""
+    """The output of a call whose layouts have a C++ entry (launched there); False for
+    layouts the path refused (the Python path, without ``learn``); else None."""
     if not _eligible(q, k, v):
         return None
     return _state["module"].attention_if_known(q, k, v, causal)
@@ -207,24 +209,16 @@ def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale
         return
     if len(_registered) >= MAX_ENTRIES:
         return
-    key = module.fwd_key(q, k, v, causal)
-    if key in _refused:
-        return
-    if len(_refused) >= 16 * MAX_ENTRIES:
-        _refused.clear()
     call = call_key((q, k, v), causal, scale, -1, -1)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
-    if call is None:
-        _refused.add(key)
-        return
-    remembered = launch._CALLS.get(call)
-    if remembered is None or remembered[1] != ():
-        _refused.add(key)
-        return
-    launches = cpp_plans.describe(remembered[0])
+    key = module.fwd_key(q, k, v, causal)
+    remembered = launch._CALLS.get(call) if call is not None else None
+    launches = None
+    if remembered is not None and remembered[1] == ():
+        launches = cpp_plans.describe(remembered[0])
     if launches is None:
-        _refused.add(key)
+        _refuse(module, key)
         return
 
     def backward_fallback(entry, do, q, k, v, o, lse):
@@ -235,6 +229,16 @@ def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale
     entry = module.add_entry(launches, backward_fallback)
     _registered.add(call)
     module.index_entry(key, entry)
+
+
+def _refuse(module, key: str) -> None:
+    """Mark a layout refused in the index (refused marks are dropped every ``16 *
+    MAX_ENTRIES``, so ever new refused shapes do not grow it without bound)."""
+    _n_refused[0] += 1
+    if _n_refused[0] > 16 * MAX_ENTRIES:
+        module.forget_refused()
+        _n_refused[0] = 1
+    module.refuse(key)
 
 
 def _learn_backward(module, entry: int, do, q, k, v, o, lse, causal: bool, scale: float) -> None:

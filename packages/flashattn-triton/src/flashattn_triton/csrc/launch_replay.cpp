@@ -348,20 +348,42 @@ at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t id) {
   return FlashFn::apply(q, k, v, id);
 }
 
+// The index's mark for a layout whose calls cannot be described (kept on the Python path).
+constexpr int64_t kRefused = -1;
+
 void index_entry(const std::string& key, int64_t id) {
   std::lock_guard<std::mutex> guard(entries_lock());
   fwd_index()[key] = id;
 }
 
-// The call through C++ if its layouts have an entry, else None (the caller's Python path).
+void refuse(const std::string& key) { index_entry(key, kRefused); }
+
+// Drop the refused marks (entries stay): bounds the index when refused shapes keep changing.
+int64_t forget_refused() {
+  std::lock_guard<std::mutex> guard(entries_lock());
+  int64_t n = 0;
+  for (auto it = fwd_index().begin(); it != fwd_index().end();) {
+    if (it->second == kRefused) {
+      it = fwd_index().erase(it);
+      ++n;
+    } else {
+      ++it;
+    }
+  }
+  return n;
+}
+
+// The call through C++ if its layouts have an entry; False if they were refused (the caller's
+// Python path, not offered to ``learn`` again); None if they are unknown (the Python path).
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal) {
   std::string key = fwd_key(q, k, v, causal);
-  int64_t id = -1;
+  int64_t id = -2;
   {
     std::lock_guard<std::mutex> guard(entries_lock());
     auto it = fwd_index().find(key);
     if (it != fwd_index().end()) id = it->second;
   }
+  if (id == kRefused) return py::bool_(false);
   if (id < 0 || !on_current_device(q)) return py::none();
   // Inputs sharing an address (e.g. q is k) take the Python path, as its replays refuse them.
   if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
@@ -396,5 +418,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout_key", &layout_key);
   m.def("fwd_key", &fwd_key);
   m.def("index_entry", &index_entry);
+  m.def("refuse", &refuse);
+  m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known);
 }
