@@ -315,10 +315,12 @@ def test_refused_layouts_are_not_offered_to_learn(standin, monkeypatch):
     q, k, v = _qkv()
     fake.answer = False
     o = flash_attention(q, k, v, causal=True, backend="triton")
-    assert o.shape == q.shape and learned == []
+    assert o.shape == q.shape
+    assert learned == []
     fake.answer = None
     flash_attention(q, k, v, causal=False, backend="triton")
-    assert learned == [False] and fake.lookups == [True, False]
+    assert learned == [False]
+    assert fake.lookups == [True, False]
 
 
 def test_refused_marks_are_bounded_and_reset(ext, monkeypatch):
