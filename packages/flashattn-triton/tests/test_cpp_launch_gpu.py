@@ -97,6 +97,28 @@ def test_only_some_inputs_require_grad(ext):
     _close(dq, dq_ref, "dq")
 
 
+def test_refused_layouts_stay_on_the_python_path(ext):
+    """float32 calls cannot be described: the index marks their layout refused after the
+    first call, and the repeated calls run (correctly) on the Python path."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (
+        torch.randn(1, 4, 256, 64, device="cuda", generator=g).requires_grad_() for _ in range(3)
+    )
+    do = torch.randn(1, 4, 256, 64, device="cuda", generator=g)
+    before = ext.counters()
+    for _ in range(3):
+        o = flash_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    assert ext.counters() == before
+    assert ext.attention_if_known(q, k, v, True) is False
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    refs = torch.autograd.grad(ref, (qr, kr, vr), do.double())
+    _close(o, ref.float(), "o")
+    for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+        _close(a, r.float(), name)
+
+
 def test_deterministic_mode_takes_the_split_backward(ext):
     """A one-pass backward (dQ by atomics) registered in C++ is not replayed under torch's
     deterministic mode: the Python path runs the split kernels, bit for bit repeatable."""
