@@ -231,8 +231,8 @@ class _Recorder:
     def __init__(self, answer):
         self.answer, self.lookups = answer, []
 
-    def attention_if_known(self, q, k, v, causal):
-        self.lookups.append(causal)
+    def attention_if_known(self, q, k, v, causal, *window):
+        self.lookups.append((causal, *window) if window else causal)
         return self.answer
 
     def reset(self):
@@ -253,15 +253,17 @@ def test_plain_grad_calls_consult_the_extension(standin):
     q, k, v = _qkv()
     assert flash_attention(q, k, v, causal=True) is sentinel
     assert flash_attention(q, k, v, backend="triton") is sentinel
-    assert fake.lookups == [True, False]
+    assert flash_attention(q, k, v, causal=True, window_size=(2, 0)) is sentinel
+    assert fake.lookups == [True, False, (True, 2, 0)]
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
         {"softmax_scale": 0.3},
-        {"window_size": (2, 0)},
         {"return_lse": True},
+        {"window_size": (2, 0), "return_lse": True},
+        {"window_size": [2, 0]},  # only tuples are looked up (lists take the Python path)
         {"backend": "torch"},
     ],
 )
@@ -270,6 +272,17 @@ def test_other_calls_skip_the_extension(standin, kwargs):
     q, k, v = _qkv()
     out = flash_attention(q, k, v, **kwargs)
     assert out is not sentinel
+    assert fake.lookups == []
+
+
+@pytest.mark.parametrize(
+    ("window_size", "error"),
+    [((-2, 0), ValueError), ((1.5, 0), TypeError), ((True, 0), TypeError), ((1, 2, 3), TypeError)],
+)
+def test_bad_windows_still_raise(standin, window_size, error):
+    fake, _ = standin
+    with pytest.raises(error, match="window_size"):
+        flash_attention(*_qkv(), window_size=window_size)
     assert fake.lookups == []
 
 
@@ -413,7 +426,8 @@ def test_auto_builds_in_the_background_on_cuda_only(fresh_state, monkeypatch, se
     assert started == [1]
 
 
-def test_learn_registers_forward_then_backward(ext, monkeypatch):
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0)])
+def test_learn_registers_forward_then_backward(ext, monkeypatch, window):
     """The Python glue end to end on the real extension: ``learn`` gives a call's layouts an
     entry (from the launchers' remembered call), the next call is found in C++, its first
     backward goes to the launchers' backward and registers the dO layout, the next runs in
@@ -426,34 +440,39 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch):
     monkeypatch.setattr(cpp_launch, "_n_refused", [0])
     monkeypatch.setattr(cpp_launch, "call_key", lambda tensors, *flags: (len(tensors), *flags))
     monkeypatch.setattr(cpp_plans, "describe", lambda replay: [])
-    monkeypatch.setitem(launch._CALLS, (3, True, 0.5, -1, -1), ("replay", ()))
+    monkeypatch.setitem(launch._CALLS, (3, True, 0.5, *window), ("replay", ()))
     monkeypatch.setitem(
-        launch_backward._CALLS, (6, True, 0.5, -1, -1), ("replay", (True, [2, 8], 16, False))
+        launch_backward._CALLS, (6, True, 0.5, *window), ("replay", (True, [2, 8], 16, False))
     )
     python_backwards = []
 
-    def fake_backward(do, q, k, v, o, lse, causal, scale):
-        python_backwards.append((causal, scale))
+    def fake_backward(do, q, k, v, o, lse, causal, scale, *window):
+        python_backwards.append((causal, scale, *window))
         return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
 
     monkeypatch.setattr(launch_backward, "backward", fake_backward)
     q, k, v = _qkv(shape=(1, 2, 8, 4))
-    k = k.detach()[:, :, :7].requires_grad_()  # layouts of their own (no other test's entry)
-    v = v.detach()[:, :, :7].requires_grad_()
-    assert ext.attention_if_known(q, k, v, True) is None
+    n_k = 7 if window == (-1, -1) else 6  # layouts of their own (no other test's entry)
+    k = k.detach()[:, :, :n_k].requires_grad_()
+    v = v.detach()[:, :, :n_k].requires_grad_()
+    assert ext.attention_if_known(q, k, v, True, *window) is None
     monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 0)  # full: no new entry
-    cpp_launch.learn(q, k, v, True, 0.5)
-    assert ext.attention_if_known(q, k, v, True) is None
+    cpp_launch.learn(q, k, v, True, 0.5, *window)
+    assert ext.attention_if_known(q, k, v, True, *window) is None
     monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 1)
-    cpp_launch.learn(q, k, v, True, 0.5)
+    cpp_launch.learn(q, k, v, True, 0.5, *window)
+    if window != (-1, -1):  # the window is part of the key
+        assert ext.attention_if_known(q, k, v, True) is None
+        assert ext.attention_if_known(q, k, v, True, 4, 0) is None
     start = ext.counters()
     do = torch.randn(1, 2, 8, 4)
     for _ in range(3):
-        o = ext.attention_if_known(q, k, v, True)
+        o = ext.attention_if_known(q, k, v, True, *window)
         assert o is not None
         grads = torch.autograd.grad(o, (q, k, v), do)
     end = ext.counters()
-    assert python_backwards == [(True, 0.5)]  # only the first backward of this dO layout
+    # only the first backward of this dO layout, with the call's window
+    assert python_backwards == [(True, 0.5, *window)]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert end["forward"] - start["forward"] == 3
     assert end["backward"] - start["backward"] == 2

@@ -85,6 +85,34 @@ def test_matches_python_path(ext, b, h, hkv, n, d, causal):
     assert after["backward_fallback"] - before["backward_fallback"] == 5 - in_cpp
 
 
+@pytest.mark.parametrize(
+    ("n", "d", "causal", "window"),
+    [(1024, 64, True, (256, 0)), (2048, 128, True, (511, 0)), (512, 64, False, (64, 32))],
+)
+def test_windowed_calls_match_python_path(ext, n, d, causal, window):
+    """A window is part of the key: repeated windowed calls run in C++, a call with another
+    window does not reuse the entry, and all match the Python path."""
+    q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + window[0])
+    scale = 1.0 / math.sqrt(d)
+    before = ext.counters()
+    for i in range(4):
+        o = flash_attention(q, k, v, causal=causal, window_size=window)
+        grads = torch.autograd.grad(o, (q, k, v), dos[0])
+        o_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+        refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
+        assert torch.equal(o, o_ref), i
+        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+            _close(a, r, (i, name))
+    after = ext.counters()
+    assert after["forward"] - before["forward"] == 3
+    assert after["backward"] - before["backward"] == 2
+    other = (window[0] + 1, window[1])
+    o2 = flash_attention(q, k, v, causal=causal, window_size=other)
+    o2_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=other)
+    assert torch.equal(o2, o2_ref)
+    assert ext.counters()["forward"] == after["forward"]  # a new window: the Python path
+
+
 def test_only_some_inputs_require_grad(ext):
     q, k, v, dos = _inputs(1, 4, 4, 512, 64, seed=1)
     k, v = k.detach(), v.detach()

@@ -88,12 +88,12 @@ def flash_attention(
     KV cache) split the keys over thread blocks on the Triton backend (no separate API).
     """
     plain = not return_lse and window_size == (-1, -1)
-    # A repeated plain call whose layouts the C++ launch path knows (``cpp_launch``): the
-    # layouts were checked by the first call, so it skips the checks too.
-    cpp = plain and softmax_scale is None and (causal is True or causal is False)
+    # A repeated call (without the lse) whose layouts and window the C++ launch path knows
+    # (``cpp_launch``): they were checked by the first call, so it skips the checks too.
+    cpp = return_lse is False and softmax_scale is None and (causal is True or causal is False)
     cpp = cpp and (backend == "auto" or backend == "triton") and not _compiling()
     if cpp and cpp_launch.ACTIVE[0]:
-        o = cpp_launch.known_call(q, k, v, causal)
+        o = cpp_launch.known_call(q, k, v, causal, window_size)
         if o is not None:
             if o is not False:
                 return o
@@ -112,6 +112,8 @@ def flash_attention(
             return o
         else:
             o, lse = WindowedFlashAttention.apply(q, k, v, causal, scale, *window)
+            if cpp:
+                cpp_launch.after_python_call(q, k, v, causal, scale, *window)
         return (o, lse) if return_lse else o
     if plain:
         return FlashAttention2Torch.apply(q, k, v, causal, softmax_scale)

@@ -17,11 +17,11 @@ ready, or for good if it cannot be built (``status()`` says why); ``True`` compi
 the first call and raises if that fails; ``False`` never uses it.
 
 Eligible calls: 4-D CUDA float16/bfloat16 inputs that record a graph (grad mode on, an input
-requiring grad), outside torch.compile and functorch transforms, the default scale, no window
-or lse, ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``, on Triton 3.6
-(``cpp_plans``). Everything else, and every layout whose launches cannot be described, takes
-the Python path unchanged. Triton launch hooks (e.g. proton's) do not see these launches;
-set ``cpp_launch=False`` while using them.
+requiring grad), outside torch.compile and functorch transforms, the default scale, no lse
+(a window is part of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no
+``configs.OVERRIDES``, on Triton 3.6 (``cpp_plans``). Everything else, and every layout
+whose launches cannot be described, takes the Python path unchanged. Triton launch hooks
+(e.g. proton's) do not see these launches; set ``cpp_launch=False`` while using them.
 """
 
 from __future__ import annotations
@@ -178,41 +178,67 @@ def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def known_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """The output of a call whose layouts have a C++ entry (launched there); False for
-    layouts the path refused (the Python path, without ``learn``); else None."""
+def _window(window_size: object) -> tuple[int, int] | None:
+    """``window_size`` if it is a tuple of two valid plain ints, else None (the Python path,
+    whose checks name anything wrong with it)."""
+    if type(window_size) is not tuple or len(window_size) != 2:
+        return None
+    left, right = window_size
+    if type(left) is not int or type(right) is not int or left < -1 or right < -1:
+        return None
+    return left, right
+
+
+def known_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_size=(-1, -1)
+):
+    """The output of a call whose layouts (and window) have a C++ entry (launched there);
+    False for layouts the path refused (the Python path, without ``learn``); else None."""
     if not _eligible(q, k, v):
         return None
-    return _state["module"].attention_if_known(q, k, v, causal)
+    if window_size == (-1, -1):
+        return _state["module"].attention_if_known(q, k, v, causal)
+    window = _window(window_size)
+    if window is None:
+        return None
+    return _state["module"].attention_if_known(q, k, v, causal, *window)
 
 
 def after_python_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-) -> None:
-    """After a plain eager call took the Python path: register its layouts if the extension
-    is loaded; else, on CUDA, start building it (``auto``: in the background; ``True``: now)."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    window_left: int = -1, window_right: int = -1,
+) -> None:  # fmt: skip
+    """After an eager call without the lse took the Python path: register its layouts if the
+    extension is loaded; else, on CUDA, start building it (``auto``: in the background;
+    ``True``: now)."""
     if ACTIVE[0]:
-        learn(q, k, v, causal, scale)
+        learn(q, k, v, causal, scale, window_left, window_right)
     elif _state["thread"] is None and q.is_cuda:
         mode = get_options().cpp_launch
         if mode is True:
             build()
-            learn(q, k, v, causal, scale)  # (the next call with these layouts replays)
+            # (the next call with these layouts replays)
+            learn(q, k, v, causal, scale, window_left, window_right)
         elif mode == "auto":
             _start_build()
 
 
-def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> None:
-    """After the Python path ran a call: give its layouts a C++ entry, if it can have one."""
+def learn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    window_left: int = -1, window_right: int = -1,
+) -> None:  # fmt: skip
+    """After the Python path ran a call: give its layouts (and window: (-1, -1) for none) a
+    C++ entry, if it can have one."""
     module = _state["module"]
     if module is None or not _eligible(q, k, v) or q.dim() != 4:
         return
     if len(_registered) >= MAX_ENTRIES:
         return
-    call = call_key((q, k, v), causal, scale, -1, -1)
+    window = (window_left, window_right)
+    call = call_key((q, k, v), causal, scale, *window)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
-    key = module.fwd_key(q, k, v, causal)
+    key = module.fwd_key(q, k, v, causal, *window)
     remembered = launch._CALLS.get(call) if call is not None else None
     launches = None
     if remembered is not None and remembered[1] == ():
@@ -222,8 +248,8 @@ def learn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale
         return
 
     def backward_fallback(entry, do, q, k, v, o, lse):
-        grads = launch_backward.backward(do, q, k, v, o, lse, causal, scale)
-        _learn_backward(module, entry, do, q, k, v, o, lse, causal, scale)
+        grads = launch_backward.backward(do, q, k, v, o, lse, causal, scale, *window)
+        _learn_backward(module, entry, do, q, k, v, o, lse, causal, scale, window)
         return grads
 
     entry = module.add_entry(launches, backward_fallback)
@@ -241,7 +267,9 @@ def _refuse(module, key: str) -> None:
     module.refuse(key)
 
 
-def _learn_backward(module, entry: int, do, q, k, v, o, lse, causal: bool, scale: float) -> None:
+def _learn_backward(
+    module, entry: int, do, q, k, v, o, lse, causal: bool, scale: float, window: tuple
+) -> None:
     """After a Python backward of a C++ entry: register its launches for this dO layout
     (layouts that cannot be registered are not tried again)."""
     if do.stride(-1) != 1:
@@ -250,7 +278,7 @@ def _learn_backward(module, entry: int, do, q, k, v, o, lse, causal: bool, scale
     if tried in _bwd_refused:
         return
     _bwd_refused.add(tried)  # a registered layout does not come back here
-    call = call_key((q, k, v, do, o, lse), causal, scale, -1, -1)
+    call = call_key((q, k, v, do, o, lse), causal, scale, *window)
     remembered = launch_backward._CALLS.get(call) if call is not None else None
     if remembered is None:
         return

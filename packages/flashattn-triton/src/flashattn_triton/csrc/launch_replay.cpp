@@ -219,8 +219,13 @@ std::string layout_key(const at::Tensor& t) {
   return key;
 }
 
-std::string fwd_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-  return layout_key(q) + "|" + layout_key(k) + "|" + layout_key(v) + (causal ? "|c" : "|n");
+// The forward's key: the three layouts, causal, and the window when there is one.
+std::string fwd_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                    int64_t window_left, int64_t window_right) {
+  std::string key = layout_key(q) + "|" + layout_key(k) + "|" + layout_key(v) + (causal ? "|c" : "|n");
+  if (window_left != -1 || window_right != -1)
+    key += "|w" + std::to_string(window_left) + "," + std::to_string(window_right);
+  return key;
 }
 
 bool distinct_and_aligned(const std::vector<uint64_t>& addr, size_t first_output) {
@@ -375,8 +380,9 @@ int64_t forget_refused() {
 
 // The call through C++ if its layouts have an entry; False if they were refused (the caller's
 // Python path, not offered to ``learn`` again); None if they are unknown (the Python path).
-py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal) {
-  std::string key = fwd_key(q, k, v, causal);
+py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
+                              int64_t window_left, int64_t window_right) {
+  std::string key = fwd_key(q, k, v, causal, window_left, window_right);
   int64_t id = -2;
   {
     std::lock_guard<std::mutex> guard(entries_lock());
@@ -416,9 +422,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_backward", &add_backward);
   m.def("attention", &attention);
   m.def("layout_key", &layout_key);
-  m.def("fwd_key", &fwd_key);
+  m.def("fwd_key", &fwd_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
+        py::arg("window_left") = -1, py::arg("window_right") = -1);
   m.def("index_entry", &index_entry);
   m.def("refuse", &refuse);
   m.def("forget_refused", &forget_refused);
-  m.def("attention_if_known", &attention_if_known);
+  m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1);
 }
