@@ -157,8 +157,9 @@ GRID_TILE = {"fwd": "block_m", "dq": "block_m", "dkdv": "block_n"}  # atomic: no
 # forward + backward up to this size (1.08-1.24x), and 14-635 us more above it, while in a
 # compiled small model (4 x 12 heads x 1024 x 64, causal) our launchers' Python cost
 # 150-280 us per forward + backward, and the step with traced calls was faster than with
-# the opaque op in 62 of 72 interleaved cells (BENCHMARKS 3.3; DESIGN "Compiled graphs that
-# launch our kernels").
+# the opaque op in 62 of 72 interleaved cells (flashattn-triton benchmarks/MEASUREMENTS.md,
+# "Compiled small step, every setting interleaved in one process (H100)"; DESIGN "Compiled
+# graphs that launch our kernels").
 TRACED_MAX_WORK = 2**32
 
 # Grids of fewer than FEW_WAVES waves of the table's tile take these entries instead: the

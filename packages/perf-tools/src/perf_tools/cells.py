@@ -398,9 +398,9 @@ def _isolated_cells(
     key: tuple, cells: list[BenchSpec], opts: BenchOptions, sweep: harness.Sweep, n_cells: int
 ) -> list[Row]:
     """One model's cells in a freshly spawned process. A host-bound step (a small model,
-    compiled) runs at a speed that depends on what ran before it in the same process (a
-    29% swing of SDPA's compiled small-model step was measured, BENCHMARKS 3.3), so rows
-    meant to be compared can each get a process of their own."""
+    compiled) runs at the speed of its process's host (perf-tools DESIGN, "Why separate
+    processes disagree"), so rows meant to be compared can each get a process of their own,
+    in interleaved rounds."""
     from perf_tools import _dist
 
     try:

@@ -2,7 +2,8 @@
 processes, one process per model per round, rounds interleaved (model A, model B, A, B, ...).
 
 A host-bound step runs at the speed of its process: fresh processes on one H100 machine
-issued a tiny eager op in ~7 or ~10.5 us (BENCHMARKS.md 3.3), and a model's step followed.
+issued a tiny eager op in ~7 or ~10.5 us (perf-tools DESIGN.md, "Why separate processes
+disagree"), and a model's step followed.
 One process per backend is then a draw; the median over rounds, with the spread beside it,
 is the comparison to read.
 """
