@@ -8,6 +8,7 @@ runs, is early enough. CI's nox session sets it too. On a GPU machine nothing is
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -24,3 +25,14 @@ def set_options():
     saved = options.get_options()
     yield options.set_options
     options.set_options(saved)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The C++ launch path's extension, compiled for real (skipped without a C++ compiler or
+    ninja); tests drive it with launch-free plans where no GPU is present."""
+    from flashattn_triton import cpp_launch
+
+    if shutil.which("ninja") is None or not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler or ninja")
+    return cpp_launch.compile_extension()

@@ -221,3 +221,30 @@ def test_activation_checkpointing(ext):
     refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
     for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
         _close(a, r, name)
+
+
+@pytest.mark.parametrize(("n", "d", "causal"), [(1024, 64, True), (2048, 128, False)])
+def test_compiled_opaque_ops_replay_in_cpp(ext, set_options, n, d, causal):
+    """``cpp_launch_compiled``: a compiled graph's opaque ops (``traced_compile=False``)
+    replay the C++ entries from their second call, and match the eager Python path."""
+    set_options(traced_compile=False, cpp_launch_compiled=True)
+    assert cpp_launch.OPS_ACTIVE[0]
+    q, k, v, dos = _inputs(2, 8, 8, n, d, seed=n + d + 1)
+    scale = 1.0 / math.sqrt(d)
+
+    def step(q, k, v, do):
+        o = flash_attention(q, k, v, causal=causal)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step)
+    before = ext.counters()
+    for i in range(4):
+        outs = compiled(q, k, v, dos[0])
+        o_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+        refs = (o_ref, *torch.autograd.grad(o_ref, (q, k, v), dos[0]))
+        for name, a, r in zip(("o", "dq", "dk", "dv"), outs, refs):
+            _close(a, r, (i, name))
+    after = ext.counters()
+    assert after["forward"] - before["forward"] >= 3  # every call but the first
+    assert after["backward"] - before["backward"] >= 3

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import threading
 from importlib import resources
@@ -59,6 +60,8 @@ _registered: set[tuple] = set()  # call keys with an entry
 _bwd_refused: set[tuple] = set()  # (entry, dO layout) whose backward was tried
 # True while calls may take the C++ path (the extension is loaded and the options allow it).
 ACTIVE = [False]
+# True while compiled graphs' opaque ops may too (``Options.cpp_launch_compiled``).
+OPS_ACTIVE = [False]
 
 
 def status() -> str:
@@ -163,6 +166,7 @@ def _refresh() -> None:
         module is not None and opts.cpp_launch is not False and opts.fast_launch
         and not opts.autotune
     )  # fmt: skip
+    OPS_ACTIVE[0] = ACTIVE[0] and opts.cpp_launch_compiled
 
 
 on_clear(_refresh)
@@ -232,9 +236,14 @@ def learn(
     module = _state["module"]
     if module is None or not _eligible(q, k, v) or q.dim() != 4:
         return
+    _register(module, q, k, v, causal, scale, (window_left, window_right))
+
+
+def _register(module, q, k, v, causal: bool, scale: float, window: tuple[int, int]) -> None:
+    """Give the layouts of a call the Python launchers just ran a C++ entry (or mark them
+    refused)."""
     if len(_registered) >= MAX_ENTRIES:
         return
-    window = (window_left, window_right)
     call = call_key((q, k, v), causal, scale, *window)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
@@ -291,3 +300,63 @@ def _learn_backward(
             entry, module.layout_key(do), launches, list(stats_shape), int(delta_offset),
             bool(onepass),
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------- compiled graphs' opaque ops
+
+
+def _replayable_op_call(q: torch.Tensor, scale: float) -> bool:
+    """An opaque-op call the C++ entries may serve: a plain 4-D tensor at the default scale
+    (entries are learned at it; the ops always pass a scale), no tile overrides."""
+    return (
+        OPS_ACTIVE[0] and type(q) is torch.Tensor and q.dim() == 4
+        and scale == 1.0 / math.sqrt(q.shape[-1]) and not C.OVERRIDES
+    )  # fmt: skip
+
+
+def op_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window_left: int = -1, window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The launcher of the compiled graphs' opaque forward op (``ops.fwd_launch``): the C++
+    replay where the layouts have an entry, else ``launch.forward``, whose launches then get
+    one. The same (o, lse) as ``launch.forward``."""
+    window = (window_left, window_right)
+    replayable = _replayable_op_call(q, softmax_scale)
+    if replayable:
+        out = _state["module"].forward_if_known(q, k, v, causal, *window)
+        if out is False:  # refused layouts: the Python launchers, not registered again
+            return launch.forward(q, k, v, causal, softmax_scale, *window)
+        if out is not None:
+            return out
+    out = launch.forward(q, k, v, causal, softmax_scale, *window)
+    if replayable:
+        _register(_state["module"], q, k, v, causal, softmax_scale, window)
+    elif _state["thread"] is None and q.is_cuda:
+        opts = get_options()
+        if opts.cpp_launch_compiled and opts.cpp_launch is not False:
+            _start_build()  # (a compiled-only program makes no eager call that would)
+    return out
+
+
+def op_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int = -1,
+    window_right: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The launcher of the opaque backward op (``ops.bwd_launch``): the C++ replay where the
+    forward's entry has a plan for dO's layout, else ``launch.backward``, whose launches the
+    entry then gets (once per dO layout)."""
+    window = (window_left, window_right)
+    replayable = _replayable_op_call(q, softmax_scale)
+    if replayable:
+        module = _state["module"]
+        grads = module.backward_if_known(do, q, k, v, o, lse, causal, *window)
+        if grads is not None:
+            return grads
+    grads = launch.backward(do, q, k, v, o, lse, causal, softmax_scale, *window)
+    if replayable:
+        entry = module.entry_of(q, k, v, causal, *window)
+        if entry >= 0:
+            _learn_backward(module, entry, do, q, k, v, o, lse, causal, softmax_scale, window)
+    return grads

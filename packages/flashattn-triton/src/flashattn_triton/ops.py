@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, launch_kvcache, launch_varlen
+from . import cpp_launch, launch, launch_kvcache, launch_varlen
 
 # The ops' namespace is the package's import name: a second copy of this package imported under
 # another name (benchmarks/ab_defaults.py compares two source trees in one process) then
@@ -262,8 +262,10 @@ def _late(module, name: str):
     return launcher
 
 
-fwd_launch = _launch_op("fwd", _late(launch, "forward"), _attention_fwd_fake)
-bwd_launch = _launch_op("bwd", _late(launch, "backward"), _attention_bwd_fake)
+# (the C++ replay where ``Options.cpp_launch_compiled`` allows it, else ``launch.forward`` /
+# ``launch.backward``, still looked up per call)
+fwd_launch = _launch_op("fwd", _late(cpp_launch, "op_forward"), _attention_fwd_fake)
+bwd_launch = _launch_op("bwd", _late(cpp_launch, "op_backward"), _attention_bwd_fake)
 varlen_fwd_launch = _launch_op(
     "varlen_fwd", _late(launch_varlen, "forward_varlen"), _varlen_fwd_fake
 )

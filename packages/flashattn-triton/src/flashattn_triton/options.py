@@ -36,8 +36,9 @@ ENV_VARS = {
     "fast_launch": "FLASHATTN_TRITON_FAST_LAUNCH",
     "traced_compile": "FLASHATTN_TRITON_TRACED_COMPILE",
     "cpp_launch": "FLASHATTN_TRITON_CPP_LAUNCH",
+    "cpp_launch_compiled": "FLASHATTN_TRITON_CPP_LAUNCH_COMPILED",
 }
-_BOOLS = ("gluon", "autotune", "fast_launch")  # the on/off options
+_BOOLS = ("gluon", "autotune", "fast_launch", "cpp_launch_compiled")  # the on/off options
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -80,6 +81,9 @@ class Options:
         compiles it in the background at the first such call and uses it once ready (the
         default; without a C++ compiler the Python path stays), True compiles it in the first
         call and raises if that fails, False keeps the Python launchers.
+    cpp_launch_compiled: compiled graphs' opaque ops (the calls ``traced_compile`` does not
+        trace) replay through the same C++ entries instead of the Python launchers, at the
+        default scale (``cpp_launch.op_forward``). Off by default: not yet measured on a GPU.
     """
 
     backward: str = "auto"
@@ -91,6 +95,7 @@ class Options:
     fast_launch: bool = True
     traced_compile: bool | str = "auto"
     cpp_launch: bool | str = "auto"
+    cpp_launch_compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:

@@ -239,6 +239,39 @@ bool distinct_and_aligned(const std::vector<uint64_t>& addr, size_t first_output
 
 uint64_t ptr(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
+// The backward of entry e replayed for these tensors, if dO's layout has a plan that may run
+// here (into ``out``: dq, dk, dv); false otherwise, for the caller to hand to Python.
+bool replay_backward(Entry& e, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                     tensor_list& out) {
+  std::shared_ptr<BwdPlan> plan;
+  bool deterministic = at::globalContext().deterministicAlgorithms();
+  if (dout.defined() && dout.stride(-1) == 1) {
+    std::string key = layout_key(dout);
+    std::lock_guard<std::mutex> guard(e.lock);
+    auto it = e.bwd.find(key);
+    if (it != e.bwd.end()) plan = it->second;
+  }
+  if (!plan || (plan->onepass && deterministic)) return false;
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(dout), ptr(o), ptr(lse),
+                                ptr(dq), ptr(dk), ptr(dv)};
+  at::Tensor stats = at::empty(plan->stats_shape, lse.options());
+  addr.push_back(ptr(stats));
+  addr.push_back(ptr(stats) + plan->delta_offset);
+  at::Tensor acc;
+  if (plan->onepass) {
+    acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    addr.push_back(ptr(acc));
+  }
+  if (!distinct_and_aligned(addr, 6)) return false;
+  run_plan(plan->plan, addr, q);
+  if (plan->onepass) dq.copy_(acc);
+  n_backward.fetch_add(1, std::memory_order_relaxed);
+  out = {dq, dk, dv};
+  return true;
+}
+
 class FlashFn : public torch::autograd::Function<FlashFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
@@ -263,33 +296,8 @@ class FlashFn : public torch::autograd::Function<FlashFn> {
     at::Tensor dout = grads[0];
     c10::OptionalDeviceGuard device_guard;
     if (q.is_cuda()) device_guard.reset_device(q.device());
-    std::shared_ptr<BwdPlan> plan;
-    bool deterministic = at::globalContext().deterministicAlgorithms();
-    if (dout.defined() && dout.stride(-1) == 1) {
-      std::string key = layout_key(dout);
-      std::lock_guard<std::mutex> guard(e.lock);
-      auto it = e.bwd.find(key);
-      if (it != e.bwd.end()) plan = it->second;
-    }
-    if (plan && !(plan->onepass && deterministic)) {
-      at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-      std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(dout), ptr(o), ptr(lse),
-                                    ptr(dq), ptr(dk), ptr(dv)};
-      at::Tensor stats = at::empty(plan->stats_shape, lse.options());
-      addr.push_back(ptr(stats));
-      addr.push_back(ptr(stats) + plan->delta_offset);
-      at::Tensor acc;
-      if (plan->onepass) {
-        acc = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
-        addr.push_back(ptr(acc));
-      }
-      if (distinct_and_aligned(addr, 6)) {
-        run_plan(plan->plan, addr, q);
-        if (plan->onepass) dq.copy_(acc);
-        n_backward.fetch_add(1, std::memory_order_relaxed);
-        return {dq, dk, dv, at::Tensor()};
-      }
-    }
+    tensor_list g;
+    if (replay_backward(e, dout, q, k, v, o, lse, g)) return {g[0], g[1], g[2], at::Tensor()};
     n_fallback.fetch_add(1, std::memory_order_relaxed);
     py::gil_scoped_acquire gil;  // first backward of this dO layout, or one that cannot replay
     py::tuple r = e.bwd_fallback(id, dout, q, k, v, o, lse);
@@ -380,20 +388,59 @@ int64_t forget_refused() {
 
 // The call through C++ if its layouts have an entry; False if they were refused (the caller's
 // Python path, not offered to ``learn`` again); None if they are unknown (the Python path).
+// The entry of a forward key: its id, kRefused, or kUnknown.
+constexpr int64_t kUnknown = -2;
+
+int64_t lookup(const std::string& key) {
+  std::lock_guard<std::mutex> guard(entries_lock());
+  auto it = fwd_index().find(key);
+  return it == fwd_index().end() ? kUnknown : it->second;
+}
+
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                               int64_t window_left, int64_t window_right) {
-  std::string key = fwd_key(q, k, v, causal, window_left, window_right);
-  int64_t id = -2;
-  {
-    std::lock_guard<std::mutex> guard(entries_lock());
-    auto it = fwd_index().find(key);
-    if (it != fwd_index().end()) id = it->second;
-  }
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
   if (id == kRefused) return py::bool_(false);
   if (id < 0 || !on_current_device(q)) return py::none();
   // Inputs sharing an address (e.g. q is k) take the Python path, as its replays refuse them.
   if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
   return py::cast(FlashFn::apply(q, k, v, id));
+}
+
+// Compiled graphs' opaque ops (``cpp_launch.op_forward`` / ``op_backward``): the same
+// entries without an autograd node. (o, lse) if the layouts have an entry; False if they were
+// refused; None if unknown or not replayable here (the caller's Python launchers).
+py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
+                            int64_t window_left, int64_t window_right) {
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+  if (id == kRefused) return py::bool_(false);
+  if (id < 0 || !on_current_device(q)) return py::none();
+  if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
+  Entry& e = entry(id);
+  at::Tensor o = at::empty_like(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)};
+  if (!distinct_and_aligned(addr, 3)) return py::none();
+  run_plan(e.fwd, addr, q);
+  n_forward.fetch_add(1, std::memory_order_relaxed);
+  return py::make_tuple(o, lse);
+}
+
+// (dq, dk, dv) if the forward's layouts have an entry whose plan for dO's layout may run here;
+// else None. ``entry_of`` gives the entry for registering a backward after a Python one.
+py::object backward_if_known(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v,
+                             at::Tensor o, at::Tensor lse, bool causal, int64_t window_left,
+                             int64_t window_right) {
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+  if (id < 0 || !on_current_device(q)) return py::none();
+  tensor_list g;
+  if (!replay_backward(entry(id), dout, q, k, v, o, lse, g)) return py::none();
+  return py::make_tuple(g[0], g[1], g[2]);
+}
+
+int64_t entry_of(at::Tensor q, at::Tensor k, at::Tensor v, bool causal, int64_t window_left,
+                 int64_t window_right) {
+  return lookup(fwd_key(q, k, v, causal, window_left, window_right));
 }
 
 // After an options or tile-table change: forget every layout (entries stay allocated: nodes of
@@ -425,6 +472,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd_key", &fwd_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
         py::arg("window_left") = -1, py::arg("window_right") = -1);
   m.def("index_entry", &index_entry);
+  m.def("forward_if_known", &forward_if_known);
+  m.def("backward_if_known", &backward_if_known);
+  m.def("entry_of", &entry_of);
   m.def("refuse", &refuse);
   m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
