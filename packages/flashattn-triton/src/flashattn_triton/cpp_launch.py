@@ -348,15 +348,13 @@ def op_backward(
     forward's entry has a plan for dO's layout, else ``launch.backward``, whose launches the
     entry then gets (once per dO layout)."""
     window = (window_left, window_right)
-    replayable = _replayable_op_call(q, softmax_scale)
-    if replayable:
-        module = _state["module"]
-        grads = module.backward_if_known(do, q, k, v, o, lse, causal, *window)
-        if grads is not None:
-            return grads
+    if not _replayable_op_call(q, softmax_scale):
+        return launch.backward(do, q, k, v, o, lse, causal, softmax_scale, *window)
+    module = _state["module"]
+    replayed = module.backward_if_known(do, q, k, v, o, lse, causal, *window)
+    if type(replayed) is tuple:
+        return replayed
     grads = launch.backward(do, q, k, v, o, lse, causal, softmax_scale, *window)
-    if replayable:
-        entry = module.entry_of(q, k, v, causal, *window)
-        if entry >= 0:
-            _learn_backward(module, entry, do, q, k, v, o, lse, causal, softmax_scale, window)
+    if replayed >= 0:  # the forward's entry: register this dO layout's launches
+        _learn_backward(module, replayed, do, q, k, v, o, lse, causal, softmax_scale, window)
     return grads

@@ -397,13 +397,22 @@ int64_t lookup(const std::string& key) {
   return it == fwd_index().end() ? kUnknown : it->second;
 }
 
+// The entry a call on these inputs may replay: its id; kRefused for refused layouts; kUnknown
+// for unknown layouts and for calls the replays cannot take here (another current device,
+// inputs sharing an address, e.g. q is k: the Python path refuses those too).
+int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         bool causal, int64_t window_left, int64_t window_right) {
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+  if (id < 0) return id;
+  bool here = on_current_device(q) && distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3);
+  return here ? id : kUnknown;
+}
+
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                               int64_t window_left, int64_t window_right) {
-  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right);
   if (id == kRefused) return py::bool_(false);
-  if (id < 0 || !on_current_device(q)) return py::none();
-  // Inputs sharing an address (e.g. q is k) take the Python path, as its replays refuse them.
-  if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
+  if (id < 0) return py::none();
   return py::cast(FlashFn::apply(q, k, v, id));
 }
 
@@ -412,10 +421,9 @@ py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool cau
 // refused; None if unknown or not replayable here (the caller's Python launchers).
 py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                             int64_t window_left, int64_t window_right) {
-  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right);
   if (id == kRefused) return py::bool_(false);
-  if (id < 0 || !on_current_device(q)) return py::none();
-  if (!distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3)) return py::none();
+  if (id < 0) return py::none();
   Entry& e = entry(id);
   at::Tensor o = at::empty_like(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
@@ -427,20 +435,15 @@ py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causa
 }
 
 // (dq, dk, dv) if the forward's layouts have an entry whose plan for dO's layout may run here;
-// else None. ``entry_of`` gives the entry for registering a backward after a Python one.
+// else the entry's id (negative: none), for registering the backward that Python then runs.
 py::object backward_if_known(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v,
                              at::Tensor o, at::Tensor lse, bool causal, int64_t window_left,
                              int64_t window_right) {
   int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
-  if (id < 0 || !on_current_device(q)) return py::none();
+  if (id < 0 || !on_current_device(q)) return py::int_(id < 0 ? id : kUnknown);
   tensor_list g;
-  if (!replay_backward(entry(id), dout, q, k, v, o, lse, g)) return py::none();
+  if (!replay_backward(entry(id), dout, q, k, v, o, lse, g)) return py::int_(id);
   return py::make_tuple(g[0], g[1], g[2]);
-}
-
-int64_t entry_of(at::Tensor q, at::Tensor k, at::Tensor v, bool causal, int64_t window_left,
-                 int64_t window_right) {
-  return lookup(fwd_key(q, k, v, causal, window_left, window_right));
 }
 
 // After an options or tile-table change: forget every layout (entries stay allocated: nodes of
@@ -474,7 +477,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("index_entry", &index_entry);
   m.def("forward_if_known", &forward_if_known);
   m.def("backward_if_known", &backward_if_known);
-  m.def("entry_of", &entry_of);
   m.def("refuse", &refuse);
   m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
