@@ -318,10 +318,11 @@ def test_compiled_providers_use_static_shapes(monkeypatch):
     assert all(kw.get("dynamic") is False for kw in seen), seen
 
 
-def test_compiled_rows_record_the_traced_compile_option(monkeypatch):
+def test_compiled_rows_record_the_compiled_launch_options(monkeypatch):
     times = {p: iter([1.0]) for p in sweep.PROVIDERS}
     _fake_providers(monkeypatch, times)
-    monkeypatch.setattr(sweep, "traced_compile_option", lambda: True)
+    options = {"traced_compile": True, "cpp_launch_compiled": False}
+    monkeypatch.setattr(sweep, "compiled_launch_options", lambda: dict(options))
     cfg = sweep.SweepConfig(
         shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("compiled",),
         device=torch.device("cuda"), dtype=torch.float32, quiet=True,
@@ -329,6 +330,8 @@ def test_compiled_rows_record_the_traced_compile_option(monkeypatch):
     monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
     [row] = sweep.run_sweep(cfg)
     assert row["traced_compile"] is True
+    assert row["cpp_launch_compiled"] is False
+    assert "cpp_launch" not in row  # eager rows' status; compiled rows record the options
 
 
 def test_kernels_are_recorded_for_each_provider_that_ran(monkeypatch):

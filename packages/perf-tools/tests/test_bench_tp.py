@@ -352,9 +352,10 @@ def test_two_gpus_tp2_beside_fsdp2(tmp_path):
             assert r["pred_mem_gib"] > 0
 
 
-def test_compiled_flash_triton_rows_record_the_traced_compile_option():
+def test_compiled_flash_triton_rows_record_the_compiled_launch_options():
     """Compiled rows with flash-triton say how its compiled graphs call the kernels
-    (flashattn_triton's `traced_compile`); eager rows and other attentions do not."""
+    (flashattn_triton's `traced_compile` and `cpp_launch_compiled`); eager rows and other
+    attentions do not."""
     import torch
 
     from perf_tools.cells import BenchOptions, BenchSpec, cell_row
@@ -371,6 +372,11 @@ def test_compiled_flash_triton_rows_record_the_traced_compile_option():
         assert row("flash-triton", "blocks")["traced_compile"] == "auto"
         assert "traced_compile" not in row("flash-triton", False)
         assert "traced_compile" not in row("sdpa", True)
+    with flash.use_options(traced_compile=False, cpp_launch_compiled=True):
+        r = row("flash-triton", True)
+        assert r["traced_compile"] is False
+        assert r["cpp_launch_compiled"] is True
+        assert "cpp_launch_compiled" not in row("flash-triton", False)
     assert row("flash-triton", True)["traced_compile"] is flash.get_options().traced_compile
 
 

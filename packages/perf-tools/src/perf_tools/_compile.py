@@ -3,7 +3,7 @@
 Dynamo keys its cache on a function's code object; a sweep compiles the same code (a model's
 forward, an attention function) for many shapes, dtypes and grad modes. Past the recompile
 limit (8 by default) Dynamo quietly falls back to eager, and the "compiled" column would lie.
-`traced_compile_option` is the flashattn-triton setting compiled rows record beside it;
+`compiled_launch_options` are the flashattn-triton settings compiled rows record beside it;
 `ready_cpp_launch` readies its C++ launch path before a timed run.
 """
 
@@ -36,14 +36,16 @@ def compile_for_bench(fn: Callable[..., Any], **kwargs: Any) -> Callable[..., An
     return torch.compile(fn, **kwargs)
 
 
-def traced_compile_option() -> bool | str | None:
-    """flashattn_triton's ``traced_compile`` option: how compiled graphs call its kernels
-    (None where it is not installed). Benchmark rows record it."""
+def compiled_launch_options() -> dict[str, bool | str]:
+    """flashattn_triton's options that decide how compiled graphs call its kernels:
+    ``traced_compile`` (traced launchers) and ``cpp_launch_compiled`` (the opaque ops
+    replayed from C++); empty where it is not installed. Compiled benchmark rows record them."""
     try:
         from flashattn_triton import get_options
     except ImportError:
-        return None
-    return get_options().traced_compile
+        return {}
+    opts = get_options()
+    return {"traced_compile": opts.traced_compile, "cpp_launch_compiled": opts.cpp_launch_compiled}
 
 
 _CPP_NOTED: set[str] = set()

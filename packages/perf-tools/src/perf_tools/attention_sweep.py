@@ -2,8 +2,9 @@
 
 For each head dim, causal flag and mode (eager: the autograd Function as a model calls it;
 compiled: the same function under `torch.compile` with static shapes, each shape compiled for
-itself as a model's fixed shapes are; rows record flashattn_triton's `traced_compile` option,
-settable by `FLASHATTN_TRITON_TRACED_COMPILE=1`, `0` or `auto`), every shape of the sweep
+itself as a model's fixed shapes are; rows record flashattn_triton's `traced_compile` and
+`cpp_launch_compiled` options, settable by `FLASHATTN_TRITON_TRACED_COMPILE=1`, `0` or `auto`
+and `FLASHATTN_TRITON_CPP_LAUNCH_COMPILED=1` or `0`), every shape of the sweep
 is timed for every provider in one process: q, k, v of shape (B, heads, N, d) (B from
 `--batch`, 1 by default), forward and backward (`torch.autograd.grad(o, (q, k, v), dO)`, so
 no gradient accumulation), median of
@@ -61,8 +62,8 @@ from perf_tools import _cli, report, timing
 from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
+    compiled_launch_options,
     ready_cpp_launch,
-    traced_compile_option,
 )
 from perf_tools.attention_sweep_results import (
     add_ratios,
@@ -327,7 +328,7 @@ def run_sweep(
             if cfg.batch != 1:
                 row["batch"] = cfg.batch
             if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
-                row["traced_compile"] = traced_compile_option()
+                row.update(compiled_launch_options())
             elif cpp is not None:
                 row["cpp_launch"] = cpp
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
@@ -531,8 +532,8 @@ def config_from_args(a: argparse.Namespace) -> SweepConfig:
 
 
 COLUMNS = (
-    "mode", "autograd_threads", "traced_compile", "cpp_launch", "causal", "d", "batch",
-    "heads", "N",
+    "mode", "autograd_threads", "traced_compile", "cpp_launch_compiled", "cpp_launch", "causal",
+    "d", "batch", "heads", "N",
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
     "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
     "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us", "sdpa-cudnn_host_us",

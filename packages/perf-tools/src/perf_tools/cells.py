@@ -27,8 +27,8 @@ from perf_tools import hardware, harness, timing
 from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
+    compiled_launch_options,
     cpp_launch_status,
-    traced_compile_option,
 )
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
@@ -543,7 +543,7 @@ def cell_row(
     if spec.compile:
         row["compile_backend"] = opts.compile_backend
         if spec.attention == "flash-triton":  # how compiled graphs call our kernels
-            row["traced_compile"] = traced_compile_option()
+            row.update(compiled_launch_options())
     elif spec.attention == "flash-triton" and opts.device.type == "cuda":
         row["cpp_launch"] = cpp_launch_status()  # whether eager calls replay from C++
     if spec.fsdp is not None:
