@@ -318,20 +318,26 @@ def test_compiled_providers_use_static_shapes(monkeypatch):
     assert all(kw.get("dynamic") is False for kw in seen), seen
 
 
-def test_compiled_rows_record_the_compiled_launch_options(monkeypatch):
-    times = {p: iter([1.0]) for p in sweep.PROVIDERS}
+@pytest.mark.parametrize("cpp_compiled", [False, True])
+def test_compiled_rows_record_the_compiled_launch_options(monkeypatch, cpp_compiled):
+    """Compiled rows record how compiled graphs call our kernels, and the C++ path's status
+    only where its opaque ops may replay through it; eager rows record the status."""
+    times = {p: iter([1.0, 1.0]) for p in sweep.PROVIDERS}
     _fake_providers(monkeypatch, times)
-    options = {"traced_compile": True, "cpp_launch_compiled": False}
+    options = {"traced_compile": True, "cpp_launch_compiled": cpp_compiled}
     monkeypatch.setattr(sweep, "compiled_launch_options", lambda: dict(options))
+    monkeypatch.setattr(sweep, "ready_cpp_launch", lambda: "ready")
     cfg = sweep.SweepConfig(
-        shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("compiled",),
+        shapes=((2, 32),), head_dims=(16,), causal=(True,), modes=("eager", "compiled"),
         device=torch.device("cuda"), dtype=torch.float32, quiet=True,
     )  # fmt: skip
     monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
-    [row] = sweep.run_sweep(cfg)
-    assert row["traced_compile"] is True
-    assert row["cpp_launch_compiled"] is False
-    assert "cpp_launch" not in row  # eager rows' status; compiled rows record the options
+    eager, compiled = sweep.run_sweep(cfg)
+    assert compiled["traced_compile"] is True
+    assert compiled["cpp_launch_compiled"] is cpp_compiled
+    assert ("cpp_launch" in compiled) is cpp_compiled
+    assert eager["cpp_launch"] == "ready"
+    assert "traced_compile" not in eager
 
 
 def test_kernels_are_recorded_for_each_provider_that_ran(monkeypatch):

@@ -382,9 +382,11 @@ def test_compiled_flash_triton_rows_record_the_compiled_launch_options():
 
 def test_eager_flash_triton_rows_on_a_gpu_record_the_cpp_launch_status(monkeypatch):
     """Eager flash-triton rows on a GPU say whether calls replayed from flashattn_triton's
-    C++ launch path; CPU rows, compiled rows and other attentions do not."""
+    C++ launch path; so do compiled rows whose opaque ops may replay through it
+    (`cpp_launch_compiled`); CPU rows, other compiled rows and other attentions do not."""
     import torch
 
+    flash = pytest.importorskip("flashattn_triton")
     from perf_tools import cells
     from perf_tools.cells import BenchOptions, BenchSpec, cell_row
 
@@ -397,5 +399,8 @@ def test_eager_flash_triton_rows_on_a_gpu_record_the_cpp_launch_status(monkeypat
 
     assert row("flash-triton", False, "cuda")["cpp_launch"] == "ready"
     assert "cpp_launch" not in row("flash-triton", False, "cpu")
-    assert "cpp_launch" not in row("flash-triton", True, "cuda")
+    with flash.use_options(cpp_launch_compiled=False):
+        assert "cpp_launch" not in row("flash-triton", True, "cuda")
+    with flash.use_options(cpp_launch_compiled=True):
+        assert row("flash-triton", True, "cuda")["cpp_launch"] == "ready"
     assert "cpp_launch" not in row("sdpa", False, "cuda")

@@ -329,8 +329,8 @@ def run_sweep(
                 row["batch"] = cfg.batch
             if mode == "compiled" and "ours" in cfg.providers and cfg.device.type == "cuda":
                 row.update(compiled_launch_options())
-            elif cpp is not None:
-                row["cpp_launch"] = cpp
+            if cpp is not None and (mode == "eager" or row.get("cpp_launch_compiled")):
+                row["cpp_launch"] = cpp  # whether the calls replay from C++
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             label = f"{mode} causal={causal} d={d} {shape_label(row)}"
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)

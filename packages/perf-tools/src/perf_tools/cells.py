@@ -544,8 +544,9 @@ def cell_row(
         row["compile_backend"] = opts.compile_backend
         if spec.attention == "flash-triton":  # how compiled graphs call our kernels
             row.update(compiled_launch_options())
-    elif spec.attention == "flash-triton" and opts.device.type == "cuda":
-        row["cpp_launch"] = cpp_launch_status()  # whether eager calls replay from C++
+    replays = not spec.compile or row.get("cpp_launch_compiled")
+    if spec.attention == "flash-triton" and opts.device.type == "cuda" and replays:
+        row["cpp_launch"] = cpp_launch_status()  # whether the calls replay from C++
     if spec.fsdp is not None:
         assert opts.nprocs is not None
         dp = opts.nprocs // opts.tp  # data-parallel groups; --batch is per group
