@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashattn_triton import cpp_launch, cpp_plans, launch, launch_backward
-from flashattn_triton.options import Options, from_env
+from flashattn_triton.options import Options, from_env, use_options
 
 
 @pytest.fixture
@@ -185,3 +185,58 @@ def test_compiled_only_programs_start_the_build(monkeypatch, set_options, enable
     if state["thread"] is not None:
         state["thread"].join(10)
     assert started == ([1] if enabled else [])
+
+
+def _fake_cuda(*shape: int) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, device="cuda")
+
+
+def test_auto_keeps_calls_on_the_opaque_ops_where_they_replay_from_cpp(monkeypatch, set_options):
+    """``traced_compile="auto"`` traces small calls unless ``cpp_launch_compiled`` serves them
+    from C++: then every call keeps the opaque op, unless the path is off, disallowed by the
+    options, failed or unsupported; ``traced_compile=True`` still traces."""
+    from flashattn_triton.autograd import _use_traced_ops
+
+    monkeypatch.setattr(cpp_plans, "supported", lambda version: True)
+    monkeypatch.setitem(cpp_launch._state, "status", "building")
+    q = _fake_cuda(4, 12, 1024, 64)  # the small model's call: traced by plain ``auto``
+    set_options(traced_compile="auto", cpp_launch="auto", cpp_launch_compiled=False)
+    assert _use_traced_ops(True, q, q)
+    set_options(cpp_launch_compiled=True)
+    assert cpp_launch.serves_compiled()
+    assert not _use_traced_ops(True, q, q)
+    set_options(traced_compile=True)
+    assert _use_traced_ops(True, q, q)
+    set_options(traced_compile="auto")
+    for off in ({"cpp_launch": False}, {"fast_launch": False}):
+        with use_options(**off):
+            assert not cpp_launch.serves_compiled()
+            assert _use_traced_ops(True, q, q)
+    monkeypatch.setitem(cpp_launch._state, "status", "failed: RuntimeError: no ninja")
+    assert not cpp_launch.serves_compiled()
+    assert _use_traced_ops(True, q, q)
+    monkeypatch.setitem(cpp_launch._state, "status", "ready")
+    monkeypatch.setattr(cpp_plans, "supported", lambda version: False)
+    assert not cpp_launch.serves_compiled()
+
+
+def test_serves_compiled_traces_without_a_break(monkeypatch, set_options):
+    """Read while torch.compile traces: no graph break; the options are guarded (a change
+    recompiles), the build's status is a constant (no recompile when it changes)."""
+    monkeypatch.setattr(cpp_plans, "supported", lambda version: True)
+    monkeypatch.setitem(cpp_launch._state, "status", "building")
+    set_options(cpp_launch="auto", cpp_launch_compiled=True)
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda x: x + 1 if cpp_launch.serves_compiled() else x - 1, fullgraph=True, backend="eager"
+    )
+    x = torch.zeros(2)
+    assert fn(x).tolist() == [1.0, 1.0]
+    monkeypatch.setitem(cpp_launch._state, "status", "failed: RuntimeError: no ninja")
+    assert fn(x).tolist() == [1.0, 1.0]
+    set_options(cpp_launch_compiled=False)
+    assert fn(x).tolist() == [-1.0, -1.0]
+    torch._dynamo.reset()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import launch, launch_varlen, ops, traced_ops  # both register torch.ops.flashattn_triton.*
+from . import cpp_launch, launch, launch_varlen, ops, traced_ops  # ops register torch.ops.*
 from ._checks import check_qkv, check_triton_dtype_and_dim, resolve_scale
 from .configs import TRACED_MAX_WORK
 from .options import get_options
@@ -22,7 +22,8 @@ def _compiling() -> bool:
 
 def _use_traced_ops(causal: bool, q: torch.Tensor, k: torch.Tensor, *more: torch.Tensor) -> bool:
     """Whether a compiled graph calls the traced ops (``traced_ops``) rather than the opaque
-    ones: ``Options.traced_compile`` (``auto``: a call of at most ``TRACED_MAX_WORK``), no
+    ones: ``Options.traced_compile`` (``auto``: a call of at most ``TRACED_MAX_WORK``, none
+    where the opaque ops replay from C++, ``cpp_launch.serves_compiled``), no
     autotuning (the autotuner would time fake tensors), static sizes (outside dynamo: under
     it the traced ops' bodies check, ``traced_ops._concrete``) and CUDA tensors (the
     interpreter's launches read addresses). The bodies, which run only while torch.compile
@@ -35,6 +36,8 @@ def _use_traced_ops(causal: bool, q: torch.Tensor, k: torch.Tensor, *more: torch
     if not traced_ops.static_sizes(q, k, *more) or not q.is_cuda:
         return False
     if opts.traced_compile == "auto":
+        if cpp_launch.serves_compiled():
+            return False
         b, h, n_q, d = q.shape
         work = b * h * n_q * k.shape[2] * d
         return (work // 2 if causal else work) <= TRACED_MAX_WORK

@@ -305,6 +305,29 @@ def _learn_backward(
 # ---------------------------------------------------------------- compiled graphs' opaque ops
 
 
+def serves_compiled() -> bool:
+    """Whether compiled graphs' opaque ops replay through the C++ entries, or will once the
+    build finishes: ``Options.cpp_launch_compiled`` on, the path allowed by the options
+    (not off, ``fast_launch``, no autotuning) and buildable (``_buildable``). Then
+    ``traced_compile="auto"`` keeps calls on the opaque ops (``autograd._use_traced_ops``).
+    Read while torch.compile traces: the options are guarded like every read of them."""
+    opts = get_options()
+    return (
+        opts.cpp_launch_compiled and opts.cpp_launch is not False and opts.fast_launch
+        and not opts.autotune and _buildable()
+    )  # fmt: skip
+
+
+@torch.compiler.assume_constant_result
+def _buildable() -> bool:
+    """A supported Triton and no failed build. A constant to torch.compile: the build's
+    status is no reason to recompile a graph (one traced before a build fails keeps the
+    opaque ops, which then run the Python launchers)."""
+    import triton
+
+    return not _state["status"].startswith("failed") and cpp_plans.supported(triton.__version__)
+
+
 def _replayable_op_call(q: torch.Tensor, scale: float) -> bool:
     """An opaque-op call the C++ entries may serve: a plain 4-D tensor at the default scale
     (entries are learned at it; the ops always pass a scale), no tile overrides."""

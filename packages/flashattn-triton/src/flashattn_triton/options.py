@@ -81,9 +81,11 @@ class Options:
         compiles it in the background at the first such call and uses it once ready (the
         default; without a C++ compiler the Python path stays), True compiles it in the first
         call and raises if that fails, False keeps the Python launchers.
-    cpp_launch_compiled: compiled graphs' opaque ops (the calls ``traced_compile`` does not
-        trace) replay through the same C++ entries instead of the Python launchers, at the
-        default scale (``cpp_launch.op_forward``). Off by default: not yet measured on a GPU.
+    cpp_launch_compiled: compiled graphs' opaque ops replay through the same C++ entries
+        instead of the Python launchers, at the default scale (``cpp_launch.op_forward``);
+        with it ``traced_compile="auto"`` traces no call while the C++ path can serve them
+        (``cpp_launch.serves_compiled``), so compiled calls keep the Gluon kernels and TMA.
+        Off by default: not yet measured on a GPU.
     """
 
     backward: str = "auto"
