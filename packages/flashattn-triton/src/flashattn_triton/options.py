@@ -85,7 +85,8 @@ class Options:
         instead of the Python launchers, at the default scale (``cpp_launch.op_forward``);
         with it ``traced_compile="auto"`` traces no call while the C++ path can serve them
         (``cpp_launch.serves_compiled``), so compiled calls keep the Gluon kernels and TMA.
-        Off by default: not yet measured on a GPU.
+        Off by default: on an H100 it won single compiled calls and lost the host-bound
+        compiled small model to traced calls (BENCHMARKS 3.1, 3.3).
     """
 
     backward: str = "auto"
