@@ -64,6 +64,10 @@
 #   tracedsteps  traced_compile=auto timed: scripts/model_step_ab.py small (compiled) and xl
 #              (blocks compiled), interleaved; the graphed xl bench step; the compiled sweep's
 #              short rows with the option off and auto          (parts measured 25-100 s, H100)
+#   cppcompiled  flashattn-triton's cpp_launch_compiled (compiled graphs' opaque ops replayed
+#              from C++) against traced_compile=auto: its GPU tests, the compiled sweep's
+#              rows up to 8192 tokens with each setting, then scripts/model_step_ab.py small
+#              (compiled) and xl (blocks compiled), interleaved        (parts: 1-4 min, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -295,6 +299,23 @@ if want tracedsteps; then  # the same option timed: model steps, graphed xl, sho
       --quiet --modes compiled --shapes 128x512 64x1024 32x2048 16x4096 \
       --csv "$WORK/traced_sweep_$tc.csv" --json "$WORK/traced_sweep_$tc.json"
   done
+fi
+if want cppcompiled; then  # compiled graphs' opaque ops through C++ against traced calls
+  run cpp_compiled_tests env FLASHATTN_TRITON_CPP_LAUNCH_COMPILED=1 $PY -m pytest -q \
+    -p no:cacheprovider "$ROOT/packages/flashattn-triton/tests" -m gpu -k "cpp_launch or graph"
+  for cc in 0 1; do
+    run "cpp_compiled_sweep_$cc" env FLASHATTN_TRITON_CPP_LAUNCH_COMPILED=$cc \
+      $PY -m perf_tools.attention_sweep --quiet --modes compiled --rounds 3 --host \
+      --shapes 128x512 64x1024 32x2048 16x4096 8x8192 \
+      --csv "$WORK/cpp_compiled_sweep_$cc.csv" --json "$WORK/cpp_compiled_sweep_$cc.json"
+  done
+  AB="$PY $ROOT/packages/perf-tools/scripts/model_step_ab.py"
+  run cpp_compiled_small_ab $AB --size small --context 1024 --compile --variants sdpa \
+    flash-triton-auto flash-triton-cpp --threads device --cpus free --rounds 5 \
+    --out "$WORK/cpp_compiled_small_ab"
+  run cpp_compiled_xl_ab $AB --size xl --context 512 --blocks --variants sdpa \
+    flash-triton-auto flash-triton-cpp --threads device --cpus free --rounds 4 --warmup 3 \
+    --steps 10 --out "$WORK/cpp_compiled_xl_ab"
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \

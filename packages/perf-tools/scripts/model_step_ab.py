@@ -4,7 +4,9 @@ Settings are the product of
   - the variant: ``sdpa``, ``flash-triton`` (flashattn_triton's default options),
     ``flash-triton-opaque`` (compiled graphs call our opaque ops: ``traced_compile=False``),
     ``flash-triton-traced`` (compiled graphs launch our kernels themselves at every size:
-    ``traced_compile=True``) and ``flash-triton-auto`` (``traced_compile="auto"``);
+    ``traced_compile=True``), ``flash-triton-auto`` (``traced_compile="auto"``) and
+    ``flash-triton-cpp`` (the opaque ops replayed from C++: ``cpp_launch_compiled=True``,
+    with which ``auto`` traces nothing);
   - the backward's thread: ``device`` (autograd's device thread, torch's default) or
     ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
   - the CPUs: ``free`` (as started), ``one-core`` (every thread of the process pinned to one
@@ -43,11 +45,15 @@ from model_host_profile import _time as _time_steps
 from perf_tools import _cli
 
 VARIANTS = (
-    "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto"
+    "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto",
+    "flash-triton-cpp",
 )  # fmt: skip
-CHANGES = {  # traced_compile
-    "flash-triton-opaque": False, "flash-triton-traced": True, "flash-triton-auto": "auto"
-}  # fmt: skip
+CHANGES: dict[str, dict[str, object]] = {  # flashattn_triton option changes per variant
+    "flash-triton-opaque": {"traced_compile": False},
+    "flash-triton-traced": {"traced_compile": True},
+    "flash-triton-auto": {"traced_compile": "auto"},
+    "flash-triton-cpp": {"traced_compile": "auto", "cpp_launch_compiled": True},
+}
 THREADS = ("device", "calling")
 CPUS = ("free", "one-core", "awake")
 
@@ -136,7 +142,7 @@ def main() -> None:
 
     plain = get_options()
     options = {
-        v: dataclasses.replace(plain, traced_compile=CHANGES[v]) if v in CHANGES else plain
+        v: dataclasses.replace(plain, **CHANGES[v]) if v in CHANGES else plain
         for v in args.variants
     }
     steps = {}
