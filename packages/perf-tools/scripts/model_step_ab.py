@@ -13,7 +13,9 @@ Settings are the product of
     CPU after warm-up, so the calling and device threads share its caches) or ``awake``
     (``/dev/cpu_dma_latency`` held at 0, which keeps idle cores out of deep sleep states;
     needs root, else the cells are skipped). Each cell records the machine's steal time
-    (CPU time a hypervisor gave elsewhere) per step.
+    (CPU time a hypervisor gave elsewhere) per step, and flashattn_triton's C++ replays per
+    step (``cpp_forward``, ``cpp_backward``, ``cpp_backward_fallback``: which calls replayed
+    from C++, which backward went to Python).
 Each variant is compiled once (``Options`` objects are reused, so a compiled graph's guards
 hold), then each round times every setting in turn: warm-up steps, then ``--steps``
 synchronized steps, median. Per-process noise (the host's speed drifts within a lease) hits
@@ -107,6 +109,17 @@ def _write_rounds(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def _cpp_calls() -> dict[str, int]:
+    """flashattn_triton's C++ replay counters (forward, backward, backward_fallback; zeros
+    where its extension is not loaded): a cell's difference says which of its calls replayed
+    from C++ and which backward went to Python."""
+    from flashattn_triton import cpp_launch
+
+    module = cpp_launch._state["module"]
+    counts = module.counters() if module is not None else {}
+    return {name: int(counts.get(name, 0)) for name in ("forward", "backward", "backward_fallback")}
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -172,13 +185,15 @@ def main() -> None:
                             continue
                         for _ in range(args.cell_warmup):
                             steps[variant]()
-                        steal = _steal_s()
+                        steal, calls = _steal_s(), _cpp_calls()
                         step_ms, host_ms = _time_steps(steps[variant], args.steps)
                         steal = (_steal_s() - steal) * 1e3 / args.steps
+                        calls = {k: v - calls[k] for k, v in _cpp_calls().items()}
                     rows.append(
                         {"round": r, "variant": variant, "thread": thread, "cpu": cpu,
                          "step_ms": round(step_ms, 3), "host_ms": round(host_ms, 3),
-                         "steal_ms_per_step": round(steal, 3)}
+                         "steal_ms_per_step": round(steal, 3),
+                         **{f"cpp_{k}_per_step": v / args.steps for k, v in calls.items()}}
                     )  # fmt: skip
         if not rows:
             raise SystemExit(f"no cell could run here (--cpus {' '.join(args.cpus)})")
