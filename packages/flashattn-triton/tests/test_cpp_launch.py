@@ -226,8 +226,8 @@ class _Recorder:
     def __init__(self, answer):
         self.answer, self.lookups = answer, []
 
-    def attention_if_known(self, q, k, v, causal, *window):
-        self.lookups.append((causal, *window) if window else causal)
+    def attention_if_known(self, q, k, v, causal, left=-1, right=-1, scale=0.0):
+        self.lookups.append((causal, left, right, scale))
         return self.answer
 
     def reset(self):
@@ -249,13 +249,28 @@ def test_plain_grad_calls_consult_the_extension(standin):
     assert flash_attention(q, k, v, causal=True) is sentinel
     assert flash_attention(q, k, v, backend="triton") is sentinel
     assert flash_attention(q, k, v, causal=True, window_size=(2, 0)) is sentinel
-    assert fake.lookups == [True, False, (True, 2, 0)]
+    assert flash_attention(q, k, v, softmax_scale=0.3) is sentinel
+    assert fake.lookups == [
+        (True, -1, -1, 0.0), (False, -1, -1, 0.0), (True, 2, 0, 0.0), (False, -1, -1, 0.3)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("scale", "error"), [(-1.0, ValueError), (float("nan"), ValueError)])
+def test_bad_scales_are_looked_up_and_still_raise(monkeypatch, scale, error):
+    """A float scale is part of the lookup; an invalid one never has an entry (the Python
+    path raised on it), so the Python path's check names it."""
+    fake = _Recorder(None)
+    monkeypatch.setitem(cpp_launch._state, "module", fake)
+    monkeypatch.setattr(cpp_launch, "ACTIVE", [True])
+    with pytest.raises(error, match="softmax_scale"):
+        flash_attention(*_qkv(), softmax_scale=scale)
+    assert len(fake.lookups) == 1
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"softmax_scale": 0.3},
+        {"softmax_scale": 1},  # only floats are looked up (an int takes the Python path)
         {"return_lse": True},
         {"window_size": (2, 0), "return_lse": True},
         {"window_size": [2, 0]},  # only tuples are looked up (lists take the Python path)
@@ -328,7 +343,7 @@ def test_refused_layouts_are_not_offered_to_learn(standin, monkeypatch):
     fake.answer = None
     flash_attention(q, k, v, causal=False, backend="triton")
     assert learned == [False]
-    assert fake.lookups == [True, False]
+    assert [lookup[0] for lookup in fake.lookups] == [True, False]
 
 
 def test_refused_marks_are_bounded_and_reset(ext, monkeypatch):
@@ -421,12 +436,15 @@ def test_auto_builds_in_the_background_on_cuda_only(fresh_state, monkeypatch, se
     assert started == [1]
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (3, 0)])
-def test_learn_registers_forward_then_backward(ext, monkeypatch, window):
+@pytest.mark.parametrize(
+    ("window", "scale", "n_k"), [((-1, -1), 0.5, 7), ((3, 0), 0.5, 6), ((-1, -1), 0.3, 5)]
+)
+def test_learn_registers_forward_then_backward(ext, monkeypatch, window, scale, n_k):
     """The Python glue end to end on the real extension: ``learn`` gives a call's layouts an
     entry (from the launchers' remembered call), the next call is found in C++, its first
     backward goes to the launchers' backward and registers the dO layout, the next runs in
-    C++. Launch-free plans stand in for the recorded launches (no GPU here)."""
+    C++. Launch-free plans stand in for the recorded launches (no GPU here). The window and a
+    scale other than the default (0.5 at d = 4) are part of the key."""
     from flashattn_triton import launch, launch_backward
 
     monkeypatch.setitem(cpp_launch._state, "module", ext)
@@ -435,9 +453,9 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch, window):
     monkeypatch.setattr(cpp_launch, "_n_refused", [0])
     monkeypatch.setattr(cpp_launch, "call_key", lambda tensors, *flags: (len(tensors), *flags))
     monkeypatch.setattr(cpp_plans, "describe", lambda replay: [])
-    monkeypatch.setitem(launch._CALLS, (3, True, 0.5, *window), ("replay", ()))
+    monkeypatch.setitem(launch._CALLS, (3, True, scale, *window), ("replay", ()))
     monkeypatch.setitem(
-        launch_backward._CALLS, (6, True, 0.5, *window), ("replay", (True, [2, 8], 16, False))
+        launch_backward._CALLS, (6, True, scale, *window), ("replay", (True, [2, 8], 16, False))
     )
     python_backwards = []
 
@@ -447,27 +465,32 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch, window):
 
     monkeypatch.setattr(launch_backward, "backward", fake_backward)
     q, k, v = _qkv(shape=(1, 2, 8, 4))
-    n_k = 7 if window == (-1, -1) else 6  # layouts of their own (no other test's entry)
+    # (n_k: layouts of their own, no other test's entry)
     k = k.detach()[:, :, :n_k].requires_grad_()
     v = v.detach()[:, :, :n_k].requires_grad_()
-    assert ext.attention_if_known(q, k, v, True, *window) is None
+    assert ext.attention_if_known(q, k, v, True, *window, scale) is None
     monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 0)  # full: no new entry
-    cpp_launch.learn(q, k, v, True, 0.5, *window)
-    assert ext.attention_if_known(q, k, v, True, *window) is None
+    cpp_launch.learn(q, k, v, True, scale, *window)
+    assert ext.attention_if_known(q, k, v, True, *window, scale) is None
     monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 1)
-    cpp_launch.learn(q, k, v, True, 0.5, *window)
+    cpp_launch.learn(q, k, v, True, scale, *window)
     if window != (-1, -1):  # the window is part of the key
         assert ext.attention_if_known(q, k, v, True) is None
         assert ext.attention_if_known(q, k, v, True, 4, 0) is None
+    if scale != 0.5:  # so is a scale other than the default
+        assert ext.attention_if_known(q, k, v, True, *window) is None
+        assert ext.attention_if_known(q, k, v, True, *window, 0.25) is None
+    else:  # the default given explicitly is the default's entry
+        assert ext.attention_if_known(q, k, v, True, *window, 0.5) is not None
     start = ext.counters()
     do = torch.randn(1, 2, 8, 4)
     for _ in range(3):
-        o = ext.attention_if_known(q, k, v, True, *window)
+        o = ext.attention_if_known(q, k, v, True, *window, scale)
         assert o is not None
         grads = torch.autograd.grad(o, (q, k, v), do)
     end = ext.counters()
     # only the first backward of this dO layout, with the call's window
-    assert python_backwards == [(True, 0.5, *window)]
+    assert python_backwards == [(True, scale, *window)]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert end["forward"] - start["forward"] == 3
     assert end["backward"] - start["backward"] == 2

@@ -2,8 +2,8 @@
 
 Each case runs a model-layout call (q a transposed (B, N, H, d) buffer) several times, with
 two dO layouts, and holds the C++ path's outputs and gradients to the Python path's on the
-same inputs (the Python path is reached by passing the default scale explicitly, which the
-C++ lookup leaves alone); the extension's counters show that the repeated calls, forward and
+same inputs (``_python_path``: the lookup switched off for the reference call, the entries
+kept); the extension's counters show that the repeated calls, forward and
 backward, ran in C++.
 """
 
@@ -44,6 +44,17 @@ def _inputs(b, h, hkv, n, d, seed):
     return q, k, v, dos
 
 
+def _python_path(*args, **kwargs):
+    """``flash_attention`` on the Python path: the C++ lookup off for this call (and nothing
+    registered by it), the extension's entries kept."""
+    was = cpp_launch.ACTIVE[0]
+    cpp_launch.ACTIVE[0] = False
+    try:
+        return flash_attention(*args, **kwargs)
+    finally:
+        cpp_launch.ACTIVE[0] = was
+
+
 def _close(a, r, what):
     assert a.shape == r.shape, what
     assert a.stride() == r.stride(), what
@@ -64,13 +75,12 @@ CASES = [  # b, h, hkv, n, d, causal
 @pytest.mark.parametrize(("b", "h", "hkv", "n", "d", "causal"), CASES)
 def test_matches_python_path(ext, b, h, hkv, n, d, causal):
     q, k, v, dos = _inputs(b, h, hkv, n, d, seed=n + d)
-    scale = 1.0 / math.sqrt(d)
     before = ext.counters()
     for i in range(6):
         do = dos[i % 2]
         o = flash_attention(q, k, v, causal=causal)
         grads = torch.autograd.grad(o, (q, k, v), do)
-        o_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+        o_ref = _python_path(q, k, v, causal=causal)
         refs = torch.autograd.grad(o_ref, (q, k, v), do)
         assert torch.equal(o, o_ref), i
         for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
@@ -93,12 +103,11 @@ def test_windowed_calls_match_python_path(ext, n, d, causal, window):
     """A window is part of the key: repeated windowed calls run in C++, a call with another
     window does not reuse the entry, and all match the Python path."""
     q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + window[0])
-    scale = 1.0 / math.sqrt(d)
     before = ext.counters()
     for i in range(4):
         o = flash_attention(q, k, v, causal=causal, window_size=window)
         grads = torch.autograd.grad(o, (q, k, v), dos[0])
-        o_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+        o_ref = _python_path(q, k, v, causal=causal, window_size=window)
         refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
         assert torch.equal(o, o_ref), i
         for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
@@ -108,9 +117,37 @@ def test_windowed_calls_match_python_path(ext, n, d, causal, window):
     assert after["backward"] - before["backward"] == 2
     other = (window[0] + 1, window[1])
     o2 = flash_attention(q, k, v, causal=causal, window_size=other)
-    o2_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=other)
+    o2_ref = _python_path(q, k, v, causal=causal, window_size=other)
     assert torch.equal(o2, o2_ref)
     assert ext.counters()["forward"] == after["forward"]  # a new window: the Python path
+
+
+@pytest.mark.parametrize(("n", "d", "causal"), [(1024, 64, True), (512, 128, False)])
+def test_explicit_scales_replay_in_cpp(ext, n, d, causal):
+    """A float scale other than the default is part of the key: repeated calls with it run
+    in C++ and match the Python path; another scale does not reuse the entry; the default
+    given explicitly is the default's entry."""
+    q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + d + 2)
+    before = ext.counters()
+    for i in range(4):
+        o = flash_attention(q, k, v, causal=causal, softmax_scale=0.1)
+        grads = torch.autograd.grad(o, (q, k, v), dos[0])
+        o_ref = _python_path(q, k, v, causal=causal, softmax_scale=0.1)
+        refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
+        assert torch.equal(o, o_ref), i
+        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+            _close(a, r, (i, name))
+    after = ext.counters()
+    assert after["forward"] - before["forward"] == 3
+    assert after["backward"] - before["backward"] == 2
+    o2 = flash_attention(q, k, v, causal=causal, softmax_scale=0.2)
+    assert torch.equal(o2, _python_path(q, k, v, causal=causal, softmax_scale=0.2))
+    assert ext.counters()["forward"] == after["forward"]  # a new scale: the Python path
+    for _ in range(2):
+        flash_attention(q, k, v, causal=causal)
+    default = 1.0 / math.sqrt(d)
+    flash_attention(q, k, v, causal=causal, softmax_scale=default)
+    assert ext.counters()["forward"] == after["forward"] + 2
 
 
 def test_only_some_inputs_require_grad(ext):
@@ -120,7 +157,7 @@ def test_only_some_inputs_require_grad(ext):
         o = flash_attention(q, k, v, causal=True)
         (dq,) = torch.autograd.grad(o, (q,), dos[0])
     qr = q.detach().requires_grad_()
-    o_ref = flash_attention(qr, k, v, causal=True, softmax_scale=0.125)
+    o_ref = _python_path(qr, k, v, causal=True)
     (dq_ref,) = torch.autograd.grad(o_ref, (qr,), dos[0])
     _close(dq, dq_ref, "dq")
 
@@ -196,7 +233,7 @@ def test_cuda_graph_capture(ext):
         for t in (q, k, v):
             t.copy_(torch.randn_like(t))
     graph.replay()
-    o_ref = flash_attention(q, k, v, causal=True, softmax_scale=0.125)
+    o_ref = _python_path(q, k, v, causal=True)
     refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
     assert torch.equal(o, o_ref)
     for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
@@ -217,7 +254,7 @@ def test_activation_checkpointing(ext):
     )
     grads = torch.autograd.grad(o, (q, k, v), dos[0])
     assert ext.counters()["forward"] - before == 2  # the call and its recomputation
-    o_ref = flash_attention(q, k, v, causal=True, softmax_scale=0.125)
+    o_ref = _python_path(q, k, v, causal=True)
     refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
     for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
         _close(a, r, name)
@@ -230,7 +267,6 @@ def test_compiled_opaque_ops_replay_in_cpp(ext, set_options, n, d, causal):
     set_options(traced_compile=False, cpp_launch_compiled=True)
     assert cpp_launch.OPS_ACTIVE[0]
     q, k, v, dos = _inputs(2, 8, 8, n, d, seed=n + d + 1)
-    scale = 1.0 / math.sqrt(d)
 
     def step(q, k, v, do):
         o = flash_attention(q, k, v, causal=causal)
@@ -241,7 +277,7 @@ def test_compiled_opaque_ops_replay_in_cpp(ext, set_options, n, d, causal):
     before = ext.counters()
     for i in range(4):
         outs = compiled(q, k, v, dos[0])
-        o_ref = flash_attention(q, k, v, causal=causal, softmax_scale=scale)
+        o_ref = _python_path(q, k, v, causal=causal)
         refs = (o_ref, *torch.autograd.grad(o_ref, (q, k, v), dos[0]))
         for name, a, r in zip(("o", "dq", "dk", "dv"), outs, refs):
             _close(a, r, (i, name))

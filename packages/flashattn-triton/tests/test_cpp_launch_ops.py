@@ -240,3 +240,22 @@ def test_serves_compiled_traces_without_a_break(monkeypatch, set_options):
     set_options(cpp_launch_compiled=False)
     assert fn(x).tolist() == [-1.0, -1.0]
     torch._dynamo.reset()
+
+
+def test_a_scale_other_than_the_default_has_entries_of_its_own(active, monkeypatch):
+    """The ops pass the scale; one other than the default 1/sqrt(d) is part of the key, so an
+    entry learned at it replays only at it."""
+    ext = active
+    q, k, v = _qkv(n_k=10)
+    entry = ext.add_entry([], lambda *a: None)
+    ext.index_entry(ext.fwd_key(q, k, v, True, -1, -1, 0.3), entry)
+    python_calls = []
+    monkeypatch.setattr(launch, "forward", lambda *a: python_calls.append(a[4]))
+    start = ext.counters()["forward"]
+    o, _ = cpp_launch.op_forward(q, k, v, True, 0.3)
+    assert o.shape == q.shape
+    assert ext.counters()["forward"] - start == 1
+    cpp_launch.op_forward(q, k, v, True, 0.5)  # the default (d = 4): not this entry
+    cpp_launch.op_forward(q, k, v, True, 0.25)
+    assert python_calls == [0.5, 0.25]
+    assert ext.fwd_key(q, k, v, True, -1, -1, 0.5) == ext.fwd_key(q, k, v, True)

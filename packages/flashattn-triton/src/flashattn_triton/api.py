@@ -90,10 +90,11 @@ def flash_attention(
     plain = not return_lse and window_size == (-1, -1)
     # A repeated call (without the lse) whose layouts and window the C++ launch path knows
     # (``cpp_launch``): they were checked by the first call, so it skips the checks too.
-    cpp = return_lse is False and softmax_scale is None and (causal is True or causal is False)
+    cpp = return_lse is False and (causal is True or causal is False)
+    cpp = cpp and (softmax_scale is None or type(softmax_scale) is float)
     cpp = cpp and (backend == "auto" or backend == "triton") and not _compiling()
     if cpp and cpp_launch.ACTIVE[0]:
-        o = cpp_launch.known_call(q, k, v, causal, window_size)
+        o = cpp_launch.known_call(q, k, v, causal, window_size, softmax_scale)
         if o is not None:
             if o is not False:
                 return o

@@ -17,18 +17,18 @@ ready, or for good if it cannot be built (``status()`` says why); ``True`` compi
 the first call and raises if that fails; ``False`` never uses it.
 
 Eligible calls: 4-D CUDA float16/bfloat16 inputs that record a graph (grad mode on, an input
-requiring grad), outside torch.compile and functorch transforms, the default scale, no lse
-(a window is part of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no
-``configs.OVERRIDES``, on Triton 3.6 (``cpp_plans``). Everything else, and every layout
-whose launches cannot be described, takes the Python path unchanged. Triton launch hooks
-(e.g. proton's) do not see these launches; set ``cpp_launch=False`` while using them.
+requiring grad), outside torch.compile and functorch transforms, no lse (a window, and a
+scale given as a float other than the default, are part of the layout's key), ``causal`` a
+bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``, on Triton 3.6 (``cpp_plans``).
+Everything else, and every layout whose launches cannot be described, takes the Python path
+unchanged. Triton launch hooks (e.g. proton's) do not see these launches; set
+``cpp_launch=False`` while using them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import threading
 from importlib import resources
@@ -194,18 +194,22 @@ def _window(window_size: object) -> tuple[int, int] | None:
 
 
 def known_call(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_size=(-1, -1)
-):
-    """The output of a call whose layouts (and window) have a C++ entry (launched there);
-    False for layouts the path refused (the Python path, without ``learn``); else None."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_size=(-1, -1),
+    softmax_scale: float | None = None,
+):  # fmt: skip
+    """The output of a call whose layouts (window and scale) have a C++ entry (launched
+    there); False for layouts the path refused (the Python path, without ``learn``); else
+    None. ``softmax_scale``: None or a float (an invalid one has no entry: the Python path's
+    checks name it)."""
     if not _eligible(q, k, v):
         return None
+    scale = 0.0 if softmax_scale is None else softmax_scale  # 0: the default, in C++
     if window_size == (-1, -1):
-        return _state["module"].attention_if_known(q, k, v, causal)
+        return _state["module"].attention_if_known(q, k, v, causal, -1, -1, scale)
     window = _window(window_size)
     if window is None:
         return None
-    return _state["module"].attention_if_known(q, k, v, causal, *window)
+    return _state["module"].attention_if_known(q, k, v, causal, *window, scale)
 
 
 def after_python_call(
@@ -247,7 +251,7 @@ def _register(module, q, k, v, causal: bool, scale: float, window: tuple[int, in
     call = call_key((q, k, v), causal, scale, *window)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
-    key = module.fwd_key(q, k, v, causal, *window)
+    key = module.fwd_key(q, k, v, causal, *window, scale)
     remembered = launch._CALLS.get(call) if call is not None else None
     launches = None
     if remembered is not None and remembered[1] == ():
@@ -328,13 +332,10 @@ def _buildable() -> bool:
     return not _state["status"].startswith("failed") and cpp_plans.supported(triton.__version__)
 
 
-def _replayable_op_call(q: torch.Tensor, scale: float) -> bool:
-    """An opaque-op call the C++ entries may serve: a plain 4-D tensor at the default scale
-    (entries are learned at it; the ops always pass a scale), no tile overrides."""
-    return (
-        OPS_ACTIVE[0] and type(q) is torch.Tensor and q.dim() == 4
-        and scale == 1.0 / math.sqrt(q.shape[-1]) and not C.OVERRIDES
-    )  # fmt: skip
+def _replayable_op_call(q: torch.Tensor) -> bool:
+    """An opaque-op call the C++ entries may serve: a plain 4-D tensor, no tile overrides
+    (the scale is part of the entries' key)."""
+    return OPS_ACTIVE[0] and type(q) is torch.Tensor and q.dim() == 4 and not C.OVERRIDES
 
 
 def op_forward(
@@ -345,9 +346,9 @@ def op_forward(
     replay where the layouts have an entry, else ``launch.forward``, whose launches then get
     one. The same (o, lse) as ``launch.forward``."""
     window = (window_left, window_right)
-    replayable = _replayable_op_call(q, softmax_scale)
+    replayable = _replayable_op_call(q)
     if replayable:
-        out = _state["module"].forward_if_known(q, k, v, causal, *window)
+        out = _state["module"].forward_if_known(q, k, v, causal, *window, softmax_scale)
         if out is False:  # refused layouts: the Python launchers, not registered again
             return launch.forward(q, k, v, causal, softmax_scale, *window)
         if out is not None:
@@ -371,10 +372,10 @@ def op_backward(
     forward's entry has a plan for dO's layout, else ``launch.backward``, whose launches the
     entry then gets (once per dO layout)."""
     window = (window_left, window_right)
-    if not _replayable_op_call(q, softmax_scale):
+    if not _replayable_op_call(q):
         return launch.backward(do, q, k, v, o, lse, causal, softmax_scale, *window)
     module = _state["module"]
-    replayed = module.backward_if_known(do, q, k, v, o, lse, causal, *window)
+    replayed = module.backward_if_known(do, q, k, v, o, lse, causal, *window, softmax_scale)
     if type(replayed) is tuple:
         return replayed
     grads = launch.backward(do, q, k, v, o, lse, causal, softmax_scale, *window)

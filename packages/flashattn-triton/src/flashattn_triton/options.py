@@ -82,7 +82,7 @@ class Options:
         default; without a C++ compiler the Python path stays), True compiles it in the first
         call and raises if that fails, False keeps the Python launchers.
     cpp_launch_compiled: compiled graphs' opaque ops replay through the same C++ entries
-        instead of the Python launchers, at the default scale (``cpp_launch.op_forward``);
+        instead of the Python launchers (``cpp_launch.op_forward``);
         with it ``traced_compile="auto"`` traces no call while the C++ path can serve them
         (``cpp_launch.serves_compiled``), so compiled calls keep the Gluon kernels and TMA.
         Off by default: on an H100 it won single compiled calls and lost the host-bound

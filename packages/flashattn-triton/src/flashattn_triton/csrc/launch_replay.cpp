@@ -20,6 +20,8 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -219,12 +221,19 @@ std::string layout_key(const at::Tensor& t) {
   return key;
 }
 
-// The forward's key: the three layouts, causal, and the window when there is one.
+// The forward's key: the three layouts, causal, the window when there is one, and the scale
+// when it is not the default 1/sqrt(d) (0: the default; Python's 1.0 / math.sqrt(d) is the
+// same correctly rounded double), exactly, as a hexadecimal float.
 std::string fwd_key(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                    int64_t window_left, int64_t window_right) {
+                    int64_t window_left, int64_t window_right, double scale) {
   std::string key = layout_key(q) + "|" + layout_key(k) + "|" + layout_key(v) + (causal ? "|c" : "|n");
   if (window_left != -1 || window_right != -1)
     key += "|w" + std::to_string(window_left) + "," + std::to_string(window_right);
+  if (scale != 0.0 && scale != 1.0 / std::sqrt(static_cast<double>(q.size(-1)))) {
+    char text[48];
+    std::snprintf(text, sizeof text, "|s%a", scale);
+    key += text;
+  }
   return key;
 }
 
@@ -401,16 +410,16 @@ int64_t lookup(const std::string& key) {
 // for unknown layouts and for calls the replays cannot take here (another current device,
 // inputs sharing an address, e.g. q is k: the Python path refuses those too).
 int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         bool causal, int64_t window_left, int64_t window_right) {
-  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+                         bool causal, int64_t window_left, int64_t window_right, double scale) {
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right, scale));
   if (id < 0) return id;
   bool here = on_current_device(q) && distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3);
   return here ? id : kUnknown;
 }
 
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                              int64_t window_left, int64_t window_right) {
-  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right);
+                              int64_t window_left, int64_t window_right, double scale) {
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale);
   if (id == kRefused) return py::bool_(false);
   if (id < 0) return py::none();
   return py::cast(FlashFn::apply(q, k, v, id));
@@ -420,8 +429,8 @@ py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool cau
 // entries without an autograd node. (o, lse) if the layouts have an entry; False if they were
 // refused; None if unknown or not replayable here (the caller's Python launchers).
 py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                            int64_t window_left, int64_t window_right) {
-  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right);
+                            int64_t window_left, int64_t window_right, double scale) {
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale);
   if (id == kRefused) return py::bool_(false);
   if (id < 0) return py::none();
   Entry& e = entry(id);
@@ -438,8 +447,8 @@ py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causa
 // else the entry's id (negative: none), for registering the backward that Python then runs.
 py::object backward_if_known(at::Tensor dout, at::Tensor q, at::Tensor k, at::Tensor v,
                              at::Tensor o, at::Tensor lse, bool causal, int64_t window_left,
-                             int64_t window_right) {
-  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right));
+                             int64_t window_right, double scale) {
+  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right, scale));
   if (id < 0 || !on_current_device(q)) return py::int_(id < 0 ? id : kUnknown);
   tensor_list g;
   if (!replay_backward(entry(id), dout, q, k, v, o, lse, g)) return py::int_(id);
@@ -473,12 +482,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention);
   m.def("layout_key", &layout_key);
   m.def("fwd_key", &fwd_key, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal"),
-        py::arg("window_left") = -1, py::arg("window_right") = -1);
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("scale") = 0.0);
   m.def("index_entry", &index_entry);
-  m.def("forward_if_known", &forward_if_known);
-  m.def("backward_if_known", &backward_if_known);
+  m.def("forward_if_known", &forward_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("scale") = 0.0);
+  m.def("backward_if_known", &backward_if_known, py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("causal"),
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("scale") = 0.0);
   m.def("refuse", &refuse);
   m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1);
+        py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1,
+        py::arg("scale") = 0.0);
 }
