@@ -230,6 +230,10 @@ class _Recorder:
         self.lookups.append((causal, left, right, scale))
         return self.answer
 
+    def forward_if_known(self, q, k, v, causal, left=-1, right=-1, scale=0.0):
+        self.lookups.append(("no graph", causal, left, right, scale))
+        return self.answer if self.answer is None or self.answer is False else (self.answer, None)
+
     def reset(self):
         pass
 
@@ -303,19 +307,29 @@ def test_bad_causal_still_raises(standin):
     assert fake.lookups == []
 
 
-def test_no_grad_and_subclasses_skip_the_extension(standin):
+def test_calls_without_autograd_replay_the_forward_alone(standin):
+    """Calls autograd does not record (no grad mode, or no input requiring grad) look up the
+    forward without the node (evaluation, inference)."""
     fake, sentinel = standin
     q, k, v = _qkv()
     with torch.no_grad():
-        assert flash_attention(q, k, v) is not sentinel
+        assert flash_attention(q, k, v) is sentinel
     plain = _qkv((False, False, False))
-    assert flash_attention(*plain) is not sentinel
+    assert flash_attention(*plain, causal=True, window_size=(2, 0)) is sentinel
+    assert fake.lookups == [("no graph", False, -1, -1, 0.0), ("no graph", True, 2, 0, 0.0)]
+
+
+def test_subclasses_skip_the_extension(standin):
+    fake, _ = standin
+    q, k, v = _qkv()
 
     class Sub(torch.Tensor):
         pass
 
     sub = q.detach().as_subclass(Sub).requires_grad_()
     flash_attention(sub, k, v)
+    with torch.no_grad():
+        flash_attention(sub, k, v)
     assert fake.lookups == []
 
 
@@ -495,3 +509,39 @@ def test_learn_registers_forward_then_backward(ext, monkeypatch, window, scale, 
     assert end["forward"] - start["forward"] == 3
     assert end["backward"] - start["backward"] == 2
     assert end["backward_fallback"] - start["backward_fallback"] == 1
+
+
+def test_calls_without_autograd_register_at_their_second_sighting(ext, monkeypatch):
+    """A call autograd does not record is only noted the first time its call key is seen (a
+    loop over ever new shapes fills no entries); the second registers its layouts, whose
+    entry then serves calls with and without autograd."""
+    from flashattn_triton import launch
+
+    monkeypatch.setitem(cpp_launch._state, "module", ext)
+    for name in ("_registered", "_bwd_refused", "_seen_once"):
+        monkeypatch.setattr(cpp_launch, name, set())
+    monkeypatch.setattr(cpp_launch, "_n_refused", [0])
+    monkeypatch.setattr(cpp_launch, "call_key", lambda tensors, *flags: (len(tensors), *flags))
+    monkeypatch.setattr(cpp_plans, "describe", lambda replay: [])
+    monkeypatch.setitem(launch._CALLS, (3, False, 0.5, -1, -1), ("replay", ()))
+    q, k, v = (t.detach() for t in _qkv(shape=(1, 2, 8, 4)))
+    k, v = k[:, :, :4], v[:, :, :4]  # (a layout of its own)
+    cpp_launch.learn(q, k, v, False, 0.5)
+    assert ext.forward_if_known(q, k, v, False) is None  # noted only
+    cpp_launch.learn(q, k, v, False, 0.5)
+    start = ext.counters()["forward"]
+    o, lse = ext.forward_if_known(q, k, v, False)
+    assert o.shape == q.shape
+    assert lse.shape == (1, 2, 8)
+    assert ext.counters()["forward"] - start == 1
+    assert ext.attention_if_known(q.clone().requires_grad_(), k, v, False) is not None
+
+
+def test_first_sightings_are_bounded(monkeypatch):
+    monkeypatch.setattr(cpp_launch, "_seen_once", set())
+    monkeypatch.setattr(cpp_launch, "MAX_ENTRIES", 2)
+    assert [cpp_launch._first_sighting((i,)) for i in range(8)] == [True] * 8
+    assert cpp_launch._first_sighting((7,)) is False  # seen: the second sighting
+    assert cpp_launch._first_sighting((9,)) is True  # 8 = 4 x MAX_ENTRIES noted: cleared
+    assert cpp_launch._seen_once == {(9,)}
+    assert cpp_launch._first_sighting(None) is False  # no key: on to ``_register``

@@ -150,6 +150,22 @@ def test_explicit_scales_replay_in_cpp(ext, n, d, causal):
     assert ext.counters()["forward"] == after["forward"] + 2
 
 
+def test_calls_without_autograd_replay_the_forward(ext):
+    """Evaluation under ``torch.no_grad``: a layout's second Python call registers it, later
+    calls replay the forward from C++, with the Python path's output."""
+    q, k, v, _ = _inputs(3, 4, 4, 768, 64, seed=9)
+    before = ext.counters()
+    with torch.no_grad():
+        outs = [flash_attention(q, k, v, causal=True) for _ in range(4)]
+        ref = _python_path(q, k, v, causal=True)
+    after = ext.counters()
+    assert after["forward"] - before["forward"] == 2
+    assert after["backward"] == before["backward"]
+    for i, o in enumerate(outs):
+        assert o.grad_fn is None
+        assert torch.equal(o, ref), i
+
+
 def test_only_some_inputs_require_grad(ext):
     q, k, v, dos = _inputs(1, 4, 4, 512, 64, seed=1)
     k, v = k.detach(), v.detach()

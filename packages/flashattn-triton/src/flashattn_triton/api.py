@@ -106,6 +106,8 @@ def flash_attention(
         window = () if plain else _check_window_and_lse(window_size, return_lse)
         if not _builds_graph(q, k, v):  # inference, decoding: no autograd.Function to pay for
             o, lse = forward_without_grad(q, k, v, causal, scale, *window)
+            if cpp:
+                cpp_launch.after_python_call(q, k, v, causal, scale, *window)
         elif plain:
             o = CheckedFlashAttention.apply(q, k, v, causal, scale)
             if cpp:

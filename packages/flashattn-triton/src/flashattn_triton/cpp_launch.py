@@ -16,10 +16,13 @@ on a background thread at the first eligible call and keeps the Python path unti
 ready, or for good if it cannot be built (``status()`` says why); ``True`` compiles it in
 the first call and raises if that fails; ``False`` never uses it.
 
-Eligible calls: 4-D CUDA float16/bfloat16 inputs that record a graph (grad mode on, an input
-requiring grad), outside torch.compile and functorch transforms, no lse (a window, and a
-scale given as a float other than the default, are part of the layout's key), ``causal`` a
-bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``, on Triton 3.6 (``cpp_plans``).
+Eligible calls: 4-D CUDA float16/bfloat16 inputs outside torch.compile and functorch
+transforms, no lse (a window, and a scale given as a float other than the default, are part
+of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``,
+on Triton 3.6 (``cpp_plans``). Calls that autograd does not record (evaluation under
+``torch.no_grad``, inference) replay the forward without the node; their layouts get an
+entry at their second Python call, so that a loop over ever new shapes (a growing cache)
+fills no entries.
 Everything else, and every layout whose launches cannot be described, takes the Python path
 unchanged. Triton launch hooks (e.g. proton's) do not see these launches; set
 ``cpp_launch=False`` while using them.
@@ -57,6 +60,7 @@ _state: dict[str, Any] = {"module": None, "status": "not built", "thread": None,
 # lookup answers False for them, and they are not offered to ``learn`` again).
 _n_refused = [0]
 _registered: set[tuple] = set()  # call keys with an entry
+_seen_once: set[tuple] = set()  # call keys of calls without autograd seen once
 _bwd_refused: set[tuple] = set()  # (entry, dO layout) whose backward was tried
 # True while calls may take the C++ path (the extension is loaded and the options allow it).
 ACTIVE = [False]
@@ -159,6 +163,7 @@ def _refresh() -> None:
     module = _state["module"]
     _n_refused[0] = 0
     _registered.clear()
+    _seen_once.clear()
     _bwd_refused.clear()
     if module is not None:
         module.reset()
@@ -177,9 +182,12 @@ def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     whose checks name the bad argument."""
     return (
         type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-        and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         and not C.OVERRIDES and not torch._C._are_functorch_transforms_active()
     )  # fmt: skip
+
+
+def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _window(window_size: object) -> tuple[int, int] | None:
@@ -198,27 +206,30 @@ def known_call(
     softmax_scale: float | None = None,
 ):  # fmt: skip
     """The output of a call whose layouts (window and scale) have a C++ entry (launched
-    there); False for layouts the path refused (the Python path, without ``learn``); else
+    there: through the C++ autograd node where autograd records the call, else without
+    one); False for layouts the path refused (the Python path, without ``learn``); else
     None. ``softmax_scale``: None or a float (an invalid one has no entry: the Python path's
     checks name it)."""
     if not _eligible(q, k, v):
         return None
     scale = 0.0 if softmax_scale is None else softmax_scale  # 0: the default, in C++
-    if window_size == (-1, -1):
-        return _state["module"].attention_if_known(q, k, v, causal, -1, -1, scale)
-    window = _window(window_size)
+    window = (-1, -1) if window_size == (-1, -1) else _window(window_size)
     if window is None:
         return None
-    return _state["module"].attention_if_known(q, k, v, causal, *window, scale)
+    module = _state["module"]
+    if _records_graph(q, k, v):
+        return module.attention_if_known(q, k, v, causal, *window, scale)
+    out = module.forward_if_known(q, k, v, causal, *window, scale)  # inference, evaluation
+    return out if out is None or out is False else out[0]
 
 
 def after_python_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     window_left: int = -1, window_right: int = -1,
 ) -> None:  # fmt: skip
-    """After an eager call without the lse took the Python path: register its layouts if the
-    extension is loaded; else, on CUDA, start building it (``auto``: in the background;
-    ``True``: now)."""
+    """After an eager call without the lse took the Python path (recording autograd or not):
+    register its layouts if the extension is loaded; else, on CUDA, start building it
+    (``auto``: in the background; ``True``: now)."""
     if ACTIVE[0]:
         learn(q, k, v, causal, scale, window_left, window_right)
     elif _state["thread"] is None and q.is_cuda:
@@ -240,7 +251,21 @@ def learn(
     module = _state["module"]
     if module is None or not _eligible(q, k, v) or q.dim() != 4:
         return
-    _register(module, q, k, v, causal, scale, (window_left, window_right))
+    window = (window_left, window_right)
+    if not _records_graph(q, k, v) and _first_sighting(call_key((q, k, v), causal, scale, *window)):
+        return
+    _register(module, q, k, v, causal, scale, window)
+
+
+def _first_sighting(call: tuple | None) -> bool:
+    """Whether a call without autograd is the first of its call key (then it is only noted;
+    None keys go on to ``_register``, which refuses them)."""
+    if call is None or call in _seen_once:
+        return False
+    if len(_seen_once) >= 4 * MAX_ENTRIES:
+        _seen_once.clear()
+    _seen_once.add(call)
+    return True
 
 
 def _register(module, q, k, v, causal: bool, scale: float, window: tuple[int, int]) -> None:

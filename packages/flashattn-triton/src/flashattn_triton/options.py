@@ -76,14 +76,15 @@ class Options:
         outside graphs compiled for CUDA graphs, on GPUs like the ones its tiles were
         measured on (``_device.tables_fit``), which makes host-bound compiled models faster
         (the default).
-    cpp_launch: repeated eager calls (4-D, recording autograd) through a C++ autograd node
-        that replays the recorded launches, forward and backward (``cpp_launch``); ``auto``
-        compiles it in the background at the first such call and uses it once ready (the
-        default; without a C++ compiler the Python path stays), True compiles it in the first
-        call and raises if that fails, False keeps the Python launchers.
+    cpp_launch: repeated eager calls (4-D) through a C++ autograd node that replays the
+        recorded launches, forward and backward (``cpp_launch``; calls autograd does not
+        record replay the forward alone); ``auto`` compiles it in the background at the
+        first such call and uses it once ready (the default; without a C++ compiler the
+        Python path stays), True compiles it in the first call and raises if that fails,
+        False keeps the Python launchers.
     cpp_launch_compiled: compiled graphs' opaque ops replay through the same C++ entries
-        instead of the Python launchers (``cpp_launch.op_forward``);
-        with it ``traced_compile="auto"`` traces no call while the C++ path can serve them
+        instead of the Python launchers (``cpp_launch.op_forward``); with it
+        ``traced_compile="auto"`` traces no call while the C++ path can serve them
         (``cpp_launch.serves_compiled``), so compiled calls keep the Gluon kernels and TMA.
         Off by default: on an H100 it won single compiled calls and lost the host-bound
         compiled small model to traced calls (BENCHMARKS 3.1, 3.3).
