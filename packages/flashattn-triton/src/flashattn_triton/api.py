@@ -88,8 +88,8 @@ def flash_attention(
     KV cache) split the keys over thread blocks on the Triton backend (no separate API).
     """
     plain = not return_lse and window_size == (-1, -1)
-    # A repeated call (without the lse) whose layouts and window the C++ launch path knows
-    # (``cpp_launch``): they were checked by the first call, so it skips the checks too.
+    # A repeated call (without the lse) whose layouts, window and scale the C++ launch path
+    # knows (``cpp_launch``): they were checked by the first call, so it skips the checks too.
     cpp = return_lse is False and (causal is True or causal is False)
     cpp = cpp and (softmax_scale is None or type(softmax_scale) is float)
     cpp = cpp and (backend == "auto" or backend == "triton") and not _compiling()

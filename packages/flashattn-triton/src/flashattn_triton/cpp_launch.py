@@ -22,9 +22,8 @@ of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.O
 on Triton 3.6 (``cpp_plans``). Calls that autograd does not record (evaluation under
 ``torch.no_grad``, inference) replay the forward without the node; their layouts get an
 entry at their second Python call, so that a loop over ever new shapes (a growing cache)
-fills no entries.
-Everything else, and every layout whose launches cannot be described, takes the Python path
-unchanged. Triton launch hooks (e.g. proton's) do not see these launches; set
+fills no entries. Everything else, and every layout whose launches cannot be described,
+takes the Python path unchanged. Triton launch hooks (e.g. proton's) do not see these launches; set
 ``cpp_launch=False`` while using them.
 """
 
@@ -187,6 +186,7 @@ def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _records_graph(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether autograd records the call (then the C++ node; else the forward alone)."""
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
