@@ -95,6 +95,25 @@ def test_matches_python_path(ext, b, h, hkv, n, d, causal):
     assert after["backward_fallback"] - before["backward_fallback"] == 5 - in_cpp
 
 
+def _four_calls_against_python(ext, q, k, v, do, **kwargs):
+    """Four calls with ``kwargs``, each against the Python path on the same inputs: the last
+    three forwards and the last two backwards (the first of dO's layout registers it) run in
+    C++. The counters after."""
+    before = ext.counters()
+    for i in range(4):
+        o = flash_attention(q, k, v, **kwargs)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        o_ref = _python_path(q, k, v, **kwargs)
+        refs = torch.autograd.grad(o_ref, (q, k, v), do)
+        assert torch.equal(o, o_ref), i
+        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+            _close(a, r, (i, name))
+    after = ext.counters()
+    assert after["forward"] - before["forward"] == 3
+    assert after["backward"] - before["backward"] == 2
+    return after
+
+
 @pytest.mark.parametrize(
     ("n", "d", "causal", "window"),
     [(1024, 64, True, (256, 0)), (2048, 128, True, (511, 0)), (512, 64, False, (64, 32))],
@@ -103,18 +122,7 @@ def test_windowed_calls_match_python_path(ext, n, d, causal, window):
     """A window is part of the key: repeated windowed calls run in C++, a call with another
     window does not reuse the entry, and all match the Python path."""
     q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + window[0])
-    before = ext.counters()
-    for i in range(4):
-        o = flash_attention(q, k, v, causal=causal, window_size=window)
-        grads = torch.autograd.grad(o, (q, k, v), dos[0])
-        o_ref = _python_path(q, k, v, causal=causal, window_size=window)
-        refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
-        assert torch.equal(o, o_ref), i
-        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
-            _close(a, r, (i, name))
-    after = ext.counters()
-    assert after["forward"] - before["forward"] == 3
-    assert after["backward"] - before["backward"] == 2
+    after = _four_calls_against_python(ext, q, k, v, dos[0], causal=causal, window_size=window)
     other = (window[0] + 1, window[1])
     o2 = flash_attention(q, k, v, causal=causal, window_size=other)
     o2_ref = _python_path(q, k, v, causal=causal, window_size=other)
@@ -128,18 +136,7 @@ def test_explicit_scales_replay_in_cpp(ext, n, d, causal):
     in C++ and match the Python path; another scale does not reuse the entry; the default
     given explicitly is the default's entry."""
     q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + d + 2)
-    before = ext.counters()
-    for i in range(4):
-        o = flash_attention(q, k, v, causal=causal, softmax_scale=0.1)
-        grads = torch.autograd.grad(o, (q, k, v), dos[0])
-        o_ref = _python_path(q, k, v, causal=causal, softmax_scale=0.1)
-        refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
-        assert torch.equal(o, o_ref), i
-        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
-            _close(a, r, (i, name))
-    after = ext.counters()
-    assert after["forward"] - before["forward"] == 3
-    assert after["backward"] - before["backward"] == 2
+    after = _four_calls_against_python(ext, q, k, v, dos[0], causal=causal, softmax_scale=0.1)
     o2 = flash_attention(q, k, v, causal=causal, softmax_scale=0.2)
     assert torch.equal(o2, _python_path(q, k, v, causal=causal, softmax_scale=0.2))
     assert ext.counters()["forward"] == after["forward"]  # a new scale: the Python path
