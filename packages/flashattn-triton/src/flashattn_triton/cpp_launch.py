@@ -252,9 +252,10 @@ def learn(
     if module is None or not _eligible(q, k, v) or q.dim() != 4:
         return
     window = (window_left, window_right)
-    if not _records_graph(q, k, v) and _first_sighting(call_key((q, k, v), causal, scale, *window)):
+    call = call_key((q, k, v), causal, scale, *window)
+    if not _records_graph(q, k, v) and _first_sighting(call):
         return
-    _register(module, q, k, v, causal, scale, window)
+    _register(module, call, q, k, v, causal, scale, window)
 
 
 def _first_sighting(call: tuple | None) -> bool:
@@ -268,12 +269,13 @@ def _first_sighting(call: tuple | None) -> bool:
     return True
 
 
-def _register(module, q, k, v, causal: bool, scale: float, window: tuple[int, int]) -> None:
+def _register(
+    module, call: tuple | None, q, k, v, causal: bool, scale: float, window: tuple[int, int]
+) -> None:  # fmt: skip
     """Give the layouts of a call the Python launchers just ran a C++ entry (or mark them
-    refused)."""
+    refused). ``call``: its ``call_key``, computed once by the caller."""
     if len(_registered) >= MAX_ENTRIES:
         return
-    call = call_key((q, k, v), causal, scale, *window)
     if call in _registered:  # (a call the C++ lookup declined: aliased inputs, another device)
         return
     key = module.fwd_key(q, k, v, causal, *window, scale)
@@ -380,7 +382,8 @@ def op_forward(
             return out
     out = launch.forward(q, k, v, causal, softmax_scale, *window)
     if replayable:
-        _register(_state["module"], q, k, v, causal, softmax_scale, window)
+        call = call_key((q, k, v), causal, softmax_scale, *window)
+        _register(_state["module"], call, q, k, v, causal, softmax_scale, window)
     elif _state["thread"] is None and q.is_cuda:
         opts = get_options()
         if opts.cpp_launch_compiled and opts.cpp_launch is not False:

@@ -395,8 +395,6 @@ int64_t forget_refused() {
   return n;
 }
 
-// The call through C++ if its layouts have an entry; False if they were refused (the caller's
-// Python path, not offered to ``learn`` again); None if they are unknown (the Python path).
 // The entry of a forward key: its id, kRefused, or kUnknown.
 constexpr int64_t kUnknown = -2;
 
@@ -417,6 +415,9 @@ int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return here ? id : kUnknown;
 }
 
+// The call through the C++ node if its layouts have an entry; False if they were refused
+// (the caller's Python path, not offered to ``learn`` again); None if they are unknown or not
+// replayable here (the Python path).
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                               int64_t window_left, int64_t window_right, double scale) {
   int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale);
