@@ -9,7 +9,9 @@ table and saved to ``--out`` as JSON:
 2. ``sustained``: steps back to back with no profiler, as ``do_bench`` runs them (an L2 flush
    before each), timed by CUDA events around the step and, for ours, around
    ``launch.forward`` / ``launch.backward`` (regions ``forward``, ``backward``) and each
-   kernel ``_run`` starts (regions named by kernel kind: ``fwd``, ``dkdv``, ``dq``).
+   kernel ``_run`` starts (regions named by kernel kind: ``fwd``, ``dkdv``, ``dq``); ours
+   runs these steps through its launchers (``fast_launch`` and ``traced_compile`` off, which
+   changes nothing at the leaderboard shape, too large to be traced).
 3. ``power`` (``--seconds`` > 0, needs ``nvidia-smi``): the SM clock, the board power and
    whether the software power cap throttles, sampled every 100 ms while each provider runs
    steps for that many seconds.
@@ -188,9 +190,10 @@ def sustained_view(step, steps: int, instrument: bool) -> dict:
     if instrument:
         for (module, name, region), fn in zip(patched, saved):
             setattr(module, name, wrap(region, fn))  # kernel regions: fwd, dkdv, dq, ...
-        # kernel regions are marked where _run dispatches each kernel; replayed launch
-        # plans would skip it
-        set_options(fast_launch=False)
+        # kernel regions are marked where _run dispatches each kernel: replayed launch
+        # plans, and compiled calls traced into the graph (whose kernels inductor launches
+        # itself), would skip it
+        set_options(fast_launch=False, traced_compile=False)
     try:
         flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
         for _ in range(5):
