@@ -67,7 +67,8 @@
 #   cppcompiled  flashattn-triton's cpp_launch_compiled (compiled graphs' opaque ops replayed
 #              from C++) against traced_compile=auto: its GPU tests, the compiled sweep's
 #              rows up to 8192 tokens with each setting, then scripts/model_step_ab.py small
-#              (compiled) and xl (blocks compiled), interleaved        (parts: 1-4 min, H100)
+#              (compiled) and xl (blocks compiled), interleaved, xl with each setting's
+#              operators profiled                                     (parts: 1-4 min, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -313,9 +314,10 @@ if want cppcompiled; then  # compiled graphs' opaque ops through C++ against tra
   run cpp_compiled_small_ab $AB --size small --context 1024 --compile --variants sdpa \
     flash-triton-auto flash-triton-cpp --threads device --cpus free --rounds 5 \
     --out "$WORK/cpp_compiled_small_ab"
-  run cpp_compiled_xl_ab $AB --size xl --context 512 --blocks --variants sdpa \
-    flash-triton-auto flash-triton-cpp --threads device --cpus free --rounds 4 --warmup 3 \
-    --steps 10 --out "$WORK/cpp_compiled_xl_ab"
+  # (two xl models: three in one process do not fit 80 GB; --profile: where the host time goes)
+  run cpp_compiled_xl_ab $AB --size xl --context 512 --blocks --variants flash-triton-auto \
+    flash-triton-cpp --threads device --cpus free --rounds 4 --warmup 3 --steps 10 \
+    --profile 3 --out "$WORK/cpp_compiled_xl_ab"
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \

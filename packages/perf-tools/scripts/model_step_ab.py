@@ -16,6 +16,10 @@ Settings are the product of
     (CPU time a hypervisor gave elsewhere) per step, and flashattn_triton's C++ replays per
     step (``cpp_forward``, ``cpp_backward``, ``cpp_backward_fallback``: which calls replayed
     from C++, which backward went to Python).
+With ``--profile N``, after the rounds each variant's steps run N more times under
+``torch.profiler`` (CPU and CUDA): ``profile_ops.csv`` holds every operator's calls, self CPU
+time and GPU time per step per variant, and the operators whose host time differs most
+between the first variant and each other one are printed (where a setting's host time goes).
 Each variant is compiled once (``Options`` objects are reused, so a compiled graph's guards
 hold), then each round times every setting in turn: warm-up steps, then ``--steps``
 synchronized steps, median. Per-process noise (the host's speed drifts within a lease) hits
@@ -24,6 +28,8 @@ every setting alike, which separate processes per setting do not give.
   python packages/perf-tools/scripts/model_step_ab.py --compile --rounds 5 --out DIR
   python packages/perf-tools/scripts/model_step_ab.py --size xl --context 512 --blocks \
       --variants sdpa flash-triton-opaque flash-triton-auto --threads device --cpus free
+  python packages/perf-tools/scripts/model_step_ab.py --size xl --context 512 --blocks \
+      --variants flash-triton-auto flash-triton-cpp --threads device --cpus free --profile 3
 """
 
 from __future__ import annotations
@@ -126,6 +132,63 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _profile_ops(step, steps: int) -> dict[str, dict[str, float]]:
+    """Operator name -> calls, self CPU us, CPU us with children and self GPU us, each per
+    step, over ``steps`` steps under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync()
+    ops = {}
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", None)
+        if device_us is None:  # (older torch)
+            device_us = getattr(e, "self_cuda_time_total", 0.0)
+        ops[e.key] = {
+            "calls": e.count / steps, "self_cpu_us": e.self_cpu_time_total / steps,
+            "cpu_us": e.cpu_time_total / steps, "self_gpu_us": device_us / steps,
+        }  # fmt: skip
+    return ops
+
+
+def _write_profiles(path: Path, profiles: dict[str, dict[str, dict[str, float]]]) -> None:
+    fields = ("variant", "op", "calls", "self_cpu_us", "cpu_us", "self_gpu_us")
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for variant, ops in profiles.items():
+            for name, row in sorted(ops.items(), key=lambda kv: -kv[1]["self_cpu_us"]):
+                w.writerow([variant, name, *(round(row[k], 2) for k in fields[2:])])
+
+
+def _print_profile_diffs(profiles: dict[str, dict[str, dict[str, float]]], top: int = 15) -> None:
+    """Per variant after the first: the operators whose self CPU time per step differs most
+    from the first variant's."""
+    names = list(profiles)
+    base = profiles[names[0]]
+    zero = {"calls": 0.0, "self_cpu_us": 0.0, "cpu_us": 0.0}
+    for other in names[1:]:
+        ops = profiles[other]
+        keys = set(base) | set(ops)
+        delta = {
+            k: ops.get(k, zero)["self_cpu_us"] - base.get(k, zero)["self_cpu_us"] for k in keys
+        }
+        total = sum(delta.values())
+        print(f"\n{other} against {names[0]}: self CPU us per step ({total:+.0f} in all)")
+        print(f"{'op':60} {'calls':>13} {'self CPU us':>19} {'delta':>8}")
+        for k in sorted(keys, key=lambda k: -abs(delta[k]))[:top]:
+            a, b = base.get(k, zero), ops.get(k, zero)
+            print(
+                f"{k[:60]:60} {a['calls']:6.0f}/{b['calls']:<6.0f} "
+                f"{a['self_cpu_us']:9.0f}/{b['self_cpu_us']:<9.0f} {delta[k]:+8.0f}"
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--size", default="small")
@@ -148,6 +211,10 @@ def main() -> None:
     p.add_argument("--steps", type=_cli.positive_int, default=20)
     p.add_argument("--rounds", type=_cli.positive_int, default=5)
     p.add_argument("--out", type=Path, default=Path("runs/model_step_ab"))
+    p.add_argument(
+        "--profile", type=_cli.nonneg_int, default=0,
+        help="after the rounds, profile this many steps of each variant (0: none)",
+    )  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -199,6 +266,13 @@ def main() -> None:
             raise SystemExit(f"no cell could run here (--cpus {' '.join(args.cpus)})")
         _write_rounds(args.out / "rounds.csv", rows)  # each round kept, should a limit stop us
         print(f"round {r + 1}/{args.rounds} done", flush=True)
+    if args.profile:
+        profiles = {}
+        for variant in args.variants:
+            set_options(options[variant])
+            profiles[variant] = _profile_ops(steps[variant], args.profile)
+        _write_profiles(args.out / "profile_ops.csv", profiles)
+        _print_profile_diffs(profiles)
     set_options(plain)
 
     summary = []
