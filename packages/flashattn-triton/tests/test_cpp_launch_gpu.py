@@ -147,6 +147,28 @@ def test_explicit_scales_replay_in_cpp(ext, n, d, causal):
     assert ext.counters()["forward"] == after["forward"] + 2
 
 
+@pytest.mark.parametrize(
+    ("h", "hkv", "n", "d", "causal"),
+    [(16, 16, 2048, 64, True), (8, 2, 1024, 128, True), (32, 32, 512, 64, False)],
+)
+def test_3d_inputs_replay_in_cpp(ext, h, hkv, n, d, causal):
+    """(H, N, d) inputs, as single-sequence code passes them (grouped k / v heads too): the
+    C++ path replays them on the Python path's 4-D views and answers in 3-D."""
+    g = torch.Generator(device="cuda").manual_seed(h + n + d)
+
+    def make(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    q = make(h, n, d).requires_grad_()
+    k, v = (make(hkv, n, d).requires_grad_() for _ in range(2))
+    _four_calls_against_python(ext, q, k, v, make(h, n, d), causal=causal)
+    with torch.no_grad():  # the 3-D forward without autograd, registered at its second call
+        outs = [flash_attention(q, k, v, causal=causal) for _ in range(3)]
+        ref = _python_path(q, k, v, causal=causal)
+    for o in outs:
+        assert torch.equal(o, ref)
+
+
 def test_calls_without_autograd_replay_the_forward(ext):
     """Evaluation under ``torch.no_grad``: a layout's second Python call registers it, later
     calls replay the forward from C++, with the Python path's output."""

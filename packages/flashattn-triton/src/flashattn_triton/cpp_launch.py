@@ -16,7 +16,7 @@ on a background thread at the first eligible call and keeps the Python path unti
 ready, or for good if it cannot be built (``status()`` says why); ``True`` compiles it in
 the first call and raises if that fails; ``False`` never uses it.
 
-Eligible calls: 4-D CUDA float16/bfloat16 inputs outside torch.compile and functorch
+Eligible calls: 4-D or 3-D CUDA float16/bfloat16 inputs outside torch.compile and functorch
 transforms, no lse (a window, and a scale given as a float other than the default, are part
 of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``,
 on Triton 3.6 (``cpp_plans``). Calls that autograd does not record (evaluation under
@@ -249,13 +249,31 @@ def learn(
     """After the Python path ran a call: give its layouts (and window: (-1, -1) for none) a
     C++ entry, if it can have one."""
     module = _state["module"]
-    if module is None or not _eligible(q, k, v) or q.dim() != 4:
+    if module is None or not _eligible(q, k, v):
         return
+    records = _records_graph(q, k, v)
+    views = _as_launched(q, k, v)
+    if views is None:
+        return
+    q, k, v = views
     window = (window_left, window_right)
     call = call_key((q, k, v), causal, scale, *window)
-    if not _records_graph(q, k, v) and _first_sighting(call):
+    if not records and _first_sighting(call):
         return
     _register(module, call, q, k, v, causal, scale, window)
+
+
+def _as_launched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple | None:
+    """q, k, v as the launchers saw them: 4-D as given, 3-D as the 4-D views of
+    ``autograd.as_bhnd`` ((H, N, d) with grouped k/v heads as (1, H, N, d), else (B, N, d)
+    as (B, 1, N, d); the C++ lookup keys 3-D calls by the same views); None for other ranks
+    (the Python path only)."""
+    if q.dim() == k.dim() == v.dim() == 4:
+        return q, k, v
+    if q.dim() == k.dim() == v.dim() == 3:
+        dim = 0 if q.shape[0] != k.shape[0] else 1
+        return q.unsqueeze(dim), k.unsqueeze(dim), v.unsqueeze(dim)
+    return None
 
 
 def _first_sighting(call: tuple | None) -> bool:

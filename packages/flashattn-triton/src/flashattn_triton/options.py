@@ -76,7 +76,7 @@ class Options:
         outside graphs compiled for CUDA graphs, on GPUs like the ones its tiles were
         measured on (``_device.tables_fit``), which makes host-bound compiled models faster
         (the default).
-    cpp_launch: repeated eager calls (4-D) through a C++ autograd node that replays the
+    cpp_launch: repeated eager calls (4-D, 3-D) through a C++ autograd node that replays the
         recorded launches, forward and backward (``cpp_launch``; calls autograd does not
         record replay the forward alone); ``auto`` compiles it in the background at the
         first such call and uses it once ready (the default; without a C++ compiler the

@@ -248,6 +248,26 @@ bool distinct_and_aligned(const std::vector<uint64_t>& addr, size_t first_output
 
 uint64_t ptr(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
+// 3-D inputs are replayed as the 4-D views the Python path launches on (``autograd.as_bhnd``):
+// (H, N, d) with grouped k/v heads as (1, H, N, d), else (B, N, d) as (B, 1, N, d). The dim
+// those views insert: -1 for 4-D inputs (no views), 0 or 1 for 3-D ones, kOtherRank else.
+constexpr int64_t kOtherRank = -3;
+
+int64_t inserted_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (q.dim() == 4 && k.dim() == 4 && v.dim() == 4) return -1;
+  if (q.dim() == 3 && k.dim() == 3 && v.dim() == 3) return q.size(0) != k.size(0) ? 0 : 1;
+  return kOtherRank;
+}
+
+at::Tensor as4(const at::Tensor& t, int64_t dim) {
+  return dim < 0 || !t.defined() ? t : t.unsqueeze(dim);
+}
+
+// The inverse of ``as4``: a 4-D result in the caller's rank.
+at::Tensor as_given(const at::Tensor& t, int64_t dim) {
+  return dim < 0 || !t.defined() ? t : t.squeeze(dim);
+}
+
 // The backward of entry e replayed for these tensors, if dO's layout has a plan that may run
 // here (into ``out``: dq, dk, dv); false otherwise, for the caller to hand to Python.
 bool replay_backward(Entry& e, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
@@ -283,34 +303,42 @@ bool replay_backward(Entry& e, const at::Tensor& dout, const at::Tensor& q, cons
 
 class FlashFn : public torch::autograd::Function<FlashFn> {
  public:
+  // ``dim``: see ``inserted_dim`` (the plans launch on 4-D views of 3-D inputs).
   static at::Tensor forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
-                            int64_t id) {
+                            int64_t id, int64_t dim) {
     Entry& e = entry(id);
-    at::Tensor o = at::empty_like(q);
-    at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-    std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)};
+    at::Tensor q4 = as4(q, dim);
+    at::Tensor o4 = at::empty_like(q4);
+    at::Tensor lse = at::empty({q4.size(0), q4.size(1), q4.size(2)}, q.options().dtype(at::kFloat));
+    std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o4), ptr(lse)};
     TORCH_CHECK(distinct_and_aligned(addr, 3), "flashattn_triton cpp_launch: buffers alias or are misaligned");
-    run_plan(e.fwd, addr, q);
+    run_plan(e.fwd, addr, q4);
     n_forward.fetch_add(1, std::memory_order_relaxed);
+    at::Tensor o = as_given(o4, dim);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["id"] = id;
+    ctx->saved_data["dim"] = dim;
     return o;
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     int64_t id = ctx->saved_data["id"].toInt();
     Entry& e = entry(id);
+    int64_t dim = ctx->saved_data["dim"].toInt();
     auto saved = ctx->get_saved_variables();
-    at::Tensor q = saved[0], k = saved[1], v = saved[2], o = saved[3], lse = saved[4];
-    at::Tensor dout = grads[0];
+    at::Tensor q = as4(saved[0], dim), k = as4(saved[1], dim), v = as4(saved[2], dim);
+    at::Tensor o = as4(saved[3], dim), lse = saved[4];
+    at::Tensor dout = as4(grads[0], dim);
     c10::OptionalDeviceGuard device_guard;
     if (q.is_cuda()) device_guard.reset_device(q.device());
     tensor_list g;
-    if (replay_backward(e, dout, q, k, v, o, lse, g)) return {g[0], g[1], g[2], at::Tensor()};
-    n_fallback.fetch_add(1, std::memory_order_relaxed);
-    py::gil_scoped_acquire gil;  // first backward of this dO layout, or one that cannot replay
-    py::tuple r = e.bwd_fallback(id, dout, q, k, v, o, lse);
-    return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>(),
+    if (!replay_backward(e, dout, q, k, v, o, lse, g)) {
+      n_fallback.fetch_add(1, std::memory_order_relaxed);
+      py::gil_scoped_acquire gil;  // first backward of this dO layout, or one that cannot replay
+      py::tuple r = e.bwd_fallback(id, dout, q, k, v, o, lse);
+      g = {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
+    }
+    return {as_given(g[0], dim), as_given(g[1], dim), as_given(g[2], dim), at::Tensor(),
             at::Tensor()};
   }
 };
@@ -367,7 +395,9 @@ void add_backward(int64_t id, const std::string& key, py::list launches,
 }
 
 at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t id) {
-  return FlashFn::apply(q, k, v, id);
+  int64_t dim = inserted_dim(q, k, v);
+  TORCH_CHECK(dim != kOtherRank, "flashattn_triton cpp_launch: q, k, v must all be 3-D or 4-D");
+  return FlashFn::apply(q, k, v, id, dim);
 }
 
 // The index's mark for a layout whose calls cannot be described (kept on the Python path).
@@ -405,11 +435,21 @@ int64_t lookup(const std::string& key) {
 }
 
 // The entry a call on these inputs may replay: its id; kRefused for refused layouts; kUnknown
-// for unknown layouts and for calls the replays cannot take here (another current device,
-// inputs sharing an address, e.g. q is k: the Python path refuses those too).
+// for unknown layouts, for ranks other than 3 and 4, and for calls the replays cannot take
+// here (another current device, inputs sharing an address, e.g. q is k: the Python path
+// refuses those too). ``dim``: ``inserted_dim`` (3-D inputs are keyed by their 4-D views).
 int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         bool causal, int64_t window_left, int64_t window_right, double scale) {
-  int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right, scale));
+                         bool causal, int64_t window_left, int64_t window_right, double scale,
+                         int64_t dim) {
+  if (dim == kOtherRank) return kUnknown;
+  int64_t id;
+  if (dim < 0) {
+    id = lookup(fwd_key(q, k, v, causal, window_left, window_right, scale));
+  } else {
+    at::NoGradGuard no_grad;  // (views for the key only)
+    id = lookup(fwd_key(as4(q, dim), as4(k, dim), as4(v, dim), causal, window_left,
+                        window_right, scale));
+  }
   if (id < 0) return id;
   bool here = on_current_device(q) && distinct_and_aligned({ptr(q), ptr(k), ptr(v)}, 3);
   return here ? id : kUnknown;
@@ -420,10 +460,11 @@ int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // replayable here (the Python path).
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                               int64_t window_left, int64_t window_right, double scale) {
-  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale);
+  int64_t dim = inserted_dim(q, k, v);
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale, dim);
   if (id == kRefused) return py::bool_(false);
   if (id < 0) return py::none();
-  return py::cast(FlashFn::apply(q, k, v, id));
+  return py::cast(FlashFn::apply(q, k, v, id, dim));
 }
 
 // Compiled graphs' opaque ops (``cpp_launch.op_forward`` / ``op_backward``): the same
@@ -431,17 +472,19 @@ py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool cau
 // refused; None if unknown or not replayable here (the caller's Python launchers).
 py::object forward_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
                             int64_t window_left, int64_t window_right, double scale) {
-  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale);
+  int64_t dim = inserted_dim(q, k, v);
+  int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale, dim);
   if (id == kRefused) return py::bool_(false);
   if (id < 0) return py::none();
   Entry& e = entry(id);
-  at::Tensor o = at::empty_like(q);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)};
+  at::Tensor q4 = as4(q, dim);
+  at::Tensor o4 = at::empty_like(q4);
+  at::Tensor lse = at::empty({q4.size(0), q4.size(1), q4.size(2)}, q.options().dtype(at::kFloat));
+  std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o4), ptr(lse)};
   if (!distinct_and_aligned(addr, 3)) return py::none();
-  run_plan(e.fwd, addr, q);
+  run_plan(e.fwd, addr, q4);
   n_forward.fetch_add(1, std::memory_order_relaxed);
-  return py::make_tuple(o, lse);
+  return py::make_tuple(as_given(o4, dim), as_given(lse, dim));
 }
 
 // (dq, dk, dv) if the forward's layouts have an entry whose plan for dO's layout may run here;
