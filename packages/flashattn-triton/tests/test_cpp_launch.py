@@ -226,9 +226,9 @@ class _Recorder:
     def __init__(self, answer):
         self.answer, self.lookups = answer, []
 
-    def attention_if_known(self, q, k, v, causal, left=-1, right=-1, scale=0.0):
-        self.lookups.append((causal, left, right, scale))
-        return self.answer
+    def attention_if_known(self, q, k, v, causal, left=-1, right=-1, scale=0.0, lse=False):
+        self.lookups.append((causal, left, right, scale, *["lse"] * lse))
+        return (self.answer, "lse") if lse else self.answer
 
     def forward_if_known(self, q, k, v, causal, left=-1, right=-1, scale=0.0):
         self.lookups.append(("no graph", causal, left, right, scale))
@@ -254,8 +254,11 @@ def test_plain_grad_calls_consult_the_extension(standin):
     assert flash_attention(q, k, v, backend="triton") is sentinel
     assert flash_attention(q, k, v, causal=True, window_size=(2, 0)) is sentinel
     assert flash_attention(q, k, v, softmax_scale=0.3) is sentinel
+    assert flash_attention(q, k, v, True, return_lse=True) == (sentinel, "lse")
+    assert flash_attention(q, k, v, True, window_size=(2, 0), return_lse=True)[0] is sentinel
     assert fake.lookups == [
-        (True, -1, -1, 0.0), (False, -1, -1, 0.0), (True, 2, 0, 0.0), (False, -1, -1, 0.3)
+        (True, -1, -1, 0.0), (False, -1, -1, 0.0), (True, 2, 0, 0.0), (False, -1, -1, 0.3),
+        (True, -1, -1, 0.0, "lse"), (True, 2, 0, 0.0, "lse"),
     ]  # fmt: skip
 
 
@@ -275,8 +278,6 @@ def test_bad_scales_are_looked_up_and_still_raise(monkeypatch, scale, error):
     "kwargs",
     [
         {"softmax_scale": 1},  # only floats are looked up (an int takes the Python path)
-        {"return_lse": True},
-        {"window_size": (2, 0), "return_lse": True},
         {"window_size": [2, 0]},  # only tuples are looked up (lists take the Python path)
         {"backend": "torch"},
     ],
@@ -300,6 +301,13 @@ def test_bad_windows_still_raise(standin, window_size, error):
     assert fake.lookups == []
 
 
+def test_bad_return_lse_still_raises(standin):
+    fake, _ = standin
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attention(*_qkv(), return_lse=1)
+    assert fake.lookups == []
+
+
 def test_bad_causal_still_raises(standin):
     fake, _ = standin
     with pytest.raises(TypeError, match="causal must be a bool"):
@@ -316,7 +324,11 @@ def test_calls_without_autograd_replay_the_forward_alone(standin):
         assert flash_attention(q, k, v) is sentinel
     plain = _qkv((False, False, False))
     assert flash_attention(*plain, causal=True, window_size=(2, 0)) is sentinel
-    assert fake.lookups == [("no graph", False, -1, -1, 0.0), ("no graph", True, 2, 0, 0.0)]
+    assert flash_attention(*plain, return_lse=True) == (sentinel, None)  # (o, lse)
+    assert fake.lookups == [
+        ("no graph", False, -1, -1, 0.0), ("no graph", True, 2, 0, 0.0),
+        ("no graph", False, -1, -1, 0.0),
+    ]  # fmt: skip
 
 
 def test_subclasses_skip_the_extension(standin):

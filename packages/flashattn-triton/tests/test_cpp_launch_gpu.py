@@ -169,6 +169,33 @@ def test_3d_inputs_replay_in_cpp(ext, h, hkv, n, d, causal):
         assert torch.equal(o, ref)
 
 
+@pytest.mark.parametrize(("n", "d", "window"), [(1024, 64, (-1, -1)), (768, 128, (255, 0))])
+def test_lse_calls_replay_in_cpp(ext, n, d, window):
+    """``return_lse=True``: the node's second output, the Python path's lse; the entry is
+    the one calls without the lse use."""
+    q, k, v, dos = _inputs(2, 4, 4, n, d, seed=n + d + 5)
+    kwargs = {"causal": True, "window_size": window}
+    before = ext.counters()
+    for i in range(4):
+        o, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+        assert not lse.requires_grad
+        grads = torch.autograd.grad(o, (q, k, v), dos[0])
+        o_ref, lse_ref = _python_path(q, k, v, return_lse=True, **kwargs)
+        refs = torch.autograd.grad(o_ref, (q, k, v), dos[0])
+        assert torch.equal(o, o_ref), i
+        assert torch.equal(lse, lse_ref), i
+        for name, a, r in zip(("dq", "dk", "dv"), grads, refs):
+            _close(a, r, (i, name))
+    o = flash_attention(q, k, v, **kwargs)  # o alone: the same entry
+    assert torch.equal(o, o_ref)
+    with torch.no_grad():
+        o, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+    assert torch.equal(lse, lse_ref)
+    after = ext.counters()
+    assert after["forward"] - before["forward"] == 5
+    assert after["backward"] - before["backward"] == 2
+
+
 def test_calls_without_autograd_replay_the_forward(ext):
     """Evaluation under ``torch.no_grad``: a layout's second Python call registers it, later
     calls replay the forward from C++, with the Python path's output."""

@@ -88,16 +88,16 @@ def flash_attention(
     KV cache) split the keys over thread blocks on the Triton backend (no separate API).
     """
     plain = not return_lse and window_size == (-1, -1)
-    # A repeated call (without the lse) whose layouts, window and scale the C++ launch path
-    # knows (``cpp_launch``): they were checked by the first call, so it skips the checks too.
-    cpp = return_lse is False and (causal is True or causal is False)
+    # A repeated call whose layouts, window and scale the C++ launch path knows
+    # (``cpp_launch``): they were checked by the first call, so it skips the checks too.
+    cpp = (return_lse is False or return_lse is True) and (causal is True or causal is False)
     cpp = cpp and (softmax_scale is None or type(softmax_scale) is float)
     cpp = cpp and (backend == "auto" or backend == "triton") and not _compiling()
     if cpp and cpp_launch.ACTIVE[0]:
-        o = cpp_launch.known_call(q, k, v, causal, window_size, softmax_scale)
+        o = cpp_launch.known_call(q, k, v, causal, window_size, softmax_scale, return_lse)
         if o is not None:
             if o is not False:
-                return o
+                return o  # (o, lse) with return_lse
             cpp = False  # a refused layout: the Python path, without offering it again
     check_qkv(q, k, v, causal)
     if resolve_backend(backend, q) == "triton":

@@ -16,15 +16,17 @@ on a background thread at the first eligible call and keeps the Python path unti
 ready, or for good if it cannot be built (``status()`` says why); ``True`` compiles it in
 the first call and raises if that fails; ``False`` never uses it.
 
-Eligible calls: 4-D or 3-D CUDA float16/bfloat16 inputs outside torch.compile and functorch
-transforms, no lse (a window, and a scale given as a float other than the default, are part
-of the layout's key), ``causal`` a bool, plain ``torch.Tensor``s, no ``configs.OVERRIDES``,
-on Triton 3.6 (``cpp_plans``). Calls that autograd does not record (evaluation under
-``torch.no_grad``, inference) replay the forward without the node; their layouts get an
-entry at their second Python call, so that a loop over ever new shapes (a growing cache)
-fills no entries. Everything else, and every layout whose launches cannot be described,
-takes the Python path unchanged. Triton launch hooks (e.g. proton's) do not see these launches; set
-``cpp_launch=False`` while using them.
+Eligible calls: 4-D or 3-D CUDA float16/bfloat16 inputs (3-D ones keyed and launched as the
+Python path's 4-D views of them) outside torch.compile and functorch transforms, with or
+without the lse (``return_lse``: the node's second output, not differentiable; the same
+entry as calls without it), a window and a scale given as a float other than the default
+being part of the layout's key, ``causal`` a bool, plain ``torch.Tensor``s, no
+``configs.OVERRIDES``, on Triton 3.6 (``cpp_plans``). Calls that autograd does not record
+(evaluation under ``torch.no_grad``, inference) replay the forward without the node; their
+layouts get an entry at their second Python call, so that a loop over ever new shapes (a
+growing cache) fills no entries. Everything else, and every layout whose launches cannot be
+described, takes the Python path unchanged. Triton launch hooks (e.g. proton's) do not see
+these launches; set ``cpp_launch=False`` while using them.
 """
 
 from __future__ import annotations
@@ -203,13 +205,13 @@ def _window(window_size: object) -> tuple[int, int] | None:
 
 def known_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window_size=(-1, -1),
-    softmax_scale: float | None = None,
+    softmax_scale: float | None = None, return_lse: bool = False,
 ):  # fmt: skip
     """The output of a call whose layouts (window and scale) have a C++ entry (launched
     there: through the C++ autograd node where autograd records the call, else without
-    one); False for layouts the path refused (the Python path, without ``learn``); else
-    None. ``softmax_scale``: None or a float (an invalid one has no entry: the Python path's
-    checks name it)."""
+    one), (o, lse) with ``return_lse``; False for layouts the path refused (the Python path,
+    without ``learn``); else None. ``softmax_scale``: None or a float (an invalid one has no
+    entry: the Python path's checks name it)."""
     if not _eligible(q, k, v):
         return None
     scale = 0.0 if softmax_scale is None else softmax_scale  # 0: the default, in C++
@@ -218,16 +220,16 @@ def known_call(
         return None
     module = _state["module"]
     if _records_graph(q, k, v):
-        return module.attention_if_known(q, k, v, causal, *window, scale)
+        return module.attention_if_known(q, k, v, causal, *window, scale, return_lse)
     out = module.forward_if_known(q, k, v, causal, *window, scale)  # inference, evaluation
-    return out if out is None or out is False else out[0]
+    return out if out is None or out is False or return_lse else out[0]
 
 
 def after_python_call(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
     window_left: int = -1, window_right: int = -1,
 ) -> None:  # fmt: skip
-    """After an eager call without the lse took the Python path (recording autograd or not):
+    """After an eager call took the Python path (recording autograd or not):
     register its layouts if the extension is loaded; else, on CUDA, start building it
     (``auto``: in the background; ``True``: now)."""
     if ACTIVE[0]:

@@ -303,9 +303,10 @@ bool replay_backward(Entry& e, const at::Tensor& dout, const at::Tensor& q, cons
 
 class FlashFn : public torch::autograd::Function<FlashFn> {
  public:
-  // ``dim``: see ``inserted_dim`` (the plans launch on 4-D views of 3-D inputs).
-  static at::Tensor forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
-                            int64_t id, int64_t dim) {
+  // ``dim``: see ``inserted_dim`` (the plans launch on 4-D views of 3-D inputs). Outputs: o,
+  // and with ``with_lse`` the lse too (not differentiable, as the Python path's).
+  static tensor_list forward(AutogradContext* ctx, at::Tensor q, at::Tensor k, at::Tensor v,
+                             int64_t id, int64_t dim, bool with_lse) {
     Entry& e = entry(id);
     at::Tensor q4 = as4(q, dim);
     at::Tensor o4 = at::empty_like(q4);
@@ -318,7 +319,10 @@ class FlashFn : public torch::autograd::Function<FlashFn> {
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["id"] = id;
     ctx->saved_data["dim"] = dim;
-    return o;
+    if (!with_lse) return {o};
+    at::Tensor lse_given = as_given(lse, dim);
+    ctx->mark_non_differentiable({lse_given});
+    return {o, lse_given};
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
@@ -339,7 +343,7 @@ class FlashFn : public torch::autograd::Function<FlashFn> {
       g = {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
     }
     return {as_given(g[0], dim), as_given(g[1], dim), as_given(g[2], dim), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -397,7 +401,7 @@ void add_backward(int64_t id, const std::string& key, py::list launches,
 at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, int64_t id) {
   int64_t dim = inserted_dim(q, k, v);
   TORCH_CHECK(dim != kOtherRank, "flashattn_triton cpp_launch: q, k, v must all be 3-D or 4-D");
-  return FlashFn::apply(q, k, v, id, dim);
+  return FlashFn::apply(q, k, v, id, dim, false)[0];
 }
 
 // The index's mark for a layout whose calls cannot be described (kept on the Python path).
@@ -455,16 +459,19 @@ int64_t replayable_entry(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return here ? id : kUnknown;
 }
 
-// The call through the C++ node if its layouts have an entry; False if they were refused
-// (the caller's Python path, not offered to ``learn`` again); None if they are unknown or not
-// replayable here (the Python path).
+// The call through the C++ node if its layouts have an entry (o; with ``return_lse`` (o, lse));
+// False if they were refused (the caller's Python path, not offered to ``learn`` again); None
+// if they are unknown or not replayable here (the Python path).
 py::object attention_if_known(at::Tensor q, at::Tensor k, at::Tensor v, bool causal,
-                              int64_t window_left, int64_t window_right, double scale) {
+                              int64_t window_left, int64_t window_right, double scale,
+                              bool return_lse) {
   int64_t dim = inserted_dim(q, k, v);
   int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale, dim);
   if (id == kRefused) return py::bool_(false);
   if (id < 0) return py::none();
-  return py::cast(FlashFn::apply(q, k, v, id, dim));
+  tensor_list out = FlashFn::apply(q, k, v, id, dim, return_lse);
+  if (return_lse) return py::make_tuple(out[0], out[1]);
+  return py::cast(out[0]);
 }
 
 // Compiled graphs' opaque ops (``cpp_launch.op_forward`` / ``op_backward``): the same
@@ -538,5 +545,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("causal"), py::arg("window_left") = -1, py::arg("window_right") = -1,
-        py::arg("scale") = 0.0);
+        py::arg("scale") = 0.0, py::arg("return_lse") = false);
 }

@@ -1,9 +1,11 @@
-"""3-D inputs on the C++ launch path (CPU, launch-free plans; see ``test_cpp_launch.py``).
+"""Call forms on the C++ launch path beyond 4-D calls for o alone: 3-D inputs and the lse
+(CPU, launch-free plans; see ``test_cpp_launch.py``).
 
 The plans launch on the 4-D views the Python path makes of 3-D inputs (``autograd.as_bhnd``),
 so the extension keys 3-D calls by those views, runs the node on them and hands results back
-in the caller's rank. No kernel runs here; ``test_cpp_launch_gpu.py`` holds the launches
-to the Python path's results.
+in the caller's rank. With ``return_lse`` the node returns the lse as a second output, not
+differentiable. No kernel runs here; ``test_cpp_launch_gpu.py`` holds the launches to the
+Python path's results.
 """
 
 from __future__ import annotations
@@ -108,3 +110,24 @@ def test_learn_registers_3d_calls(ext, monkeypatch):
     o = ext.attention_if_known(q, k, v, False, -1, -1, 0.25)
     assert o is not None
     assert o.shape == q.shape
+
+
+@pytest.mark.parametrize("name", [None, *SHAPES])
+def test_node_returns_the_lse_on_request(ext, name):
+    """``return_lse``: (o, lse) from the node, lse in the Python path's shape (q's without
+    its last dim) and not differentiable; the backward takes o's gradient alone."""
+    q, k, v = _inputs(name) if name else (torch.randn(2, 3, 8, 4).requires_grad_() for _ in "qkv")
+    entry = ext.add_entry([], lambda e, do, q, k, v, o, lse: (do + 1, k + 1, v + 1))
+    views = [t.detach() for t in cpp_launch._as_launched(q, k, v)]
+    ext.index_entry(ext.fwd_key(*views, False), entry)
+    o, lse = ext.attention_if_known(q, k, v, False, return_lse=True)
+    assert o.shape == q.shape
+    assert lse.shape == q.shape[:-1]
+    assert lse.dtype == torch.float32
+    assert o.requires_grad
+    assert not lse.requires_grad
+    do = torch.randn(o.shape)
+    dq, dk = torch.autograd.grad(o, (q, k), do)
+    assert torch.equal(dq, do + 1)
+    assert torch.equal(dk, k.detach() + 1)
+    assert ext.attention_if_known(q, k, v, False).shape == q.shape  # o alone, as before
