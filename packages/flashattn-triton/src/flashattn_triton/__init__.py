@@ -10,7 +10,8 @@ backward schemes) and ``launch_plans`` (launch-plan keys). ``options`` holds the
 switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch plans
 (``cpp_launch`` / ``cpp_plans``: their replay from a C++ autograd node),
 ``traced_ops`` the launchers as ops torch.compile traces into (``for_cuda_graphs``),
-``features`` what grouped-query heads, windows and packing ask of them.
+``features`` what grouped-query heads, windows and packing ask of them, ``sdpa`` a drop-in
+for ``torch.nn.functional.scaled_dot_product_attention``.
 """
 
 from .api import (
@@ -26,6 +27,7 @@ from .cpp_launch import status as cpp_launch_status
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
 from .reference import attention_reference, causal_mask
+from .sdpa import scaled_dot_product_attention, sdpa_replaced
 from .torch_impl import FlashAttention2Torch
 from .traced_ops import for_cuda_graphs
 
@@ -49,6 +51,8 @@ __all__ = [
     "flash_attention_varlen",
     "for_cuda_graphs",
     "get_options",
+    "scaled_dot_product_attention",
+    "sdpa_replaced",
     "set_options",
     "tflops_per_s",
     "use_options",

@@ -1,0 +1,104 @@
+"""A drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+Code written against SDPA (Hugging Face models' ``sdpa`` attention, ports of nanoGPT) can
+take our kernels without edits: ``scaled_dot_product_attention`` has SDPA's signature and
+runs ``flash_attention`` on the calls whose meaning the two share, and torch's own SDPA on
+every other call, so results never change meaning. ``sdpa_replaced()`` puts it in place of
+``torch.nn.functional.scaled_dot_product_attention`` for the code inside it, which finds the
+function on the module at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import MAX_HEAD_DIM
+from .api import flash_attention
+
+# torch's function, kept before anything replaces it (the fallback, and what
+# ``sdpa_replaced`` restores)
+TORCH_SDPA = F.scaled_dot_product_attention
+# Inputs ours takes: 16-bit on CUDA (float32 calls stay with torch, whose kernels for them
+# were not measured against ours)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def runs_ours(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs ``flash_attention`` for these arguments:
+    plain CUDA float16/bfloat16 tensors of rank 3 or 4 with one head dim d <= 128 for q, k
+    and v, no mask, no dropout, the same leading dims (no broadcasting), k / v heads equal to
+    q's or, with ``enable_gqa``, dividing them, and, when causal, as many queries as keys
+    (SDPA aligns a causal mask to the top left, ``flash_attention`` to the bottom right: the
+    same mask only for a square one)."""
+    if attn_mask is not None or dropout_p != 0.0 or type(is_causal) is not bool:
+        return False
+    if not all(type(t) is torch.Tensor for t in (query, key, value)):
+        return False
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+        return False
+    if not query.is_cuda or query.dtype not in DTYPES or query.dim() not in (3, 4):
+        return False
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        return False
+    if key.device != query.device or value.device != query.device:
+        return False
+    if key.dim() != query.dim() or value.shape != key.shape:
+        return False
+    d = query.shape[-1]
+    if d > MAX_HEAD_DIM or key.shape[-1] != d or query.numel() == 0 or key.numel() == 0:
+        return False
+    if query.shape[:-3] != key.shape[:-3]:
+        return False
+    h, h_kv = query.shape[-3], key.shape[-3]
+    if h != h_kv and not (enable_gqa and h % h_kv == 0):
+        return False
+    return not is_causal or query.shape[-2] == key.shape[-2]
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` with our kernels where
+    ``runs_ours`` says the call means the same to both; torch's SDPA (with every argument as
+    given) otherwise. query (..., H, L, E), key / value (..., Hkv, S, E) -> (..., H, L, E)."""
+    if runs_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        softmax_scale = None if scale is None else float(scale)
+        return flash_attention(query, key, value, is_causal, softmax_scale)
+    return TORCH_SDPA(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def sdpa_replaced() -> Iterator[None]:
+    """Within: ``torch.nn.functional.scaled_dot_product_attention`` is
+    ``scaled_dot_product_attention`` (for code that looks it up at call time, e.g. Hugging
+    Face's ``sdpa`` attention); restored on exit, also on an exception. Not for use from
+    several threads at once: the replacement is process-wide."""
+    before = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = before
