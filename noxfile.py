@@ -47,7 +47,7 @@ CPU_TORCH = "torch==2.13.0+cpu"
 # Optional extras a package's CPU tests exercise (installed with it in its `tests` session):
 # flashattn-triton's kernels run in Triton's interpreter (numpy); lm-core's text pipeline and
 # TensorBoard logging.
-EXTRAS = {"flashattn-triton": "[interpret]", "lm-core": "[text,tensorboard]"}
+EXTRAS = {"flashattn-triton": "[interpret,hf]", "lm-core": "[text,tensorboard]"}
 # pip configuration key -> the uv variable that means the same, and how uv separates values
 PIP_TO_UV = {
     "find-links": ("UV_FIND_LINKS", ","),

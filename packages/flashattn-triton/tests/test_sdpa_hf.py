@@ -1,0 +1,70 @@
+"""The SDPA drop-in inside a Hugging Face model (``attn_implementation="sdpa"``, the ``hf``
+extra): under ``sdpa_replaced`` HF's attention calls take our path and give HF's logits and
+gradients; calls with a padding mask stay torch's. On the CPU our path is the package's
+PyTorch implementation (the drop-in is widened to CPU float32 here), which checks what HF
+passes (grouped heads with ``enable_gqa``, its scale, ``is_causal``) and how it is mapped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn_triton import flash_attention, sdpa, sdpa_replaced
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def hf_model():
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+@pytest.fixture
+def ours_on_cpu(monkeypatch):
+    """The drop-in's path widened to CPU float32; the calls it makes, counted."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return flash_attention(*args)
+
+    monkeypatch.setattr(sdpa, "_kernels_run_on", lambda t: True)
+    monkeypatch.setattr(sdpa, "DTYPES", (*sdpa.DTYPES, torch.float32))
+    monkeypatch.setattr(sdpa, "flash_attention", counted)
+    return calls
+
+
+def _loss_and_grads(model, tokens, **kwargs):
+    model.zero_grad()
+    out = model(input_ids=tokens, labels=tokens, **kwargs)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_hf_calls_take_our_path(hf_model, ours_on_cpu):
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref_logits, ref_grads = _loss_and_grads(hf_model, tokens)
+    with sdpa_replaced():
+        logits, grads = _loss_and_grads(hf_model, tokens)
+    assert len(ours_on_cpu) == 3  # one call per layer, each ours
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_hf_calls_with_a_padding_mask_stay_torchs(hf_model, ours_on_cpu):
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(tokens)
+    mask[0, :5] = 0  # left padding: HF passes SDPA a mask
+    ref_logits, _ = _loss_and_grads(hf_model, tokens, attention_mask=mask)
+    with sdpa_replaced():
+        logits, _ = _loss_and_grads(hf_model, tokens, attention_mask=mask)
+    assert ours_on_cpu == []
+    assert torch.equal(logits, ref_logits)
