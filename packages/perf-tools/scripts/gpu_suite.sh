@@ -16,7 +16,9 @@
 # Triton autotuning and torch.compile):
 #   bench      all sizes x {fp32, bf16} x {forward, train}, ctx 512, batch 4, eager,
 #              3 warm-up + 5 measured steps                                      ~1-1.5 min
-#   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF)     ~1 min
+#   hf         --compare hf: small fp32 train, xl bf16 train (ours beside HF), then small
+#              bf16 at 1024 tokens with HF also run through flashattn_triton's SDPA drop-in,
+#              eager and compiled                                                ~2 min
 #   profile    small and xl, fp32, naive attention: forward / fwd-bwd / train,
 #              2 warm-up + 2 profiled steps                                      ~1.5-2 min
 #   mixed      mixed_precision accumulate + toy-dtypes                            ~10 s
@@ -194,6 +196,10 @@ if want hf; then
     --context 512 --warmup 3 --steps 5 --csv "$WORK/hf_small.csv" --json "$WORK/hf_small.json"
   run hf_xl $B --size xl --precision bf16 --mode train --compare hf \
     --context 512 --warmup 3 --steps 5 --csv "$WORK/hf_xl.csv" --json "$WORK/hf_xl.json"
+  # HF's own model with flashattn_triton's SDPA drop-in, eager and compiled
+  run hf_small_dropin $B --size small --precision bf16 --mode train --compare hf \
+    --attention sdpa flash-triton --compile both --context 1024 --warmup 3 --steps 10 \
+    --csv "$WORK/hf_small_dropin.csv" --json "$WORK/hf_small_dropin.json"
 fi
 if want profile; then
   run profile $PY -m perf_tools.profile --quiet --size small xl --precision fp32 \

@@ -221,6 +221,37 @@ def test_compare_hf_side_by_side(tmp_path):
     assert ours["vs_hf"] == pytest.approx(hf["mean_ms"] / ours["mean_ms"])
 
 
+def test_compare_hf_with_the_sdpa_dropin(tmp_path, monkeypatch):
+    """With --attention flash-triton, HF is timed with SDPA and with flashattn_triton's SDPA
+    drop-in in place (its cells only); each of ours is compared with HF's same attention."""
+    pytest.importorskip("transformers")
+    from flashattn_triton import sdpa
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sdpa.TORCH_SDPA(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "scaled_dot_product_attention", counted)
+    out = tmp_path / "b.json"
+    argv = [*TINY, *FAST, "--mode", "train", "--compare", "hf", "--json", str(out)]
+    assert bench.main([*argv, "--attention", "sdpa"]) == 0
+    assert calls == []  # no flash-triton cell: the drop-in never in place
+    assert bench.main([*argv, "--attention", "sdpa", "flash-triton"]) == 0
+    assert calls  # HF's attention went through the drop-in
+    rows = json.loads(out.read_text())["rows"]
+    cells = {(r["model"], r["attention"]): r for r in rows}
+    assert set(cells) == {
+        ("lm_core", "sdpa"), ("lm_core", "flash-triton"), ("hf-llama", "sdpa"),
+        ("hf-llama", "flash-triton"),
+    }  # fmt: skip
+    for attention in ("sdpa", "flash-triton"):
+        ours, hf = cells["lm_core", attention], cells["hf-llama", attention]
+        assert hf["status"] == "ok"
+        assert ours["vs_hf"] == pytest.approx(hf["mean_ms"] / ours["mean_ms"])
+
+
 def test_profile_alias_writes_tables(tmp_path):
     argv = [*TINY, "--mode", "forward", "--warmup", "0", "--steps", "1", "--profile", str(tmp_path)]
     assert bench.main(argv) == 0

@@ -111,7 +111,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=_cli.listed(_cli.choice(("hf",))),
         default=[],
         help="also time a competitor at the same dims: hf = transformers LlamaForCausalLM "
-        "(SDPA attention, fused torch AdamW); skipped with a note if not installed",
+        "(SDPA attention, fused torch AdamW; with --attention flash-triton also with "
+        "flashattn_triton's SDPA drop-in); skipped with a note if not installed",
     )
     add_multi_args(p)
     t = p.add_argument_group("timing")
@@ -240,6 +241,12 @@ def resolve_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace
                 parser.error(f"argument --isolate: not combined with {flag}")
 
 
+def hf_attentions(attentions: list[str]) -> list[str]:
+    """The HF competitor's attentions for ours: SDPA always, and flash-triton (through
+    ``flashattn_triton.sdpa_replaced``) where ours runs it."""
+    return ["sdpa", *(["flash-triton"] if "flash-triton" in attentions else [])]
+
+
 def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     """The cartesian product, grouped so each model is built once and reused."""
     if getattr(args, "fsdps", None) is not None:
@@ -247,7 +254,7 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     specs = []
     impls = [OURS] + ([HF] if "hf" in args.competitors else [])
     for impl in impls:
-        attentions = args.attentions if impl == OURS else ["sdpa"]
+        attentions = args.attentions if impl == OURS else hf_attentions(args.attentions)
         matmuls = args.matmuls if impl == OURS else ["default"]
         for size, attention, matmul, compiled, precision in itertools.product(
             args.sizes, attentions, matmuls, args.compiles, args.precisions
