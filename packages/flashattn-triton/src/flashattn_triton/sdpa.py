@@ -11,6 +11,7 @@ function on the module at call time.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -25,6 +26,10 @@ TORCH_SDPA = F.scaled_dot_product_attention
 # Inputs ours takes: 16-bit on CUDA (float32 calls stay with torch, whose kernels for them
 # were not measured against ours)
 DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _positive_number(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int | float) and math.isfinite(x) and x > 0
 
 
 def _kernels_run_on(t: torch.Tensor) -> bool:
@@ -44,16 +49,17 @@ def runs_ours(
 ) -> bool:
     """Whether ``scaled_dot_product_attention`` runs ``flash_attention`` for these arguments:
     plain CUDA float16/bfloat16 tensors of rank 3 or 4 with one head dim d <= 128 for q, k
-    and v, no mask, no dropout, the same leading dims (no broadcasting), k / v heads equal to
-    q's or, with ``enable_gqa``, dividing them, and, when causal, as many queries as keys
+    and v, no mask, no dropout, a finite positive scale (or none), the same leading dims (no
+    broadcasting), k / v heads equal to q's or, with ``enable_gqa``, dividing them, and,
+    when causal, as many queries as keys
     (SDPA aligns a causal mask to the top left, ``flash_attention`` to the bottom right: the
     same mask only for a square one)."""
     if attn_mask is not None or dropout_p != 0.0 or type(is_causal) is not bool:
         return False
     if not all(type(t) is torch.Tensor for t in (query, key, value)):
         return False
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
-        return False
+    if scale is not None and not _positive_number(scale):
+        return False  # (SDPA takes any scale; ours a finite positive one)
     if not _kernels_run_on(query) or query.dtype not in DTYPES or query.dim() not in (3, 4):
         return False
     if key.dtype != query.dtype or value.dtype != query.dtype:
