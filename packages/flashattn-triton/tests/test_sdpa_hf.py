@@ -1,8 +1,10 @@
-"""The SDPA drop-in inside a Hugging Face model (``attn_implementation="sdpa"``, the ``hf``
-extra): under ``sdpa_replaced`` HF's attention calls take our path and give HF's logits and
-gradients; calls with a padding mask stay torch's. On the CPU our path is the package's
-PyTorch implementation (the drop-in is widened to CPU float32 here), which checks what HF
-passes (grouped heads with ``enable_gqa``, its scale, ``is_causal``) and how it is mapped.
+"""The SDPA drop-in inside a Hugging Face model (the ``hf`` extra): with
+``attn_implementation="sdpa"`` under ``sdpa_replaced``, and with the registered
+``attn_implementation="fa-triton"`` (``hf_attention``), HF's attention calls take our path
+and give HF's logits and gradients; calls with a padding mask stay torch's. On the CPU our
+path is the package's PyTorch implementation (the drop-in is widened to CPU float32 here),
+which checks what HF passes (grouped heads with ``enable_gqa``, its scale, ``is_causal``)
+and how it is mapped.
 """
 
 from __future__ import annotations
@@ -10,20 +12,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_triton import flash_attention, sdpa, sdpa_replaced
+from flashattn_triton import flash_attention, hf_attention, sdpa, sdpa_replaced
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture
-def hf_model():
+def _llama(attn_implementation: str = "sdpa"):
     config = transformers.LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False, attn_implementation="sdpa",
+        use_cache=False, attn_implementation=attn_implementation,
     )  # fmt: skip
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
+
+
+@pytest.fixture
+def hf_model():
+    return _llama()
 
 
 @pytest.fixture
@@ -67,4 +73,26 @@ def test_hf_calls_with_a_padding_mask_stay_torchs(hf_model, ours_on_cpu):
     with sdpa_replaced():
         logits, _ = _loss_and_grads(hf_model, tokens, attention_mask=mask)
     assert ours_on_cpu == []
+    assert torch.equal(logits, ref_logits)
+
+
+def test_registered_implementation(ours_on_cpu):
+    """``attn_implementation="fa-triton"`` after ``hf_attention.register()``: the same
+    weights give the SDPA model's logits and gradients, every layer's call ours; a padded
+    batch gets SDPA's mask and stays torch's."""
+    assert hf_attention.register() == "fa-triton"
+    ref_model, model = _llama("sdpa"), _llama("fa-triton")
+    assert model.config._attn_implementation == "fa-triton"
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_grads = _loss_and_grads(ref_model, tokens)
+    logits, grads = _loss_and_grads(model, tokens)
+    assert len(ours_on_cpu) == 3
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+    mask = torch.ones_like(tokens)
+    mask[1, :7] = 0
+    ref_logits, _ = _loss_and_grads(ref_model, tokens, attention_mask=mask)
+    logits, _ = _loss_and_grads(model, tokens, attention_mask=mask)
+    assert len(ours_on_cpu) == 3  # no more of ours
     assert torch.equal(logits, ref_logits)

@@ -11,7 +11,8 @@ switches (``set_options``, ``use_options``), ``fastlaunch`` the cached launch pl
 (``cpp_launch`` / ``cpp_plans``: their replay from a C++ autograd node),
 ``traced_ops`` the launchers as ops torch.compile traces into (``for_cuda_graphs``),
 ``features`` what grouped-query heads, windows and packing ask of them, ``sdpa`` a drop-in
-for ``torch.nn.functional.scaled_dot_product_attention``.
+for ``torch.nn.functional.scaled_dot_product_attention`` (``hf_attention``: the same as a
+Hugging Face attention implementation).
 """
 
 from .api import (
