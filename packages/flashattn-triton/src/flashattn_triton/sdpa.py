@@ -54,29 +54,35 @@ def runs_ours(
     when causal, as many queries as keys
     (SDPA aligns a causal mask to the top left, ``flash_attention`` to the bottom right: the
     same mask only for a square one)."""
-    if attn_mask is not None or dropout_p != 0.0 or type(is_causal) is not bool:
+    # (ordered and written for host time: an eager model pays this per call)
+    if (
+        attn_mask is not None
+        or dropout_p != 0.0
+        or (is_causal is not True and is_causal is not False)
+    ):
         return False
-    if not all(type(t) is torch.Tensor for t in (query, key, value)):
+    if type(query) is not torch.Tensor or type(key) is not torch.Tensor:
+        return False
+    if type(value) is not torch.Tensor:
         return False
     if scale is not None and not _positive_number(scale):
         return False  # (SDPA takes any scale; ours a finite positive one)
-    if not _kernels_run_on(query) or query.dtype not in DTYPES or query.dim() not in (3, 4):
+    dtype, q_shape, k_shape = query.dtype, query.shape, key.shape
+    rank = len(q_shape)
+    if dtype not in DTYPES or (rank != 3 and rank != 4) or len(k_shape) != rank:
         return False
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+    if key.dtype is not dtype or value.dtype is not dtype or value.shape != k_shape:
         return False
-    if key.device != query.device or value.device != query.device:
+    d, h, h_kv = q_shape[-1], q_shape[-3], k_shape[-3]
+    if d > MAX_HEAD_DIM or k_shape[-1] != d or (rank == 4 and q_shape[0] != k_shape[0]):
         return False
-    if key.dim() != query.dim() or value.shape != key.shape:
-        return False
-    d = query.shape[-1]
-    if d > MAX_HEAD_DIM or key.shape[-1] != d or query.numel() == 0 or key.numel() == 0:
-        return False
-    if query.shape[:-3] != key.shape[:-3]:
-        return False
-    h, h_kv = query.shape[-3], key.shape[-3]
     if h != h_kv and not (enable_gqa and h % h_kv == 0):
         return False
-    return not is_causal or query.shape[-2] == key.shape[-2]
+    if is_causal and q_shape[-2] != k_shape[-2]:
+        return False
+    if query.numel() == 0 or key.numel() == 0 or not _kernels_run_on(query):
+        return False
+    return key.device == query.device and value.device == query.device
 
 
 def scaled_dot_product_attention(
