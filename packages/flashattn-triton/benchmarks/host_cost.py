@@ -4,7 +4,8 @@ Where `host_overhead.py` stubs the launches out to time our Python alone, this o
 the real kernels on a GPU, at a shape small enough that the GPU waits for the host, and times
 back-to-back calls (wall time per call, one synchronize per batch of calls):
 
-- forward + backward (`torch.autograd.grad`) of ours, SDPA's flash and cuDNN backends, with
+- forward + backward (`torch.autograd.grad`) of ours (also through the SDPA drop-in
+  `scaled_dot_product_attention`, and on (H, N, d) inputs), SDPA's flash and cuDNN backends, with
   the backward on autograd's device thread (torch's default) and on the calling thread
   (`torch.autograd.set_multithreading_enabled(False)`);
 - the pieces of ours: a no-grad forward, `launch.forward`, `launch.backward`;
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (host_overhead.py times our Python without one)")
-    from flashattn_triton import flash_attention, launch
+    from flashattn_triton import flash_attention, launch, scaled_dot_product_attention
 
     heads, n, d = (int(x) for x in a.shape.split("x"))
     shape = (1, heads, n, d)
@@ -191,12 +192,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
+    def ours_dropin() -> None:  # the SDPA drop-in: its checks, then the same call
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    q3, k3, v3 = (t.detach()[0].requires_grad_() for t in (q, k, v))
+
+    def ours_3d() -> None:  # (H, N, d) inputs, as the C++ path takes them too
+        torch.autograd.grad(flash_attention(q3, k3, v3, causal=True), (q3, k3, v3), do[0])
+
     def ours_no_grad() -> None:
         with torch.no_grad():
             flash_attention(q, k, v, causal=True)
 
     cases = {
         "ours": ours,
+        "ours through the SDPA drop-in": ours_dropin,
+        "ours, 3-D inputs": ours_3d,
         "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }
