@@ -111,8 +111,9 @@ def scaled_dot_product_attention(
 def sdpa_replaced() -> Iterator[None]:
     """Within: ``torch.nn.functional.scaled_dot_product_attention`` is
     ``scaled_dot_product_attention`` (for code that looks it up at call time, e.g. Hugging
-    Face's ``sdpa`` attention); restored on exit, also on an exception. Not for use from
-    several threads at once: the replacement is process-wide."""
+    Face's ``sdpa`` attention); restored on exit, also on an exception. The replacement is
+    process-wide: threads entering and leaving it out of order can leave the drop-in in
+    place, which changes no result (it means what SDPA means for every call)."""
     before = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:
