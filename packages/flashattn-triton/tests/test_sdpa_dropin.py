@@ -131,6 +131,21 @@ def test_our_path_means_what_sdpa_means(monkeypatch, case):
         torch.testing.assert_close(a, r, atol=5e-5, rtol=1e-4)
 
 
+def test_sdpa_replaced_compiles_in_one_graph(monkeypatch):
+    """dynamo traces the swap and the drop-in inside a compiled function (no graph break)."""
+    monkeypatch.setattr(sdpa, "_kernels_run_on", lambda t: True)
+    monkeypatch.setattr(sdpa, "DTYPES", (*sdpa.DTYPES, torch.float32))
+
+    def attend(q, k, v):
+        with sdpa_replaced():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    q, k, v = _qkv()
+    out = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v)
+    torch.testing.assert_close(out, 2 * sdpa.TORCH_SDPA(q, k, v, is_causal=True))
+    assert F.scaled_dot_product_attention is sdpa.TORCH_SDPA
+
+
 def test_sdpa_replaced_restores_torchs():
     original = F.scaled_dot_product_attention
     with sdpa_replaced():

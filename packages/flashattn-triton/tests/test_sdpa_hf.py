@@ -76,6 +76,12 @@ def test_hf_calls_with_a_padding_mask_stay_torchs(hf_model, ours_on_cpu):
     assert torch.equal(logits, ref_logits)
 
 
+@pytest.mark.parametrize("name", ["flash-triton", "", None])
+def test_register_rejects_names_transformers_would_misread(name):
+    with pytest.raises(ValueError, match="name: expected a non-empty str without 'flash'"):
+        hf_attention.register(name)
+
+
 def test_registered_implementation(ours_on_cpu):
     """``attn_implementation="fa-triton"`` after ``hf_attention.register()``: the same
     weights give the SDPA model's logits and gradients, every layer's call ours; a padded

@@ -50,6 +50,11 @@ def register(name: str = NAME) -> str:
     transformers models; returns the name (not one containing "flash", which transformers
     reserves for flash-attn kernels). Raises ImportError without transformers (or with a
     release too old to have the attention registries)."""
+    if not isinstance(name, str) or not name or "flash" in name:
+        raise ValueError(
+            f"name: expected a non-empty str without 'flash' (transformers takes such names "
+            f"for its flash-attn kernels), got {name!r}"
+        )
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
