@@ -169,7 +169,8 @@ def test_3d_inputs_replay_in_cpp(ext, h, hkv, n, d, causal):
         assert torch.equal(o, ref)
 
 
-@pytest.mark.parametrize(("n", "d", "window"), [(1024, 64, (-1, -1)), (768, 128, (255, 0))])
+# shapes no other test in this file uses: an entry another test made would replay call 1 too
+@pytest.mark.parametrize(("n", "d", "window"), [(896, 64, (-1, -1)), (768, 128, (255, 0))])
 def test_lse_calls_replay_in_cpp(ext, n, d, window):
     """``return_lse=True``: the node's second output, the Python path's lse; the entry is
     the one calls without the lse use."""
