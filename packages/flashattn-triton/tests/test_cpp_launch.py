@@ -237,6 +237,9 @@ class _Recorder:
     def reset(self):
         pass
 
+    def set_ops_serving(self, on):
+        pass
+
 
 @pytest.fixture
 def standin(monkeypatch):

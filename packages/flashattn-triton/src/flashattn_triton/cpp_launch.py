@@ -63,6 +63,7 @@ _n_refused = [0]
 _registered: set[tuple] = set()  # call keys with an entry
 _seen_once: set[tuple] = set()  # call keys of calls without autograd seen once
 _bwd_refused: set[tuple] = set()  # (entry, dO layout) whose backward was tried
+_ops_served: set[tuple[str, str]] = set()  # (namespace, dispatch key) with C++ kernels
 # True while calls may take the C++ path (the extension is loaded and the options allow it).
 ACTIVE = [False]
 # True while compiled graphs' opaque ops may too (``Options.cpp_launch_compiled``).
@@ -173,9 +174,36 @@ def _refresh() -> None:
         and not opts.autotune
     )  # fmt: skip
     OPS_ACTIVE[0] = ACTIVE[0] and opts.cpp_launch_compiled
+    if OPS_ACTIVE[0] and not _ops_served:
+        from .ops import NAMESPACE
+
+        serve_ops(module, NAMESPACE, "CUDA")
+    if module is not None:
+        module.set_ops_serving(OPS_ACTIVE[0])
 
 
 on_clear(_refresh)
+
+
+def serve_ops(module, namespace: str, dispatch_key: str) -> None:
+    """Make the extension's functions the ``dispatch_key`` kernels of ``<namespace>::
+    fwd_launch`` / ``bwd_launch`` (once): compiled graphs then reach the C++ replay from the
+    dispatcher, without the Python kernel of the ops, ``op_forward`` and the lookup's
+    argument parsing per call. What they do not replay goes to ``op_forward`` /
+    ``op_backward`` (looked up per call), the same as before. Registered when
+    ``cpp_launch_compiled`` first takes effect, and kept: with the option off again the
+    kernels hand every call to Python."""
+    if (namespace, dispatch_key) not in _ops_served:
+        module.serve_ops(namespace, dispatch_key, _op_forward_fallback, _op_backward_fallback)
+        _ops_served.add((namespace, dispatch_key))
+
+
+def _op_forward_fallback(*args):
+    return op_forward(*args)
+
+
+def _op_backward_fallback(*args):
+    return op_backward(*args)
 
 
 def _eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -12,6 +12,7 @@
 // stream come through c10's device-generic interface, so no CUDA toolkit is needed to build.
 // cuda.h (types only) comes from Triton's bundled headers.
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <pybind11/stl.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -506,6 +507,81 @@ py::object backward_if_known(at::Tensor dout, at::Tensor q, at::Tensor k, at::Te
   return py::make_tuple(g[0], g[1], g[2]);
 }
 
+// Compiled graphs' opaque ops ``fwd_launch`` / ``bwd_launch``, implemented here for one
+// dispatch key (``serve_ops``): a replayable call goes from the dispatcher to these functions
+// with no Python at all; every other call (the option off, unknown or refused layouts, a dO
+// layout without a plan) goes to the Python launchers ``cpp_launch.op_forward`` /
+// ``op_backward``, which also register new layouts. Leaked like the entries.
+std::atomic<bool> ops_serving{false};
+
+struct OpFallbacks {
+  py::object fwd, bwd;
+};
+
+OpFallbacks& op_fallbacks() {
+  static auto* f = new OpFallbacks();
+  return *f;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_op(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, bool causal, double scale,
+                                          int64_t window_left, int64_t window_right) {
+  if (ops_serving.load(std::memory_order_relaxed) && q.dim() == 4 && k.dim() == 4 &&
+      v.dim() == 4) {
+    int64_t id = replayable_entry(q, k, v, causal, window_left, window_right, scale, -1);
+    if (id >= 0) {
+      at::Tensor o = at::empty_like(q);
+      at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+      std::vector<uint64_t> addr = {ptr(q), ptr(k), ptr(v), ptr(o), ptr(lse)};
+      if (distinct_and_aligned(addr, 3)) {
+        run_plan(entry(id).fwd, addr, q);
+        n_forward.fetch_add(1, std::memory_order_relaxed);
+        return {o, lse};
+      }
+    }
+  }
+  py::gil_scoped_acquire gil;
+  py::tuple r = op_fallbacks().fwd(q, k, v, causal, scale, window_left, window_right);
+  return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_op(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& o, const at::Tensor& lse, bool causal, double scale, int64_t window_left,
+    int64_t window_right) {
+  if (ops_serving.load(std::memory_order_relaxed) && q.dim() == 4 && on_current_device(q)) {
+    int64_t id = lookup(fwd_key(q, k, v, causal, window_left, window_right, scale));
+    tensor_list g;
+    if (id >= 0 && replay_backward(entry(id), dout, q, k, v, o, lse, g)) return {g[0], g[1], g[2]};
+  }
+  py::gil_scoped_acquire gil;
+  py::tuple r = op_fallbacks().bwd(dout, q, k, v, o, lse, causal, scale, window_left,
+                                   window_right);
+  return {r[0].cast<at::Tensor>(), r[1].cast<at::Tensor>(), r[2].cast<at::Tensor>()};
+}
+
+// Register ``fwd_op`` / ``bwd_op`` as the kernels of ``<ns>::fwd_launch`` / ``bwd_launch`` for
+// ``dispatch_key`` (once per namespace and key; later calls only replace the fallbacks, the
+// Python launchers of every call these do not replay).
+void serve_ops(const std::string& ns, const std::string& dispatch_key, py::object fwd_fallback,
+               py::object bwd_fallback) {
+  static auto* libraries = new std::unordered_map<std::string, std::unique_ptr<torch::Library>>();
+  op_fallbacks().fwd = fwd_fallback;
+  op_fallbacks().bwd = bwd_fallback;
+  std::string name = ns + "/" + dispatch_key;
+  if (libraries->count(name)) return;
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns,
+                                              c10::parseDispatchKey(dispatch_key), __FILE__,
+                                              __LINE__);
+  lib->impl("fwd_launch", TORCH_FN(fwd_op));
+  lib->impl("bwd_launch", TORCH_FN(bwd_op));
+  (*libraries)[name] = std::move(lib);
+}
+
+// Whether ``fwd_op`` / ``bwd_op`` replay (``Options.cpp_launch_compiled`` and the C++ path on);
+// off, they hand every call to the Python launchers.
+void set_ops_serving(bool on) { ops_serving.store(on, std::memory_order_relaxed); }
+
 // After an options or tile-table change: forget every layout (entries stay allocated: nodes of
 // live graphs may still point at them, and their backward plans are dropped too).
 void reset() {
@@ -541,6 +617,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward_if_known", &backward_if_known, py::arg("dout"), py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("o"), py::arg("lse"), py::arg("causal"),
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("scale") = 0.0);
+  m.def("serve_ops", &serve_ops);
+  m.def("set_ops_serving", &set_ops_serving);
   m.def("refuse", &refuse);
   m.def("forget_refused", &forget_refused);
   m.def("attention_if_known", &attention_if_known, py::arg("q"), py::arg("k"), py::arg("v"),
