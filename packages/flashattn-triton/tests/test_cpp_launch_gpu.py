@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashattn_triton import cpp_launch, cpp_plans, flash_attention
+from flashattn_triton.ops import NAMESPACE
 
 pytestmark = pytest.mark.gpu
 
@@ -347,3 +348,5 @@ def test_compiled_opaque_ops_replay_in_cpp(ext, set_options, n, d, causal):
     after = ext.counters()
     assert after["forward"] - before["forward"] >= 3  # every call but the first
     assert after["backward"] - before["backward"] >= 3
+    for op in ("fwd_launch", "bwd_launch"):  # the dispatcher reaches the replay in C++
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{op}", "CUDA")
