@@ -188,3 +188,29 @@ def test_matches_torch_sdpa_on_gpu(monkeypatch, h, h_kv, n, d, causal):
     for a, r in zip((out, *grads), (ref, *refs)):
         err = (a.float() - r).abs().max().item()
         assert err <= 2e-2 * r.abs().max().item() + 2e-3, err
+
+
+def test_autocast_calls_take_the_autocast_dtype(on_cuda, monkeypatch):
+    """Under autocast SDPA runs in the autocast dtype; so does the drop-in: float32 q and k
+    with a bf16 v (a float32 model's RoPE under bf16 autocast) take our path in bf16, and
+    the gradients reach the float32 inputs in float32. Without autocast the same call is
+    torch's (float32 is not ours)."""
+    calls = []
+
+    def recorded(q, k, v, causal, scale):
+        calls.append((q.dtype, k.dtype, v.dtype))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+    monkeypatch.setattr(sdpa, "flash_attention", recorded)
+    q, k, v = _qkv(grad=True)
+    v_bf16 = v.detach().bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = scaled_dot_product_attention(q, k, v_bf16, is_causal=True)
+        ref = F.scaled_dot_product_attention(q, k, v_bf16, is_causal=True)
+    assert calls == [(torch.bfloat16,) * 3]
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+    dq, dv = torch.autograd.grad(out.float().sum(), (q, v_bf16))
+    assert (dq.dtype, dv.dtype) == (torch.float32, torch.bfloat16)
+    scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert len(calls) == 1

@@ -65,6 +65,22 @@ def test_hf_calls_take_our_path(hf_model, ours_on_cpu):
         torch.testing.assert_close(grad, ref_grads[name], atol=1e-4, rtol=1e-3, msg=name)
 
 
+def test_hf_float32_model_under_autocast_takes_our_path(hf_model, ours_on_cpu):
+    """The usual mixed-precision setup: float32 weights, bf16 autocast. HF's RoPE hands SDPA
+    float32 q and k and a bf16 v; the drop-in takes them in bf16, as SDPA's autocast does,
+    so every layer's call is ours (in bf16), and the logits are SDPA's within bf16."""
+    tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits, ref_grads = _loss_and_grads(hf_model, tokens)
+        with sdpa_replaced():
+            logits, grads = _loss_and_grads(hf_model, tokens)
+    assert [tuple(t.dtype for t in call[:3]) for call in ours_on_cpu] == [(torch.bfloat16,) * 3] * 3
+    torch.testing.assert_close(logits, ref_logits, atol=3e-2, rtol=3e-2)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name
+        torch.testing.assert_close(grad, ref_grads[name], atol=3e-2, rtol=5e-2, msg=name)
+
+
 def test_hf_calls_with_a_padding_mask_stay_torchs(hf_model, ours_on_cpu):
     tokens = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(tokens)

@@ -85,6 +85,21 @@ def runs_ours(
     return key.device == query.device and value.device == query.device
 
 
+def _as_autocast(query, key, value) -> tuple:
+    """q, k, v as SDPA sees them: under autocast for query's device SDPA runs in the
+    autocast dtype, its floating-point inputs cast (a Hugging Face model kept in float32
+    under bf16 autocast passes float32 q and k, from RoPE's float32 tables, with a bf16 v)."""
+    if type(query) is not torch.Tensor or not _kernels_run_on(query):
+        return query, key, value  # (other devices: torch's SDPA, given the inputs as they are)
+    if not torch.is_autocast_enabled(query.device.type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(query.device.type)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in (query, key, value)
+    )
+
+
 def scaled_dot_product_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -97,10 +112,12 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with our kernels where
     ``runs_ours`` says the call means the same to both; torch's SDPA (with every argument as
-    given) otherwise. query (..., H, L, E), key / value (..., Hkv, S, E) -> (..., H, L, E)."""
-    if runs_ours(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    given) otherwise. query (..., H, L, E), key / value (..., Hkv, S, E) -> (..., H, L, E).
+    Under autocast, as SDPA does, q, k and v are taken in the autocast dtype."""
+    q, k, v = _as_autocast(query, key, value)
+    if runs_ours(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         softmax_scale = None if scale is None else float(scale)
-        return flash_attention(query, key, value, is_causal, softmax_scale)
+        return flash_attention(q, k, v, is_causal, softmax_scale)
     return TORCH_SDPA(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa,
