@@ -214,3 +214,39 @@ def test_autocast_calls_take_the_autocast_dtype(on_cuda, monkeypatch):
     assert (dq.dtype, dv.dtype) == (torch.float32, torch.bfloat16)
     scaled_dot_product_attention(q, k, v, is_causal=True)
     assert len(calls) == 1
+
+
+def test_blocks_count_their_calls(on_cuda, monkeypatch):
+    """``sdpa_replaced()`` yields the block's counts: eager calls that ran ours and calls
+    that went to torch; a nested block's calls count in the outer block too."""
+    monkeypatch.setattr(sdpa, "flash_attention", lambda q, k, v, causal, scale: q)
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    with sdpa_replaced() as outer:
+        F.scaled_dot_product_attention(q, k, v)
+        with sdpa_replaced() as inner:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, attn_mask=None, scale=0.5)
+            F.scaled_dot_product_attention(q.float(), k.float(), v.float())  # torch's
+        assert (inner.ours, inner.torch) == (2, 1)
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    assert (outer.ours, outer.torch) == (3, 2)
+    assert sdpa._OPEN == []
+    scaled_dot_product_attention(q, k, v)  # outside any block: counted nowhere
+    assert (outer.ours, outer.torch) == (3, 2)
+
+
+def test_counting_compiles_in_one_graph(on_cuda, monkeypatch):
+    """Counting adds no graph break; a compiled graph's calls are not counted."""
+    monkeypatch.setattr(sdpa, "DTYPES", (*sdpa.DTYPES, torch.float32))
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    q, k, v = _qkv()
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")
+    with sdpa_replaced() as calls:
+        for _ in range(2):
+            out = compiled(q, k, v)
+        attend(q, k, v)
+    torch.testing.assert_close(out, 2 * sdpa.TORCH_SDPA(q, k, v, is_causal=True))
+    assert (calls.ours, calls.torch) == (1, 0)

@@ -250,6 +250,14 @@ def test_compare_hf_with_the_sdpa_dropin(tmp_path, monkeypatch):
         ours, hf = cells["lm_core", attention], cells["hf-llama", attention]
         assert hf["status"] == "ok"
         assert ours["vs_hf"] == pytest.approx(hf["mean_ms"] / ours["mean_ms"])
+    # the real drop-in counts its calls per step: on the CPU both of tiny's layers are torch's
+    monkeypatch.undo()
+    assert bench.main([*argv, "--attention", "flash-triton"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["model"], r["attention"], r.get("dropin_calls")) for r in rows} == {
+        ("lm_core", "flash-triton", None), ("hf-llama", "sdpa", None),
+        ("hf-llama", "flash-triton", "0/2"),
+    }  # fmt: skip
 
 
 def test_profile_alias_writes_tables(tmp_path):

@@ -28,7 +28,7 @@ from .cpp_launch import status as cpp_launch_status
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
 from .reference import attention_reference, causal_mask
-from .sdpa import scaled_dot_product_attention, sdpa_replaced
+from .sdpa import DropinCalls, scaled_dot_product_attention, sdpa_replaced
 from .torch_impl import FlashAttention2Torch
 from .traced_ops import for_cuda_graphs
 
@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "DropinCalls",
     "FlashAttention",
     "FlashAttention2Torch",
     "FlashAttention2Triton",

@@ -11,6 +11,7 @@ function on the module at call time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -115,7 +116,10 @@ def scaled_dot_product_attention(
     given) otherwise. query (..., H, L, E), key / value (..., Hkv, S, E) -> (..., H, L, E).
     Under autocast, as SDPA does, q, k and v are taken in the autocast dtype."""
     q, k, v = _as_autocast(query, key, value)
-    if runs_ours(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    ours = runs_ours(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not torch.compiler.is_compiling() and _OPEN:  # (a traced graph counts nothing)
+        _count(ours)
+    if ours:
         softmax_scale = None if scale is None else float(scale)
         return flash_attention(q, k, v, is_causal, softmax_scale)
     return TORCH_SDPA(
@@ -124,16 +128,41 @@ def scaled_dot_product_attention(
     )  # fmt: skip
 
 
+@dataclasses.dataclass(eq=False)  # (blocks are told apart by identity)
+class DropinCalls:
+    """The drop-in's eager calls inside an ``sdpa_replaced()`` block: ``ours`` ran our
+    kernels, ``torch`` went to torch's SDPA. Compiled graphs decide once, when traced, and
+    their calls are not counted."""
+
+    ours: int = 0
+    torch: int = 0
+
+
+_OPEN: list[DropinCalls] = []  # the counts of the open ``sdpa_replaced`` blocks
+
+
+def _count(ours: bool) -> None:
+    for calls in _OPEN:
+        if ours:
+            calls.ours += 1
+        else:
+            calls.torch += 1
+
+
 @contextlib.contextmanager
-def sdpa_replaced() -> Iterator[None]:
+def sdpa_replaced() -> Iterator[DropinCalls]:
     """Within: ``torch.nn.functional.scaled_dot_product_attention`` is
     ``scaled_dot_product_attention`` (for code that looks it up at call time, e.g. Hugging
-    Face's ``sdpa`` attention); restored on exit, also on an exception. The replacement is
+    Face's ``sdpa`` attention); restored on exit, also on an exception. Yields the block's
+    ``DropinCalls``, to check that a model's calls take our kernels. The replacement is
     process-wide: threads entering and leaving it out of order can leave the drop-in in
     place, which changes no result (it means what SDPA means for every call)."""
     before = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = scaled_dot_product_attention
+    calls = DropinCalls()
+    _OPEN.append(calls)
     try:
-        yield
+        yield calls
     finally:
+        _OPEN.remove(calls)
         F.scaled_dot_product_attention = before

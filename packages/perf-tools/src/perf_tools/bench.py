@@ -112,6 +112,7 @@ TABLE_COLUMNS = [
     "weights",
     "autograd_threads",
     "status",
+    "dropin_calls",
     "mean_ms",
     "std_ms",
     "median_ms",

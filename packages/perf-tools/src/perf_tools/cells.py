@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from perf_tools import hardware, harness, timing
+from perf_tools import hardware, harness, hf_baseline, timing
 from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
@@ -190,7 +190,7 @@ def make_cell_step(
             graph_safe=spec.graph,
         )
         if spec.impl == HF and spec.attention == "flash-triton":
-            step = _with_sdpa_dropin(step)
+            step = hf_baseline.with_sdpa_dropin(step)
         if spec.graph:
             from lm_core import graph_step
 
@@ -200,18 +200,6 @@ def make_cell_step(
         release_optimizer(optimizer)
         raise
     return step, optimizer
-
-
-def _with_sdpa_dropin(step: Any) -> Any:
-    """The HF step with torch's SDPA replaced by flashattn_triton's drop-in (HF's attention
-    looks the function up per call; a compiled step traces it on its first call)."""
-    from flashattn_triton import sdpa_replaced
-
-    def run() -> Any:
-        with sdpa_replaced():
-            return step()
-
-    return run
 
 
 def release_optimizer(optimizer: Any) -> None:
@@ -308,6 +296,7 @@ def measure_cell(
     finally:
         release_optimizer(optimizer)
     peak_mem = timing.peak_memory_bytes(device)
+    dropin = hf_baseline.dropin_calls(step)
     ckpt_k = None
     if spec.impl == OURS:
         from lm_core.activation_ckpt import checkpoint_group_size
@@ -322,6 +311,7 @@ def measure_cell(
     mfu = hardware.mfu(flops, mean_s, peak)
     return {
         "status": "ok",
+        "dropin_calls": dropin,
         "mean_ms": stats.mean,
         "std_ms": stats.std,
         "median_ms": stats.median,

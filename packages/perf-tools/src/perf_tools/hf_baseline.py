@@ -89,3 +89,33 @@ def fused_adamw(params: Any, device: torch.device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(
         params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8, fused=fused
     )
+
+
+def with_sdpa_dropin(step: Any) -> Any:
+    """The HF step with torch's SDPA replaced by flashattn_triton's drop-in (HF's attention
+    looks the function up per call; a compiled step traces it on its first call). The
+    drop-in's eager calls are counted over the steps run (``run.dropin``: the totals and the
+    number of steps), so the row can say how many took our kernels."""
+    from flashattn_triton import DropinCalls, sdpa_replaced
+
+    totals, steps = DropinCalls(), [0]
+
+    def run() -> Any:
+        with sdpa_replaced() as calls:
+            out = step()
+        totals.ours += calls.ours
+        totals.torch += calls.torch
+        steps[0] += 1
+        return out
+
+    run.dropin = (totals, steps)
+    return run
+
+
+def dropin_calls(step: Any) -> str | None:
+    """ "ours/all" drop-in calls per step of a step made by ``with_sdpa_dropin``; None for
+    other steps and for compiled ones (their calls are decided when traced, not counted)."""
+    totals, steps = getattr(step, "dropin", (None, [0]))
+    if totals is None or steps[0] == 0 or totals.ours + totals.torch == 0:
+        return None
+    return f"{totals.ours / steps[0]:g}/{(totals.ours + totals.torch) / steps[0]:g}"
