@@ -146,3 +146,20 @@ def test_the_option_registers_the_cuda_kernels_and_switches_them(ext, monkeypatc
     set_options(cpp_launch_compiled=True)
     assert registered == [(NAMESPACE, "CUDA")]
     assert served[-3:] == [True, False, True]
+
+
+def test_a_failed_registration_keeps_the_python_kernel(ext, monkeypatch, caplog):
+    """If the dispatcher refuses the C++ kernels, the ops keep their Python kernel (which
+    replays too): a warning, no exception, and no second attempt."""
+    attempts = []
+
+    def refuse(*args):
+        attempts.append(args[:2])
+        raise RuntimeError("schema mismatch")
+
+    monkeypatch.setattr(ext, "serve_ops", refuse, raising=False)
+    monkeypatch.setattr(cpp_launch, "_ops_served", set())
+    for _ in range(2):
+        cpp_launch.serve_ops(ext, "fa_cpp_dispatch_nowhere", "CUDA")
+    assert attempts == [("fa_cpp_dispatch_nowhere", "CUDA")]
+    assert "not registered (schema mismatch)" in caplog.text

@@ -193,9 +193,13 @@ def serve_ops(module, namespace: str, dispatch_key: str) -> None:
     ``op_backward`` (looked up per call), the same as before. Registered when
     ``cpp_launch_compiled`` first takes effect, and kept: with the option off again the
     kernels hand every call to Python."""
-    if (namespace, dispatch_key) not in _ops_served:
+    if (namespace, dispatch_key) in _ops_served:
+        return
+    _ops_served.add((namespace, dispatch_key))  # (tried once: a failure is not retried)
+    try:
         module.serve_ops(namespace, dispatch_key, _op_forward_fallback, _op_backward_fallback)
-        _ops_served.add((namespace, dispatch_key))
+    except RuntimeError as e:  # the ops keep their Python kernel, which replays too
+        _log.warning("flashattn_triton: the opaque ops' C++ kernels were not registered (%s)", e)
 
 
 def _op_forward_fallback(*args):
