@@ -42,6 +42,7 @@ import torch
 
 from . import configs as C
 from . import cpp_plans, launch, launch_backward
+from ._ops_namespace import NAMESPACE
 from .launch_plans import call_key, on_clear
 from .options import get_options
 
@@ -175,8 +176,6 @@ def _refresh() -> None:
     )  # fmt: skip
     OPS_ACTIVE[0] = ACTIVE[0] and opts.cpp_launch_compiled
     if OPS_ACTIVE[0] and not _ops_served:
-        from .ops import NAMESPACE
-
         serve_ops(module, NAMESPACE, "CUDA")
     if module is not None:
         module.set_ops_serving(OPS_ACTIVE[0])

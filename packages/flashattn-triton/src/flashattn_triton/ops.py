@@ -34,11 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import cpp_launch, launch, launch_kvcache, launch_varlen
-
-# The ops' namespace is the package's import name: a second copy of this package imported under
-# another name (benchmarks/ab_defaults.py compares two source trees in one process) then
-# registers its own ops instead of redefining these, which corrupts the ones already traced.
-NAMESPACE = __name__.partition(".")[0]
+from ._ops_namespace import NAMESPACE
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
