@@ -191,7 +191,10 @@ def serve_ops(module, namespace: str, dispatch_key: str) -> None:
     argument parsing per call. What they do not replay goes to ``op_forward`` /
     ``op_backward`` (looked up per call), the same as before. Registered when
     ``cpp_launch_compiled`` first takes effect, and kept: with the option off again the
-    kernels hand every call to Python."""
+    kernels hand every call to Python. Unlike ``op_forward`` they do not read
+    ``configs.OVERRIDES`` per call (a benchmark's tile table): layouts registered before it
+    changed keep their tiles until the next options change or ``launch_plans.clear_plans()``;
+    after that, calls with overrides set are not registered."""
     if (namespace, dispatch_key) in _ops_served:
         return
     _ops_served.add((namespace, dispatch_key))  # (tried once: a failure is not retried)
