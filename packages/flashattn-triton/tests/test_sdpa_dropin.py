@@ -250,3 +250,24 @@ def test_counting_compiles_in_one_graph(on_cuda, monkeypatch):
         attend(q, k, v)
     torch.testing.assert_close(out, 2 * sdpa.TORCH_SDPA(q, k, v, is_causal=True))
     assert (calls.ours, calls.torch) == (1, 0)
+
+
+@pytest.mark.gpu
+def test_autocast_calls_run_ours_on_gpu(monkeypatch):
+    """CUDA autocast, float32 q and k with a bf16 v (a float32 model's RoPE): our kernels in
+    bf16, counted, against torch's SDPA under the same autocast."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    q, k, v = _qkv(2, 8, 8, 512, 512, 64, torch.float32, "cuda", grad=True)
+    v = v.detach().bfloat16().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16), sdpa_replaced() as calls:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ref = sdpa.TORCH_SDPA(q, k, v, is_causal=True)
+    assert (calls.ours, calls.torch) == (1, 0)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    refs = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    for a, r in zip((out, *grads), (ref, *refs)):
+        assert a.dtype == r.dtype
+        err = (a.float() - r.float()).abs().max().item()
+        assert err <= 2e-2 * r.float().abs().max().item() + 2e-3, err
