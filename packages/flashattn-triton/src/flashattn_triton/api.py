@@ -46,6 +46,23 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
     return "torch"
 
 
+def in_autocast_dtype(q, k, v, device_type: str) -> tuple:
+    """q, k, v as attention sees them under autocast: where autocast is on for
+    ``device_type``, its floating-point tensors there cast to the autocast dtype, as SDPA's
+    inputs are (autocast runs SDPA in lower precision); otherwise unchanged."""
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    if all(getattr(t, "dtype", None) is dtype for t in (q, k, v)):
+        return q, k, v  # (the usual case: nothing to cast)
+    return tuple(
+        t.to(dtype)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == device_type
+        else t
+        for t in (q, k, v)
+    )
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return compiler is not None and compiler.is_compiling()
@@ -86,7 +103,12 @@ def flash_attention(
     implementation (any device and floating dtype), 'auto' chooses 'triton' for CUDA tensors
     that it supports and 'torch' otherwise. Few queries against many keys (decoding from a
     KV cache) split the keys over thread blocks on the Triton backend (no separate API).
+
+    Under CUDA autocast, CUDA q, k and v are taken in the autocast dtype, as SDPA takes them
+    (a float32 model's RoPE under bf16 autocast hands attention float32 q and k).
     """
+    if type(q) is torch.Tensor and q.is_cuda:
+        q, k, v = in_autocast_dtype(q, k, v, "cuda")
     plain = not return_lse and window_size == (-1, -1)
     # A repeated call whose layouts, window and scale the C++ launch path knows
     # (``cpp_launch``): they were checked by the first call, so it skips the checks too.
@@ -180,8 +202,10 @@ def flash_attention_varlen(
     The offsets are checked (start 0, never decrease, end at the totals, no sequence longer
     than the given maximum) before any launch, once per tensor (see ``_checked_offsets``;
     for CUDA tensors reading them waits for the GPU); under ``torch.compile`` they cannot be
-    read and are not checked.
+    read and are not checked. Under CUDA autocast, as :func:`flash_attention`.
     """
+    if type(q) is torch.Tensor and q.is_cuda:
+        q, k, v = in_autocast_dtype(q, k, v, "cuda")
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     left, right = _check_window_and_lse(window_size, return_lse)
     scale = resolve_scale(softmax_scale, q.shape[-1])

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._checks import MAX_HEAD_DIM
-from .api import flash_attention
+from .api import flash_attention, in_autocast_dtype
 
 # torch's function, kept before anything replaces it (the fallback, and what
 # ``sdpa_replaced`` restores)
@@ -87,18 +87,13 @@ def runs_ours(
 
 
 def _as_autocast(query, key, value) -> tuple:
-    """q, k, v as SDPA sees them: under autocast for query's device SDPA runs in the
-    autocast dtype, its floating-point inputs cast (a Hugging Face model kept in float32
-    under bf16 autocast passes float32 q and k, from RoPE's float32 tables, with a bf16 v)."""
+    """q, k, v as SDPA sees them on the kernels' device: under autocast SDPA runs in the
+    autocast dtype (a Hugging Face model kept in float32 under bf16 autocast passes float32
+    q and k, from RoPE's float32 tables, with a bf16 v). Elsewhere torch's SDPA gets the
+    inputs as they are."""
     if type(query) is not torch.Tensor or not _kernels_run_on(query):
-        return query, key, value  # (other devices: torch's SDPA, given the inputs as they are)
-    if not torch.is_autocast_enabled(query.device.type):
         return query, key, value
-    dtype = torch.get_autocast_dtype(query.device.type)
-    return tuple(
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in (query, key, value)
-    )
+    return in_autocast_dtype(query, key, value, query.device.type)
 
 
 def scaled_dot_product_attention(
