@@ -163,3 +163,15 @@ def test_a_failed_registration_keeps_the_python_kernel(ext, monkeypatch, caplog)
         cpp_launch.serve_ops(ext, "fa_cpp_dispatch_nowhere", "CUDA")
     assert attempts == [("fa_cpp_dispatch_nowhere", "CUDA")]
     assert "not registered (schema mismatch)" in caplog.text
+
+
+def test_refused_and_unknown_layouts_go_to_python(served):
+    """A layout marked refused, and a backward whose forward has no entry, reach the
+    Python launchers too."""
+    ext, calls = served
+    fwd, bwd = _ops()
+    q, k, v = _qkv(n_k=15)
+    ext.refuse(ext.fwd_key(q, k, v, True))
+    o, lse = fwd(q, k, v, True, 0.5)
+    bwd(torch.randn_like(q), q, k, v, o, lse, True, 0.5)
+    assert calls == [("fwd", True, 0.5, -1, -1), ("bwd", True, 0.5, -1, -1)]
