@@ -33,9 +33,9 @@ def _qkv(n_k, shape=(1, 2, 8, 4)):
     return q, k, v
 
 
-def test_option_default_off_and_env():
-    assert Options().cpp_launch_compiled is False
-    assert from_env({"FLASHATTN_TRITON_CPP_LAUNCH_COMPILED": "1"}).cpp_launch_compiled is True
+def test_option_default_on_and_env():
+    assert Options().cpp_launch_compiled is True
+    assert from_env({"FLASHATTN_TRITON_CPP_LAUNCH_COMPILED": "0"}).cpp_launch_compiled is False
     with pytest.raises(ValueError, match="FLASHATTN_TRITON_CPP_LAUNCH_COMPILED"):
         from_env({"FLASHATTN_TRITON_CPP_LAUNCH_COMPILED": "sometimes"})
     with pytest.raises(TypeError, match="cpp_launch_compiled"):
@@ -221,6 +221,36 @@ def test_auto_keeps_calls_on_the_opaque_ops_where_they_replay_from_cpp(monkeypat
     monkeypatch.setitem(cpp_launch._state, "status", "ready")
     monkeypatch.setattr(cpp_plans, "supported", lambda version: False)
     assert not cpp_launch.serves_compiled()
+
+
+@pytest.mark.parametrize("ninja", [True, False])
+@pytest.mark.parametrize("compiler", ["c++", None])
+def test_before_any_build_the_opaque_ops_are_kept_only_with_a_toolchain(
+    monkeypatch, set_options, ninja, compiler
+):
+    """A graph traced before the first build keeps the opaque ops only where the build can
+    work (ninja and the C++ compiler present); without them ``auto`` traces as before, and
+    a build already running or done needs no check."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from flashattn_triton.autograd import _use_traced_ops
+
+    monkeypatch.setattr(cpp_plans, "supported", lambda version: True)
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: ninja)
+    monkeypatch.setenv("CXX", "my-c++")
+    looked_up = []
+    monkeypatch.setattr(cpp_launch.shutil, "which", lambda name: looked_up.append(name) or compiler)
+    set_options(traced_compile="auto", cpp_launch="auto", cpp_launch_compiled=True)
+    q = _fake_cuda(4, 12, 1024, 64)
+    monkeypatch.setitem(cpp_launch._state, "status", "not built")
+    present = ninja and compiler is not None
+    assert cpp_launch.serves_compiled() is present
+    assert _use_traced_ops(True, q, q) is not present
+    # $CXX, as torch's extension builder reads it (looked up once ninja is there)
+    assert set(looked_up) == ({"my-c++"} if ninja else set())
+    for status in ("building", "ready"):
+        monkeypatch.setitem(cpp_launch._state, "status", status)
+        assert cpp_launch.serves_compiled()
 
 
 def test_serves_compiled_traces_without_a_break(monkeypatch, set_options):

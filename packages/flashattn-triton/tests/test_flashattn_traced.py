@@ -619,7 +619,8 @@ def test_auto_compiles_for_cuda_graphs_through_the_opaque_ops(set_options, graph
     without either runs the traced kernels; each matches the eager call."""
     from torch._inductor.utils import run_and_get_code
 
-    set_options(traced_compile="auto")
+    # (with ``cpp_launch_compiled``, the default, auto traces nothing the C++ path serves)
+    set_options(traced_compile="auto", cpp_launch_compiled=False)
     torch._dynamo.reset()
 
     def attn(q, k, v):

@@ -2,11 +2,13 @@
 
 Settings are the product of
   - the variant: ``sdpa``, ``flash-triton`` (flashattn_triton's default options),
-    ``flash-triton-opaque`` (compiled graphs call our opaque ops: ``traced_compile=False``),
+    ``flash-triton-opaque`` (compiled graphs call our opaque ops, which run the Python
+    launchers: ``traced_compile=False, cpp_launch_compiled=False``),
     ``flash-triton-traced`` (compiled graphs launch our kernels themselves at every size:
-    ``traced_compile=True``), ``flash-triton-auto`` (``traced_compile="auto"``) and
-    ``flash-triton-cpp`` (the opaque ops replayed from C++: ``cpp_launch_compiled=True``,
-    with which ``auto`` traces nothing);
+    ``traced_compile=True``), ``flash-triton-auto`` (``traced_compile="auto"`` with
+    ``cpp_launch_compiled=False``: small calls traced) and ``flash-triton-cpp`` (the opaque
+    ops replayed from C++: ``cpp_launch_compiled=True``, the default, with which ``auto``
+    traces nothing);
   - the backward's thread: ``device`` (autograd's device thread, torch's default) or
     ``calling`` (``torch.autograd.set_multithreading_enabled(False)``);
   - the CPUs: ``free`` (as started), ``one-core`` (every thread of the process pinned to one
@@ -57,9 +59,9 @@ VARIANTS = (
     "flash-triton-cpp",
 )  # fmt: skip
 CHANGES: dict[str, dict[str, object]] = {  # flashattn_triton option changes per variant
-    "flash-triton-opaque": {"traced_compile": False},
+    "flash-triton-opaque": {"traced_compile": False, "cpp_launch_compiled": False},
     "flash-triton-traced": {"traced_compile": True},
-    "flash-triton-auto": {"traced_compile": "auto"},
+    "flash-triton-auto": {"traced_compile": "auto", "cpp_launch_compiled": False},
     "flash-triton-cpp": {"traced_compile": "auto", "cpp_launch_compiled": True},
 }
 THREADS = ("device", "calling")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 from importlib import resources
 from typing import Any
@@ -405,12 +406,24 @@ def serves_compiled() -> bool:
 
 @torch.compiler.assume_constant_result
 def _buildable() -> bool:
-    """A supported Triton and no failed build. A constant to torch.compile: the build's
+    """A supported Triton, no failed build, and, before any build, a C++ compiler and ninja
+    on this machine (``_toolchain_present``). A constant to torch.compile: the build's
     status is no reason to recompile a graph (one traced before a build fails keeps the
-    opaque ops, which then run the Python launchers)."""
+    opaque ops, which then run the Python launchers; the toolchain check makes that rare)."""
     import triton
 
-    return not _state["status"].startswith("failed") and cpp_plans.supported(triton.__version__)
+    status = _state["status"]
+    if status.startswith("failed") or not cpp_plans.supported(triton.__version__):
+        return False
+    return status != "not built" or _toolchain_present()
+
+
+def _toolchain_present() -> bool:
+    """What ``compile_extension`` needs most often and a machine most often lacks: ninja
+    and the C++ compiler torch's extension builder calls (``$CXX``, else ``c++``)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return is_ninja_available() and shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def _replayable_op_call(q: torch.Tensor) -> bool:

@@ -86,8 +86,9 @@ class Options:
         instead of the Python launchers (``cpp_launch.op_forward``); with it
         ``traced_compile="auto"`` traces no call while the C++ path can serve them
         (``cpp_launch.serves_compiled``), so compiled calls keep the Gluon kernels and TMA.
-        Off by default: on an H100 it won single compiled calls and lost the host-bound
-        compiled small model to traced calls (BENCHMARKS 3.1, 3.3).
+        On by default: on an H100 it puts more compiled sweep rows at or under SDPA than
+        traced calls do and ties or beats them in the compiled small and xl models
+        (BENCHMARKS 3.1, 3.3); False traces small calls again.
     """
 
     backward: str = "auto"
@@ -99,7 +100,7 @@ class Options:
     fast_launch: bool = True
     traced_compile: bool | str = "auto"
     cpp_launch: bool | str = "auto"
-    cpp_launch_compiled: bool = False
+    cpp_launch_compiled: bool = True
 
     def __post_init__(self) -> None:
         if self.backward not in BWD_SCHEMES:
