@@ -495,7 +495,9 @@ def test_compiled_graphs_use_traced_ops_only_where_they_can(set_options):
         torch.empty(1, 2, 64, 16), source=ConstantSource("q"), symbolic_context=ctx
     )
     cpu = torch.empty(1, 2, 64, 16)
-    set_options(traced_compile=False)
+    # (``cpp_launch_compiled``, on by default, keeps ``auto`` off calls the C++ path serves
+    # where its Triton is supported: ``test_cpp_launch_ops``)
+    set_options(traced_compile=False, cpp_launch_compiled=False)
     assert not _use_traced_ops(True, real, real)
     for on in (True, "auto"):
         set_options(traced_compile=on, autotune=False)
@@ -513,7 +515,7 @@ def test_auto_traces_calls_up_to_the_work_limit(set_options):
     from flashattn_triton.autograd import _use_traced_ops
     from flashattn_triton.configs import TRACED_MAX_WORK
 
-    set_options(traced_compile="auto")
+    set_options(traced_compile="auto", cpp_launch_compiled=False)  # (see the test above)
 
     shape = _cuda
 
