@@ -31,6 +31,7 @@ these launches; set ``cpp_launch=False`` while using them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -418,9 +419,11 @@ def _buildable() -> bool:
     return status != "not built" or _toolchain_present()
 
 
+@functools.cache
 def _toolchain_present() -> bool:
     """What ``compile_extension`` needs most often and a machine most often lacks: ninja
-    and the C++ compiler torch's extension builder calls (``$CXX``, else ``c++``)."""
+    and the C++ compiler torch's extension builder calls (``$CXX``, else ``c++``). Looked
+    up once per process (ninja's check starts a subprocess; a model's trace asks per call)."""
     from torch.utils.cpp_extension import is_ninja_available
 
     return is_ninja_available() and shutil.which(os.environ.get("CXX", "c++")) is not None
