@@ -71,6 +71,12 @@
 #              rows up to 8192 tokens with each setting, then scripts/model_step_ab.py small
 #              (compiled) and xl (blocks compiled), interleaved, xl with each setting's
 #              operators profiled                                     (parts: 1-4 min, H100)
+#   stepsab    the model steps with SDPA and with our attention (its default options),
+#              interleaved in one process (scripts/model_step_ab.py): small at 1024 tokens
+#              eager and whole model compiled, xl at 512 eager and each block compiled; then
+#              the compiled sweep's first row run again after a second row (is a process's
+#              first compiled row slower?) and flashattn-triton's compiled GPU tests
+#                                                             (estimate: ~6-8 min, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -324,6 +330,24 @@ if want cppcompiled; then  # compiled graphs' opaque ops through C++ against tra
   run cpp_compiled_xl_ab $AB --size xl --context 512 --blocks --variants flash-triton-auto \
     flash-triton-cpp --threads device --cpus free --rounds 4 --warmup 3 --steps 10 \
     --profile 3 --out "$WORK/cpp_compiled_xl_ab"
+fi
+if want stepsab; then  # SDPA against ours in the models, interleaved in one process
+  AB="$PY $ROOT/packages/perf-tools/scripts/model_step_ab.py"
+  for compiled in "" "--compile"; do
+    run "stepsab_small${compiled:+_compiled}" $AB --size small --context 1024 $compiled \
+      --variants sdpa flash-triton --threads device --cpus free --rounds 5 \
+      --out "$WORK/stepsab_small${compiled:+_compiled}"
+  done
+  for blocks in "" "--blocks"; do
+    run "stepsab_xl${blocks:+_blocks}" $AB --size xl --context 512 $blocks --variants sdpa \
+      flash-triton --threads device --cpus free --rounds 4 --warmup 3 --steps 10 \
+      --out "$WORK/stepsab_xl${blocks:+_blocks}"
+  done
+  run stepsab_first_row $PY -m perf_tools.attention_sweep --quiet --modes compiled --rounds 3 \
+    --host --d 64 --causal yes --shapes 128x512 64x1024 128x512 \
+    --csv "$WORK/stepsab_first_row.csv" --json "$WORK/stepsab_first_row.json"
+  run stepsab_compiled_tests $PY -m pytest -q -p no:cacheprovider \
+    "$ROOT/packages/flashattn-triton/tests" -m gpu -k "compile or traced or opaque"
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \

@@ -53,6 +53,7 @@ from model_host_profile import _step_fn, _sync
 from model_host_profile import _time as _time_steps
 
 from perf_tools import _cli
+from perf_tools._compile import ready_cpp_launch
 
 VARIANTS = (
     "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto",
@@ -227,6 +228,9 @@ def main() -> None:
         v: dataclasses.replace(plain, **CHANGES[v]) if v in CHANGES else plain
         for v in args.variants
     }
+    # the C++ launch path built before the first step (else it compiles in the background
+    # and the warm-up steps, or more, take the Python path)
+    cpp_status = ready_cpp_launch() if any(v != "sdpa" for v in args.variants) else None
     steps = {}
     for variant in args.variants:
         set_options(options[variant])
@@ -300,7 +304,7 @@ def main() -> None:
         "size": args.size, "context": args.context, "batch": args.batch,
         "compile": args.compile, "blocks": args.blocks, "rounds": args.rounds, "steps": args.steps,
         "cpus_allowed": len(allowed),
-        "graphs_compiled_during_rounds": _graphs() - graphs_before,
+        "graphs_compiled_during_rounds": _graphs() - graphs_before, "cpp_launch": cpp_status,
     }  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": summary}, indent=1))
     print(json.dumps(meta))
