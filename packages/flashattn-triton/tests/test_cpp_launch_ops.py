@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_triton import cpp_launch, cpp_plans, launch, launch_backward
+from flashattn_triton import cpp_launch, cpp_launch_counters, cpp_plans, launch, launch_backward
 from flashattn_triton.options import Options, from_env, use_options
 
 
@@ -63,7 +63,8 @@ def test_registered_entries_replay_forward_and_backward(active, monkeypatch):
     python_calls = []
     monkeypatch.setattr(launch, "forward", lambda *a: python_calls.append("fwd"))
     monkeypatch.setattr(launch, "backward", lambda *a: python_calls.append("bwd"))
-    start = ext.counters()
+    start = cpp_launch_counters()  # the public reading of the extension's counters
+    assert start == {name: ext.counters()[name] for name in cpp_launch.COUNTERS}
     o, lse = cpp_launch.op_forward(q, k, v, True, 0.5)  # d = 4: the default scale is 0.5
     assert o.shape == q.shape
     assert o.stride() == q.stride()
@@ -73,9 +74,12 @@ def test_registered_entries_replay_forward_and_backward(active, monkeypatch):
     ext.add_backward(entry, ext.layout_key(do), [], [2, 8], 16, False)
     dq, dk, dv = cpp_launch.op_backward(do, q, k, v, o, lse, True, 0.5)
     assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
-    end = ext.counters()
-    assert end["forward"] - start["forward"] == 1
-    assert end["backward"] - start["backward"] == 1
+    end = cpp_launch_counters()
+    assert {name: end[name] - start[name] for name in end} == {
+        "forward": 1,
+        "backward": 1,
+        "backward_fallback": 0,
+    }
     assert python_calls == []
     # another scale, causal flag or window is not this entry: the Python launchers
     cpp_launch.op_forward(q, k, v, True, 0.3)
@@ -83,6 +87,11 @@ def test_registered_entries_replay_forward_and_backward(active, monkeypatch):
     cpp_launch.op_forward(q, k, v, True, 0.5, 2, 0)
     assert python_calls == ["fwd", "fwd", "fwd"]
     assert ext.counters()["forward"] == end["forward"]
+
+
+def test_counters_read_zero_before_the_extension_loads(monkeypatch):
+    monkeypatch.setitem(cpp_launch._state, "module", None)
+    assert cpp_launch_counters() == {"forward": 0, "backward": 0, "backward_fallback": 0}
 
 
 def test_python_calls_register_then_replay(active, monkeypatch):

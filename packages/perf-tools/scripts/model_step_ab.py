@@ -53,7 +53,7 @@ from model_host_profile import _step_fn, _sync
 from model_host_profile import _time as _time_steps
 
 from perf_tools import _cli
-from perf_tools._compile import ready_cpp_launch
+from perf_tools._compile import cpp_launch_counters, ready_cpp_launch
 
 VARIANTS = (
     "sdpa", "flash-triton", "flash-triton-opaque", "flash-triton-traced", "flash-triton-auto",
@@ -119,13 +119,10 @@ def _write_rounds(path: Path, rows: list[dict]) -> None:
 
 
 def _cpp_calls() -> dict[str, int]:
-    """flashattn_triton's C++ replay counters (forward, backward, backward_fallback; zeros
-    where its extension is not loaded): a cell's difference says which of its calls replayed
-    from C++ and which backward went to Python."""
-    from flashattn_triton import cpp_launch
-
-    module = cpp_launch._state["module"]
-    counts = module.counters() if module is not None else {}
+    """flashattn_triton's C++ replay counters (zeros where its extension is not loaded): a
+    cell's difference says which of its calls replayed from C++ and which backward went to
+    Python."""
+    counts = cpp_launch_counters()
     return {name: int(counts.get(name, 0)) for name in ("forward", "backward", "backward_fallback")}
 
 

@@ -423,9 +423,20 @@ def test_eager_rows_record_the_cpp_launch_status(monkeypatch):
         device=torch.device("cuda"), dtype=torch.float32, quiet=True,
     )  # fmt: skip
     monkeypatch.setattr(sweep, "_inputs", lambda *a, **k: (None,) * 4)
+    readings = iter(
+        [
+            {"forward": 10, "backward": 10, "backward_fallback": 2},  # before the row
+            {"forward": 16, "backward": 15, "backward_fallback": 3},  # after its timings
+        ]
+    )
+    monkeypatch.setattr(sweep, "cpp_launch_counters", lambda: next(readings))
     [row] = sweep.run_sweep(cfg)
     assert row["cpp_launch"] == "ready"
     assert readied == [1]
+    # the row's replays from C++: the difference of the readings around its timings
+    assert (row["ours_cpp_forward"], row["ours_cpp_backward"]) == (6, 5)
+    assert row["ours_cpp_backward_fallback"] == 1
+    assert next(readings, None) is None  # read once before and once after the row
 
 
 def test_ready_cpp_launch_builds_and_reports_a_failure_once(monkeypatch, capsys):
@@ -450,3 +461,17 @@ def test_ready_cpp_launch_builds_and_reports_a_failure_once(monkeypatch, capsys)
     state["status"] = "off"
     assert _compile.ready_cpp_launch() == "off"
     assert state["builds"] == 1
+
+
+def test_cpp_launch_counters_read_flashattn_triton_or_nothing(monkeypatch):
+    """The package's counters where it is installed, an empty reading where it is not."""
+    import sys
+
+    import flashattn_triton
+    from perf_tools import _compile
+
+    reading = {"forward": 3, "backward": 2, "backward_fallback": 1}
+    monkeypatch.setattr(flashattn_triton, "cpp_launch_counters", lambda: reading)
+    assert _compile.cpp_launch_counters() == reading
+    monkeypatch.setitem(sys.modules, "flashattn_triton", None)  # import fails
+    assert _compile.cpp_launch_counters() == {}

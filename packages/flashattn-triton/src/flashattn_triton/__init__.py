@@ -24,6 +24,7 @@ from .api import (
 )
 from .autograd import FlashAttention2Triton
 from .cpp_launch import build as build_cpp_launch
+from .cpp_launch import counters as cpp_launch_counters
 from .cpp_launch import status as cpp_launch_status
 from .flops import attention_bytes, attention_floor_ms, attention_flops, tflops_per_s
 from .options import Options, get_options, set_options, use_options
@@ -47,6 +48,7 @@ __all__ = [
     "attention_reference",
     "build_cpp_launch",
     "causal_mask",
+    "cpp_launch_counters",
     "cpp_launch_status",
     "flash_attention",
     "flash_attention_kvcache",

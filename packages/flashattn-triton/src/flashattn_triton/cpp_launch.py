@@ -73,6 +73,20 @@ ACTIVE = [False]
 OPS_ACTIVE = [False]
 
 
+COUNTERS = ("forward", "backward", "backward_fallback")
+
+
+def counters() -> dict[str, int]:
+    """Calls the C++ path served since the extension was loaded: ``forward`` (forwards
+    replayed, eager or in compiled graphs), ``backward`` (backwards replayed) and
+    ``backward_fallback`` (backwards of a replayed forward that ran the Python launchers:
+    a dO layout without a plan yet); zeros before the extension is loaded. The difference
+    of two readings says how many calls in between took the C++ path."""
+    module = _state["module"]
+    got = module.counters() if module is not None else {}
+    return {name: int(got.get(name, 0)) for name in COUNTERS}
+
+
 def status() -> str:
     """'ready', 'building', 'off' (``cpp_launch=False``), 'not built', or 'failed: <why>'."""
     if not get_options().cpp_launch:

@@ -51,6 +51,17 @@ def compiled_launch_options() -> dict[str, bool | str]:
 _CPP_NOTED: set[str] = set()
 
 
+def cpp_launch_counters() -> dict[str, int]:
+    """flashattn_triton's C++ replay counters (``forward``, ``backward``,
+    ``backward_fallback``; empty where it is not installed): the difference of two readings
+    says which calls in between replayed from C++ and which backward went to Python."""
+    try:
+        from flashattn_triton import cpp_launch_counters as counters
+    except ImportError:
+        return {}
+    return counters()
+
+
 def cpp_launch_status() -> str | None:
     """flashattn_triton's C++ launch path status (``ready``, ``off``, ``failed: ...``; None
     where it is not installed). Eager benchmark rows with its attention record it."""

@@ -33,6 +33,11 @@ times every provider of a row N times, interleaved (round r starts at the r-th p
 reports each provider's median over the rounds, with `ours_vs_best_min` / `_max`: the
 lowest and highest of the per-round ratios (ours against the best SDPA of the same round).
 
+Rows whose calls may replay from flashattn_triton's C++ path (column `cpp_launch`) also
+count, over all rounds, ours' forwards and backwards that did (`ours_cpp_forward`,
+`ours_cpp_backward`) and backwards of a replayed forward that went to Python
+(`ours_cpp_backward_fallback`).
+
 `--kernels` (GPU only) profiles one more forward + backward per provider and row after its
 timings and records the kernels it ran, in launch order, as `<provider>_kernels` (CSV, JSON
 and one printed line per row): which of our kernels a row took (the Triton or the Gluon
@@ -63,6 +68,7 @@ from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
     compiled_launch_options,
+    cpp_launch_counters,
     ready_cpp_launch,
 )
 from perf_tools.attention_sweep_results import (
@@ -333,7 +339,11 @@ def run_sweep(
                 row["cpp_launch"] = cpp  # whether the calls replay from C++
             q, k, v, do = _inputs(heads, n, d, cfg, seed=len(rows))
             label = f"{mode} causal={causal} d={d} {shape_label(row)}"
+            before = cpp_launch_counters() if "cpp_launch" in row else None
             cells, notes = _time_providers(fns, (q, k, v, do), mode, threads, cfg, bar, label)
+            if before:  # ours' calls of every round that replayed from C++ (SDPA adds none)
+                after = cpp_launch_counters()
+                row.update({f"ours_cpp_{name}": after[name] - before[name] for name in after})
             fill_medians(row, cfg.providers, cells, notes)
             add_ratios(row, cfg.providers)
             if cfg.rounds > 1:
@@ -537,7 +547,7 @@ COLUMNS = (
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
     "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
     "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us", "sdpa-cudnn_host_us",
-    "ours_host_vs_best",
+    "ours_host_vs_best", "ours_cpp_forward", "ours_cpp_backward", "ours_cpp_backward_fallback",
 )  # fmt: skip
 
 
