@@ -62,6 +62,17 @@ def cpp_launch_counters() -> dict[str, int]:
     return counters()
 
 
+def cpp_replays_per_step(before: dict[str, int], steps: int) -> str | None:
+    """ "forward/backward/backward_fallback" C++ replays per step since the ``before``
+    reading (``cpp_launch_counters``), e.g. "12/12/0" for a small model's step whose 12
+    attention calls all replayed; None without a reading."""
+    after = cpp_launch_counters()
+    if not before or not after or steps <= 0:
+        return None
+    names = ("forward", "backward", "backward_fallback")
+    return "/".join(f"{(after[n] - before[n]) / steps:g}" for n in names)
+
+
 def cpp_launch_status() -> str | None:
     """flashattn_triton's C++ launch path status (``ready``, ``off``, ``failed: ...``; None
     where it is not installed). Eager benchmark rows with its attention record it."""

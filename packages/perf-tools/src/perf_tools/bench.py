@@ -113,6 +113,7 @@ TABLE_COLUMNS = [
     "autograd_threads",
     "status",
     "dropin_calls",
+    "cpp_replays",
     "mean_ms",
     "std_ms",
     "median_ms",

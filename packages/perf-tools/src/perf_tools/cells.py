@@ -28,7 +28,9 @@ from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
     compiled_launch_options,
+    cpp_launch_counters,
     cpp_launch_status,
+    cpp_replays_per_step,
 )
 from perf_tools.flops import step_flops
 from perf_tools.models import build_model, count_params, random_batch, resolve_config
@@ -269,6 +271,16 @@ def measure_cell(
             torch.cuda.cudart().cudaProfilerStart()
             started.append("nvtx")
 
+    # flashattn_triton's C++ replays over the measured steps (GPU cells with its attention)
+    replays = spec.attention == "flash-triton" and device.type == "cuda"
+    replays_before: dict[str, int] = {}
+    if replays:
+        measure_start = on_measure
+
+        def on_measure() -> None:
+            replays_before.update(cpp_launch_counters())
+            measure_start()
+
     label = spec.label() if opts.progress else None
     try:
         with (
@@ -312,6 +324,7 @@ def measure_cell(
     return {
         "status": "ok",
         "dropin_calls": dropin,
+        "cpp_replays": cpp_replays_per_step(replays_before, opts.steps) if replays else None,
         "mean_ms": stats.mean,
         "std_ms": stats.std,
         "median_ms": stats.median,

@@ -22,7 +22,7 @@ _MEASURED = {
     "first_measured_ms", "fwd_ms", "bwd_ms", "sync_ms", "opt_ms", "tokens_per_s", "tflops",
     "mfu_pct", "peak_mem_gib", "warmup_s", "first_step_s", "build_s", "host_op_us",
     "host_op_start_us",
-    "gather_wait_ms", "units_waited", "vs_hf",
+    "gather_wait_ms", "units_waited", "vs_hf", "dropin_calls", "cpp_replays",
 }  # fmt: skip
 
 SUMMARY_COLUMNS = [
