@@ -240,6 +240,9 @@ class _Recorder:
     def set_ops_serving(self, on):
         pass
 
+    def serve_ops(self, namespace, dispatch_key, forward_fallback, backward_fallback):
+        pass  # (a build into this stand-in serves the ops with ``cpp_launch_compiled`` on)
+
 
 @pytest.fixture
 def standin(monkeypatch):

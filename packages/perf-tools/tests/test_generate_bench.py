@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import time
 
 import pytest
 import torch
@@ -46,10 +47,36 @@ def test_cpu_smoke_rows_and_csv(tmp_path, capsys):
         assert float(eager["tokens_per_s"]) == pytest.approx(expected, rel=1e-6)
         assert cells["cudagraph", batch]["note"].startswith("skipped: CUDA graphs")
         hf = cells["hf", batch]
-        if hf["note"]:  # transformers missing: a row that says so
-            assert hf["note"].startswith("skipped: transformers is not installed")
+        if hf["note"]:  # transformers missing, or a decode within a busy CPU's noise
+            assert hf["note"].startswith(("skipped: transformers is not installed", "not measured"))
+            assert hf["tokens_per_s"] == ""
         else:
             assert float(hf["tokens_per_s"]) > 0
+
+
+def test_hf_decode_within_the_noise_is_a_note_not_a_negative_rate(tmp_path, monkeypatch):
+    """generate() of all the new tokens timed no slower than of one (noise on a busy
+    machine): the row says so instead of reporting a negative decode time."""
+    import types
+
+    calls = []
+
+    def generate(prompt, max_new_tokens, **kwargs):
+        calls.append(max_new_tokens)
+        # every call of 1 token stalls once: the prefill's median exceeds the whole run's
+        if max_new_tokens == 1:
+            time.sleep(0.02)
+        return torch.zeros(prompt.shape[0], prompt.shape[1] + max_new_tokens, dtype=torch.long)
+
+    model = types.SimpleNamespace(generate=generate)
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(generate_bench.CellNotMeasuredError, match="within the noise"):
+        generate_bench.time_hf(model, "hf", prompt, 6, repeats=3)
+    assert calls == [6] + [1, 6] * 3  # a warm-up run, then the timed pairs
+    row = generate_bench._row("tiny", 1, "hf", generate_bench.DecodeBenchConfig())
+    generate_bench._measure(row, lambda: generate_bench.time_hf(model, "hf", prompt, 6, 1), "cpu")
+    assert row["note"].startswith("not measured: generating 6 tokens took no longer than 1")
+    assert row["tokens_per_s"] is None
 
 
 def test_new_tokens_must_leave_a_decode_step(capsys):

@@ -20,9 +20,11 @@ each; with flash-triton the decode step reads only the cache's filled rows throu
 `flashattn_triton.flash_attention_kvcache`, with sdpa all of them under a mask); HF's rows
 are its SDPA. Ours and HF's caches both hold prompt + new tokens positions; weights in
 `--dtype` (bf16 on CUDA by default; lm_core keeps its RoPE tables in fp32). A cell that
-cannot run here (no CUDA, no transformers) or runs out of memory is a row with a note; any
-other failure is a row saying `error: ...` (traceback on stderr) and the command exits 1 at
-the end.
+cannot run here (no CUDA, no transformers) or runs out of memory is a row with a note, and so
+is an HF cell whose decode time cannot be told apart from the noise (`not measured: ...`:
+generating all the new tokens took no longer than generating one, as on a busy CPU with few
+new tokens); any other failure is a row saying `error: ...` (traceback on stderr) and the
+command exits 1 at the end.
 
 Example (GPU):
   python -m perf_tools.generate_bench --sizes small xl --batch-sizes 1 16 --csv decode.csv
@@ -119,6 +121,11 @@ class CellSkippedError(Exception):
     """This cell cannot run here; the message says why."""
 
 
+class CellNotMeasuredError(Exception):
+    """This cell ran but its time cannot be derived from what was measured; the message
+    says why."""
+
+
 def _median_runs(run: Callable[[], tuple[float, float]], repeats: int) -> tuple[float, float]:
     """Median prefill and decode seconds over `repeats` calls of `run`."""
     times = [run() for _ in range(repeats)]
@@ -158,8 +165,10 @@ def time_ours(model: Any, provider: str, prompt: torch.Tensor, new_tokens: int, 
 
 
 def time_hf(hf_model: Any, provider: str, prompt: torch.Tensor, new_tokens: int, repeats: int):
-    """(warm-up s, prefill s, decode s) of LlamaForCausalLM.generate: decode = time of
-    `new_tokens` minus time of 1 new token (the prefill and its first token)."""
+    """(warm-up s, prefill s, decode s) of LlamaForCausalLM.generate: prefill = the median
+    time of 1 new token (the prefill and its first token), decode = the median time of
+    `new_tokens` minus that. Raises CellNotMeasuredError where the difference is not
+    positive (noise larger than the decode), rather than report a negative time."""
     device = prompt.device
     kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
     if provider == "hf-static":
@@ -175,13 +184,18 @@ def time_hf(hf_model: Any, provider: str, prompt: torch.Tensor, new_tokens: int,
         return time.perf_counter() - t0
 
     def run() -> tuple[float, float]:
-        one = gen(1)
-        return one, gen(new_tokens) - one
+        return gen(1), gen(new_tokens)
 
     t0 = time.perf_counter()
     gen(new_tokens)
     warmup = time.perf_counter() - t0
-    return (warmup, *_median_runs(run, repeats))
+    prefill, total = _median_runs(run, repeats)
+    if total <= prefill:
+        raise CellNotMeasuredError(
+            f"generating {new_tokens} tokens took no longer than 1 ({total * 1e3:.3f} against "
+            f"{prefill * 1e3:.3f} ms): the decode is within the noise; more --new-tokens"
+        )
+    return warmup, prefill, total - prefill
 
 
 def _row(
@@ -206,6 +220,9 @@ def _measure(row: dict[str, Any], fn: Callable[[], tuple[float, float, float]], 
                 torch.cuda.empty_cache()
     except CellSkippedError as exc:
         row["note"] = f"skipped: {exc}"
+        return
+    except CellNotMeasuredError as exc:
+        row["note"] = f"not measured: {exc}"
         return
     except Exception as exc:
         if is_oom(exc):
