@@ -312,6 +312,12 @@ def test_specs_cover_the_cartesian_product():
     keys = [s.model_key for s in specs]
     assert len(dict.fromkeys(keys)) == len([k for i, k in enumerate(keys)
                                                 if i == 0 or keys[i - 1] != k])  # fmt: skip
+    # every eager cell runs before any compiled one, HF's too
+    args = bench.parse_args([*argv, "--compile", "both", "--compare", "hf"])
+    specs = bench.specs_from_args(args)
+    compiled = [s.compile is not False for s in specs]
+    assert compiled == sorted(compiled)
+    assert {s.impl for s in specs if not s.compile} == {"lm_core", "hf-llama"}
 
 
 def test_cpu_default_is_small(capsys):
