@@ -119,11 +119,10 @@ def _write_rounds(path: Path, rows: list[dict]) -> None:
 
 
 def _cpp_calls() -> dict[str, int]:
-    """flashattn_triton's C++ replay counters (zeros where its extension is not loaded): a
+    """flashattn_triton's C++ replay counters (zeros where it or its extension is missing): a
     cell's difference says which of its calls replayed from C++ and which backward went to
     Python."""
-    counts = cpp_launch_counters()
-    return {name: int(counts.get(name, 0)) for name in ("forward", "backward", "backward_fallback")}
+    return cpp_launch_counters() or dict.fromkeys(("forward", "backward", "backward_fallback"), 0)
 
 
 def _graphs() -> int:

@@ -69,8 +69,7 @@ def cpp_replays_per_step(before: dict[str, int], steps: int) -> str | None:
     after = cpp_launch_counters()
     if not before or not after or steps <= 0:
         return None
-    names = ("forward", "backward", "backward_fallback")
-    return "/".join(f"{(after[n] - before[n]) / steps:g}" for n in names)
+    return "/".join(f"{(after[n] - before[n]) / steps:g}" for n in after)
 
 
 def cpp_launch_status() -> str | None:

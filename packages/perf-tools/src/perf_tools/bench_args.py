@@ -293,6 +293,7 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
                         )
     # Every eager cell before any compiled one (a stable sort: each model's cells stay
     # together): a compile leaves the process changed (inductor's caches and workers, the
-    # graphs it holds), and in one run the host-bound eager cells that followed compiled
-    # ones were 1.27x slower, their optimizer phase, which runs no attention, too.
+    # graphs it holds): in one run the host-bound flash-triton eager cells, each right after
+    # a compiled cell, took 1.27x the SDPA eager cells' step, and their optimizer phase, which
+    # runs no attention, 1.14-1.17x (cause not measured).
     return sorted(specs, key=lambda spec: spec.compile is not False)

@@ -261,6 +261,9 @@ def measure_cell(
     step, optimizer = make_cell_step(model, runner, spec, config, opts, annotator, timer)
     snapshot = _snapshot_path(opts, spec, n_cells)
     started: list[str] = []  # captures begun by on_measure (a warm-up OOM begins none)
+    # flashattn_triton's C++ replays over the measured steps (GPU cells with its attention)
+    replays = spec.attention == "flash-triton" and device.type == "cuda"
+    replays_before: dict[str, int] = {}
 
     def on_measure() -> None:
         timing.reset_peak_memory(device)
@@ -270,16 +273,8 @@ def measure_cell(
         if opts.nvtx:
             torch.cuda.cudart().cudaProfilerStart()
             started.append("nvtx")
-
-    # flashattn_triton's C++ replays over the measured steps (GPU cells with its attention)
-    replays = spec.attention == "flash-triton" and device.type == "cuda"
-    replays_before: dict[str, int] = {}
-    if replays:
-        measure_start = on_measure
-
-        def on_measure() -> None:
+        if replays:
             replays_before.update(cpp_launch_counters())
-            measure_start()
 
     label = spec.label() if opts.progress else None
     try:
