@@ -228,6 +228,7 @@ def test_rounds_interleave_providers_and_report_medians(monkeypatch):
     # per round: 1 / min(2, 4), 3 / min(2, 1), 2 / min(2, 4)
     assert row["ours_vs_best_min"] == pytest.approx(0.5)
     assert row["ours_vs_best_max"] == pytest.approx(3.0)
+    assert row["ours_vs_best_rounds"] == "0.500/3.000/1.000"  # round order, not sorted
 
 
 def test_a_provider_failing_in_a_later_round_is_reported_not_half_counted(monkeypatch):
@@ -245,6 +246,7 @@ def test_one_round_adds_no_range_and_rounds_must_be_positive(monkeypatch):
     _fake_providers(monkeypatch, {p: iter([1.0]) for p in sweep.PROVIDERS})
     [row] = sweep.run_sweep(_one_row_config(rounds=1))
     assert "ours_vs_best_min" not in row
+    assert "ours_vs_best_rounds" not in row
     with pytest.raises(ValueError, match="rounds"):
         _one_row_config(rounds=0)
 

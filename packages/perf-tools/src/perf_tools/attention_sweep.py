@@ -31,7 +31,8 @@ so the eager rows of the two settings measure that cost side by side.
 Host-bound rows (short sequences) move by tens of percent between timings. `--rounds N`
 times every provider of a row N times, interleaved (round r starts at the r-th provider), and
 reports each provider's median over the rounds, with `ours_vs_best_min` / `_max`: the
-lowest and highest of the per-round ratios (ours against the best SDPA of the same round).
+lowest and highest of the per-round ratios (ours against the best SDPA of the same round)
+and `ours_vs_best_rounds`, every round's ratio in round order.
 
 Rows whose calls may replay from flashattn_triton's C++ path (column `cpp_launch`) also
 count, over all rounds, ours' forwards and backwards that did (`ours_cpp_forward`,
@@ -545,9 +546,10 @@ COLUMNS = (
     "mode", "autograd_threads", "traced_compile", "cpp_launch_compiled", "cpp_launch", "causal",
     "d", "batch", "heads", "N",
     "ours_ms", "sdpa-flash_ms", "sdpa-cudnn_ms", "ours_vs_best", "ours_vs_best_min",
-    "ours_vs_best_max", "ours_graphed_ms", "sdpa-flash_graphed_ms", "sdpa-cudnn_graphed_ms",
-    "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us", "sdpa-cudnn_host_us",
-    "ours_host_vs_best", "ours_cpp_forward", "ours_cpp_backward", "ours_cpp_backward_fallback",
+    "ours_vs_best_max", "ours_vs_best_rounds", "ours_graphed_ms", "sdpa-flash_graphed_ms",
+    "sdpa-cudnn_graphed_ms", "ours_graphed_vs_best", "ours_host_us", "sdpa-flash_host_us",
+    "sdpa-cudnn_host_us", "ours_host_vs_best", "ours_cpp_forward", "ours_cpp_backward",
+    "ours_cpp_backward_fallback",
 )  # fmt: skip
 
 
