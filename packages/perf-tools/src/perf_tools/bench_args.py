@@ -295,5 +295,6 @@ def specs_from_args(args: argparse.Namespace) -> list[BenchSpec]:
     # together): a compile leaves the process changed (inductor's caches and workers, the
     # graphs it holds): in one run the host-bound flash-triton eager cells, each right after
     # a compiled cell, took 1.27x the SDPA eager cells' step, and their optimizer phase, which
-    # runs no attention, 1.14-1.17x (cause not measured).
+    # runs no attention, 1.14-1.17x (cause not found; not inductor's compile workers, idle
+    # after starting, BENCHMARKS 3.3).
     return sorted(specs, key=lambda spec: spec.compile is not False)
