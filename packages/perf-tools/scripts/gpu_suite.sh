@@ -74,9 +74,9 @@
 #   stepsab    the model steps with SDPA and with our attention (its default options),
 #              interleaved in one process (scripts/model_step_ab.py): small at 1024 tokens
 #              eager and whole model compiled, xl at 512 eager and each block compiled; then
-#              the compiled sweep's first row run again after a second row (is a process's
-#              first compiled row slower?) and flashattn-triton's compiled GPU tests
-#                                                             (estimate: ~6-8 min, H100)
+#              `perf_tools.bench --rounds 3`, SDPA and ours, eager and whole model compiled,
+#              small and xl;
+#              and flashattn-triton's compiled GPU tests  (estimate: ~10-12 min, H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -343,9 +343,12 @@ if want stepsab; then  # SDPA against ours in the models, interleaved in one pro
       flash-triton --threads device --cpus free --rounds 4 --warmup 3 --steps 10 \
       --out "$WORK/stepsab_xl${blocks:+_blocks}"
   done
-  run stepsab_first_row $PY -m perf_tools.attention_sweep --quiet --modes compiled --rounds 3 \
-    --host --d 64 --causal yes --shapes 128x512 64x1024 128x512 \
-    --csv "$WORK/stepsab_first_row.csv" --json "$WORK/stepsab_first_row.json"
+  for size in small xl; do  # the same comparison through perf_tools.bench, in rounds
+    ctx=$([ $size = small ] && echo 1024 || echo 512)
+    run "stepsab_bench_$size" $B --size $size --context $ctx --precision bf16 --mode train \
+      --batch 4 --attention sdpa flash-triton --compile both --rounds 3 --warmup 3 --steps 10 \
+      --csv "$WORK/stepsab_bench_$size.csv" --json "$WORK/stepsab_bench_$size.json"
+  done
   run stepsab_compiled_tests $PY -m pytest -q -p no:cacheprovider \
     "$ROOT/packages/flashattn-triton/tests" -m gpu -k "compile or traced or opaque"
 fi

@@ -239,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sequence_parallel=args.sequence_parallel,
         compile_backend=args.compile_backend,
         isolate=args.isolate,
+        rounds=args.rounds,
     )
     specs = specs_from_args(args)
     multi = args.fsdps is not None
@@ -253,7 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cols = [c for c in TABLE_COLUMNS if _shown(c, rows)]
     report.print_table(rows, cols, title=_title(opts, rows))
     if opts.isolate > 1:
-        _print_rounds(rows, cols, opts.isolate)
+        _print_rounds(rows, cols, f"{opts.isolate} rounds of fresh processes")
+    elif opts.rounds > 1:
+        _print_rounds(rows, cols, f"{opts.rounds} rounds in one process")
     for line in gather_wait_notes(rows):
         print(line)
     report.save_rows(rows, csv_path=args.csv, json_path=args.json)
@@ -270,14 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_rounds(rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: int) -> None:
-    """The median over `--isolate N` rounds, one row per configuration."""
+def _print_rounds(rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: str) -> None:
+    """The median over `--isolate N` or `--rounds N` rounds, one row per configuration."""
     summary = isolated_runs.median_over_runs(rows, cols)
     if not summary:
         return
     config = [c for c in cols if c in summary[0] and c not in isolated_runs.SUMMARY_COLUMNS]
     shown = config + isolated_runs.SUMMARY_COLUMNS
-    title = f"median over {rounds} rounds of fresh processes (spread: slowest / fastest run)"
+    title = f"median over {rounds} (spread: slowest / fastest run)"
     report.print_table(summary, shown, title=title)
 
 

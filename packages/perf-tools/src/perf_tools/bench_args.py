@@ -128,6 +128,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "models interleaved, and a table of the median over rounds (default 1)",
     )
     t.add_argument(
+        "--rounds",
+        type=_cli.positive_int,
+        default=1,
+        metavar="N",
+        help="measure every row N times in this process, models interleaved and each built "
+        "again per round (each round starts at another model), and a table of the median "
+        "over rounds: a single cell of a host-bound step moves between cells (default 1)",
+    )
+    t.add_argument(
         "--batch",
         type=_cli.positive_int,
         default=4,
@@ -231,14 +240,16 @@ def resolve_bench_args(parser: argparse.ArgumentParser, args: argparse.Namespace
             "caching allocator; run on a GPU (use --device cuda)"
         )
     check_multi_args(parser, args)
-    if args.isolate:
+    if args.isolate and args.rounds > 1:
+        parser.error("argument --rounds: rounds in this process; --isolate N has its own rounds")
+    for name, used in (("--isolate", args.isolate), ("--rounds", args.rounds > 1)):
         for flag, value in (
             ("--memory-snapshot", args.memory_snapshot),
             ("--profile", args.profile),
             ("the multi-GPU flags (every multi-GPU cell has fresh ranks already)", args.fsdps),
         ):
-            if value is not None:
-                parser.error(f"argument --isolate: not combined with {flag}")
+            if used and value is not None:
+                parser.error(f"argument {name}: not combined with {flag}")
 
 
 def hf_attentions(attentions: list[str]) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from perf_tools import hardware, harness, hf_baseline, timing
+from perf_tools import hardware, harness, hf_baseline, isolated_runs, timing
 from perf_tools._compile import (
     allow_recompiles,
     compile_for_bench,
@@ -121,6 +121,7 @@ class BenchOptions:
     sequence_parallel: bool = False  # multi-GPU mode with tp > 1
     compile_backend: str = "inductor"  # torch.compile's backend for compiled cells
     isolate: int = 0  # N > 0: each model's cells in a fresh process, N rounds (run_sweep)
+    rounds: int = 1  # N > 1: N rounds in this process, each model rebuilt per round
 
 
 def _loss_fn(impl: str) -> Any:
@@ -363,13 +364,14 @@ def run_sweep(
     With `opts.isolate` (N) each model's cells run in a fresh process (`_isolated_cells`),
     which runs `measure_cell` (no other `measure` with it), in N rounds that interleave the
     models; with N > 1 each row says its round (`run`; `isolated_runs` summarizes them).
+    `opts.rounds` (N > 1) does the same in this process, each model built again per round.
     """
     if opts.isolate and measure is not None:
         raise ValueError("measure: a spawned process runs measure_cell; not with opts.isolate")
     measure = measure or measure_cell
     rows: list[Row] = []
     quiet = not opts.progress or len(specs) < 2
-    total = len(specs) * max(opts.isolate, 1)
+    total = len(specs) * max(opts.isolate, opts.rounds, 1)
     with harness.Sweep(
         total, "configs", device=opts.device, quiet=quiet, classify=_skipped
     ) as sweep:
@@ -382,10 +384,12 @@ def run_sweep(
                     if on_rows is not None:
                         on_rows(rows)
         else:
-            for key, cells in groups:
-                rows += _model_cells(key, cells, opts, measure, sweep, len(specs))
-                if on_rows is not None:
-                    on_rows(rows)
+            for run in range(1, max(opts.rounds, 1) + 1):
+                for key, cells in isolated_runs.rotated(groups, run - 1):
+                    done = _model_cells(key, cells, opts, measure, sweep, len(specs))
+                    rows += [{**r, "run": run} for r in done] if opts.rounds > 1 else done
+                    if on_rows is not None:
+                        on_rows(rows)
     add_hf_speedups(rows)
     return rows
 

@@ -1,5 +1,7 @@
-"""Summaries of `perf_tools.bench --isolate N`: the same rows measured in N rounds of fresh
-processes, one process per model per round, rounds interleaved (model A, model B, A, B, ...).
+"""Rounds of `perf_tools.bench`: `--isolate N`, the same rows measured in N rounds of fresh
+processes, one process per model per round, rounds interleaved (model A, model B, A, B, ...),
+and `--rounds N`, the same in one process, each model built again per round, each round
+starting at another model (`rotated`); the median over rounds (`median_over_runs`).
 
 A host-bound step runs at the speed of its process: fresh processes on one H100 machine
 issued a tiny eager op in ~7 or ~10.5 us (perf-tools DESIGN.md, "Why separate processes
@@ -28,6 +30,22 @@ _MEASURED = {
 SUMMARY_COLUMNS = [
     "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "median_host_op_us",
 ]  # fmt: skip
+
+
+def rotated(groups: Sequence[tuple[Any, list]], shift: int) -> list[tuple[Any, list]]:
+    """Model groups ``(model key, cells)`` for round ``shift`` of ``--rounds``: within each
+    compile phase (every eager model before any compiled one, as in one round) the order
+    starts ``shift`` models later, so no model always runs first after a phase change.
+    Within one process a single cell of a host-bound step moved by up to 1.6x between cells
+    of the same setting (BENCHMARKS 3.3), in either order."""
+    phases: dict[bool, list[tuple[Any, list]]] = {}
+    for group in groups:
+        phases.setdefault(group[1][0].compile is not False, []).append(group)
+    out: list[tuple[Any, list]] = []
+    for phase in phases.values():
+        k = shift % len(phase)
+        out += phase[k:] + phase[:k]
+    return out
 
 
 def config_of(row: Row) -> tuple:

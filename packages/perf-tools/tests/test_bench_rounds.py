@@ -1,0 +1,108 @@
+"""perf_tools.bench --rounds: every row measured N times in one process, the models
+interleaved and rebuilt per round, each round starting at another model, and the summary."""
+
+from __future__ import annotations
+
+import csv
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from perf_tools import bench, cells, isolated_runs
+
+TINY = ["--size", "tiny", "--context", "16", "--batch", "2", "--quiet"]
+FAST = ["--warmup", "1", "--steps", "2"]
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_rounds_rebuild_and_interleave_the_models_in_this_process(tmp_path, capsys, monkeypatch):
+    """--rounds 3 with two attentions: real tiny models, six measured cells in this process
+    (each model built again per round), rows numbered by round, the rounds' order rotated,
+    and a summary table of the median over the three rounds."""
+    built = []
+    build = cells._build_runner
+
+    def counted(spec, *args, **kwargs):
+        built.append(spec.attention)
+        return build(spec, *args, **kwargs)
+
+    monkeypatch.setattr(cells, "_build_runner", counted)
+    out = tmp_path / "b.csv"
+    argv = [*TINY, *FAST, "--mode", "train", "--attention", "sdpa", "naive"]
+    assert bench.main([*argv, "--rounds", "3", "--csv", str(out)]) == 0
+    assert built == ["sdpa", "naive", "naive", "sdpa", "sdpa", "naive"]  # once per round
+    rows = _rows(out)
+    assert [(r["attention"], r["run"]) for r in rows] == [
+        ("sdpa", "1"), ("naive", "1"), ("naive", "2"), ("sdpa", "2"), ("sdpa", "3"), ("naive", "3"),
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" and float(r["median_ms"]) > 0 for r in rows)
+    text = capsys.readouterr().out
+    assert "median over 3 rounds in one process" in text
+    summary = isolated_runs.median_over_runs(
+        [{**r, "median_ms": float(r["median_ms"])} for r in rows], ["attention"]
+    )
+    assert sorted((s["attention"], s["runs"]) for s in summary) == [("naive", 3), ("sdpa", 3)]
+
+
+def test_one_round_is_the_plain_sweep(tmp_path):
+    out = tmp_path / "b.csv"
+    assert bench.main([*TINY, *FAST, "--mode", "train", "--csv", str(out)]) == 0
+    assert "run" not in _rows(out)[0]
+
+
+def _group(attention, compile_):
+    return ((attention, compile_), [SimpleNamespace(compile=compile_)])
+
+
+def test_rotation_keeps_eager_models_before_compiled_ones():
+    groups = [_group("a", False), _group("b", False), _group("c", False), _group("a", True)]
+    order = [[key for key, _ in isolated_runs.rotated(groups, r)] for r in range(4)]
+    assert order == [
+        [("a", False), ("b", False), ("c", False), ("a", True)],
+        [("b", False), ("c", False), ("a", False), ("a", True)],
+        [("c", False), ("a", False), ("b", False), ("a", True)],
+        [("a", False), ("b", False), ("c", False), ("a", True)],
+    ]
+    assert isolated_runs.rotated([], 1) == []
+
+
+@pytest.mark.parametrize(
+    "extra", [["--isolate", "2"], ["--memory-snapshot", "m.pickle"], ["--profile", "p"]]
+)
+def test_rounds_refuse_what_they_cannot_carry(extra, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main([*TINY, "--rounds", "2", *extra])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--rounds" in err or "--memory-snapshot" in err
+
+
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args([*TINY, "--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_rounds_sweep_counts_every_cell(monkeypatch):
+    """run_sweep with opts.rounds: the custom measure runs once per cell per round."""
+    seen = []
+
+    def measure(model, runner, spec, config, opts, n_cells):
+        seen.append(spec.attention)
+        return {"status": "ok", "median_ms": 1.0}
+
+    argv = [*TINY, *FAST, "--mode", "train", "--attention", "sdpa", "naive", "--rounds", "2"]
+    args = bench.parse_args(argv)
+    specs = bench.specs_from_args(args)
+    opts = cells.BenchOptions(
+        device=torch.device("cpu"), batch=2, warmup=1, steps=2, overrides={}, rounds=2,
+        progress=False,
+    )  # fmt: skip
+    rows = cells.run_sweep(specs, opts, measure=measure)
+    assert seen == ["sdpa", "naive", "naive", "sdpa"]
+    assert [r["run"] for r in rows] == [1, 1, 2, 2]
