@@ -106,3 +106,25 @@ def test_rounds_sweep_counts_every_cell(monkeypatch):
     rows = cells.run_sweep(specs, opts, measure=measure)
     assert seen == ["sdpa", "naive", "naive", "sdpa"]
     assert [r["run"] for r in rows] == [1, 1, 2, 2]
+
+
+def test_summary_ratio_to_sdpa_is_per_configuration():
+    """vs_sdpa: a non-SDPA row's median over runs against the SDPA row of the same
+    configuration (here the same compile setting), None for SDPA and for rows without one."""
+
+    def row(attention, compile_, run, ms):
+        return {"model": "lm_core", "attention": attention, "compile": compile_, "run": run,
+                "status": "ok", "median_ms": ms}  # fmt: skip
+
+    rows = [
+        row("sdpa", False, 1, 20.0), row("flash-triton", False, 1, 15.0),
+        row("sdpa", False, 2, 30.0), row("flash-triton", False, 2, 17.0),
+        row("sdpa", True, 1, 10.0), row("flash-triton", True, 1, 12.0),
+        row("naive", "blocks", 1, 50.0),
+    ]  # fmt: skip
+    summary = isolated_runs.median_over_runs(rows, ["attention", "compile"])
+    by = {(s["attention"], s["compile"]): s["vs_sdpa"] for s in summary}
+    assert by[("flash-triton", False)] == pytest.approx(16.0 / 25.0, abs=1e-3)
+    assert by[("flash-triton", True)] == pytest.approx(1.2)
+    assert by[("sdpa", False)] is None
+    assert by[("naive", "blocks")] is None  # no SDPA row with that compile setting

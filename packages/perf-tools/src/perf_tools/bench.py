@@ -279,7 +279,9 @@ def _print_rounds(rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: s
     if not summary:
         return
     config = [c for c in cols if c in summary[0] and c not in isolated_runs.SUMMARY_COLUMNS]
-    shown = config + isolated_runs.SUMMARY_COLUMNS
+    shown = config + [
+        c for c in isolated_runs.SUMMARY_COLUMNS if any(s.get(c) is not None for s in summary)
+    ]
     title = f"median over {rounds} (spread: slowest / fastest run)"
     report.print_table(summary, shown, title=title)
 

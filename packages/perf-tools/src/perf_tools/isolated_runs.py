@@ -28,7 +28,7 @@ _MEASURED = {
 }  # fmt: skip
 
 SUMMARY_COLUMNS = [
-    "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "median_host_op_us",
+    "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "vs_sdpa", "median_host_op_us",
 ]  # fmt: skip
 
 
@@ -56,18 +56,23 @@ def config_of(row: Row) -> tuple:
 def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
     """One row per configuration: the ``shown`` config columns of its first row, then the
     number of runs that measured it, the median over runs of each run's median step, the
-    fastest and slowest run, their ratio and the median ``host_op_us``. Failed runs are
-    left out (their rows keep their status in the per-run table)."""
+    fastest and slowest run, their ratio and the median ``host_op_us``; rows of an attention
+    other than SDPA get ``vs_sdpa``, their median over the median of the SDPA row of the same
+    configuration otherwise. Failed runs are left out (their rows keep their status in the
+    per-run table)."""
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault(config_of(row), []).append(row)
-    out = []
-    for members in groups.values():
+    out: list[Row] = []
+    keys: list[tuple] = []
+    medians: dict[tuple, float] = {}  # configuration -> median over its runs
+    for key, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok" and r.get("median_ms") is not None]
         if not ok:
             continue
         times = [float(r["median_ms"]) for r in ok]
         probes = [float(r["host_op_us"]) for r in ok if r.get("host_op_us") is not None]
+        medians[key] = statistics.median(times)
         summary = {c: members[0].get(c) for c in shown if c not in _MEASURED}
         summary.update(
             runs=len(ok),
@@ -78,4 +83,19 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
             median_host_op_us=round(statistics.median(probes), 2) if probes else None,
         )
         out.append(summary)
+        keys.append(key)
+    for summary, key in zip(out, keys, strict=True):
+        summary["vs_sdpa"] = _vs_sdpa(key, medians)
     return out
+
+
+def _vs_sdpa(key: tuple, medians: dict[tuple, float]) -> float | None:
+    """The configuration ``key``'s median over that of the same configuration with SDPA
+    attention; None for SDPA itself, rows without an attention, or no such SDPA row."""
+    config = dict(key)
+    if config.get("attention") in (None, "None", "sdpa"):
+        return None
+    sdpa = tuple(sorted({**config, "attention": "sdpa"}.items()))
+    if sdpa not in medians:
+        return None
+    return round(medians[key] / medians[sdpa], 3)
