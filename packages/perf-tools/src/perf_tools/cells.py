@@ -376,20 +376,18 @@ def run_sweep(
         total, "configs", device=opts.device, quiet=quiet, classify=_skipped
     ) as sweep:
         groups = list(harness.cells_by(specs, lambda s: s.model_key))
-        if opts.isolate:
-            for run in range(1, opts.isolate + 1):  # rounds interleave the models
-                for key, cells in groups:
+        rounds = opts.isolate or max(opts.rounds, 1)
+        for run in range(1, rounds + 1):  # rounds interleave the models
+            # in-process rounds rotate the order; fresh processes keep it (A, B, A, B, ...)
+            order = groups if opts.isolate else isolated_runs.rotated(groups, run - 1)
+            for key, cells in order:
+                if opts.isolate:
                     done = _isolated_cells(key, cells, opts, sweep, len(specs))
-                    rows += [{**r, "run": run} for r in done] if opts.isolate > 1 else done
-                    if on_rows is not None:
-                        on_rows(rows)
-        else:
-            for run in range(1, max(opts.rounds, 1) + 1):
-                for key, cells in isolated_runs.rotated(groups, run - 1):
+                else:
                     done = _model_cells(key, cells, opts, measure, sweep, len(specs))
-                    rows += [{**r, "run": run} for r in done] if opts.rounds > 1 else done
-                    if on_rows is not None:
-                        on_rows(rows)
+                rows += [{**r, "run": run} for r in done] if rounds > 1 else done
+                if on_rows is not None:
+                    on_rows(rows)
     add_hf_speedups(rows)
     return rows
 

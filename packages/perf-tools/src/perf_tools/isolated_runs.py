@@ -36,7 +36,7 @@ def rotated(groups: Sequence[tuple[Any, list]], shift: int) -> list[tuple[Any, l
     """Model groups ``(model key, cells)`` for round ``shift`` of ``--rounds``: within each
     compile phase (every eager model before any compiled one, as in one round) the order
     starts ``shift`` models later, so no model always runs first after a phase change.
-    Within one process a single cell of a host-bound step moved by up to 1.6x between cells
+    Within one process a single cell of a host-bound step moved by up to 1.7x between cells
     of the same setting (BENCHMARKS 3.3), in either order."""
     phases: dict[bool, list[tuple[Any, list]]] = {}
     for group in groups:
@@ -63,8 +63,7 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault(config_of(row), []).append(row)
-    out: list[Row] = []
-    keys: list[tuple] = []
+    summaries: dict[tuple, Row] = {}
     medians: dict[tuple, float] = {}  # configuration -> median over its runs
     for key, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok" and r.get("median_ms") is not None]
@@ -76,17 +75,16 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
         summary = {c: members[0].get(c) for c in shown if c not in _MEASURED}
         summary.update(
             runs=len(ok),
-            median_ms=round(statistics.median(times), 3),
+            median_ms=round(medians[key], 3),
             min_run_ms=round(min(times), 3),
             max_run_ms=round(max(times), 3),
             spread=round(max(times) / min(times), 3),
             median_host_op_us=round(statistics.median(probes), 2) if probes else None,
         )
-        out.append(summary)
-        keys.append(key)
-    for summary, key in zip(out, keys, strict=True):
+        summaries[key] = summary
+    for key, summary in summaries.items():  # every median known: SDPA's may come later
         summary["vs_sdpa"] = _vs_sdpa(key, medians)
-    return out
+    return list(summaries.values())
 
 
 def _vs_sdpa(key: tuple, medians: dict[tuple, float]) -> float | None:
