@@ -110,11 +110,19 @@ def test_rounds_sweep_counts_every_cell(monkeypatch):
 
 def test_summary_ratio_to_sdpa_is_per_configuration():
     """vs_sdpa: a non-SDPA row's median over runs against the SDPA row of the same
-    configuration (here the same compile setting), None for SDPA and for rows without one."""
+    configuration (here the same compile setting), None for SDPA and for rows without one.
+    Our rows carry the C++ path's state (``cpp_launch``, as bench's cells write it), which
+    SDPA rows lack and which may change between runs: it names no configuration; compiled
+    rows of ours also carry our compile options, which an SDPA row has none of."""
 
     def row(attention, compile_, run, ms):
-        return {"model": "lm_core", "attention": attention, "compile": compile_, "run": run,
-                "status": "ok", "median_ms": ms}  # fmt: skip
+        out = {"model": "lm_core", "attention": attention, "compile": compile_, "run": run,
+               "status": "ok", "median_ms": ms}  # fmt: skip
+        if attention == "flash-triton":
+            out["cpp_launch"] = "building" if run == 1 else "ready"
+            if compile_:  # how compiled graphs call our kernels, as bench's cells write it
+                out.update(traced_compile="auto", cpp_launch_compiled="True")
+        return out
 
     rows = [
         row("sdpa", False, 1, 20.0), row("flash-triton", False, 1, 15.0),
@@ -128,3 +136,4 @@ def test_summary_ratio_to_sdpa_is_per_configuration():
     assert by[("flash-triton", True)] == pytest.approx(1.2)
     assert by[("sdpa", False)] is None
     assert by[("naive", "blocks")] is None  # no SDPA row with that compile setting
+    assert [s["runs"] for s in summary] == [2, 2, 1, 1, 1]  # both runs of ours in one row

@@ -18,14 +18,20 @@ from typing import Any
 
 Row = dict[str, Any]
 
-# What a row measured (not part of its configuration); everything else names the config.
+# What a row measured or observed (not part of its configuration; ``cpp_launch`` is the C++
+# path's state when the cell ran, and only flash-triton rows have it); the rest names the
+# configuration.
 _MEASURED = {
     "run", "status", "error", "mean_ms", "std_ms", "median_ms", "min_ms", "max_ms",
     "first_measured_ms", "fwd_ms", "bwd_ms", "sync_ms", "opt_ms", "tokens_per_s", "tflops",
     "mfu_pct", "peak_mem_gib", "warmup_s", "first_step_s", "build_s", "host_op_us",
     "host_op_start_us",
-    "gather_wait_ms", "units_waited", "vs_hf", "dropin_calls", "cpp_replays",
+    "gather_wait_ms", "units_waited", "vs_hf", "dropin_calls", "cpp_replays", "cpp_launch",
 }  # fmt: skip
+
+# Configuration columns that only rows of our attention carry (how compiled graphs call our
+# kernels): an SDPA row of the same configuration has none of them.
+_OURS_ONLY = {"traced_compile", "cpp_launch_compiled"}
 
 SUMMARY_COLUMNS = [
     "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "vs_sdpa", "median_host_op_us",
@@ -89,10 +95,12 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
 
 def _vs_sdpa(key: tuple, medians: dict[tuple, float]) -> float | None:
     """The configuration ``key``'s median over that of the same configuration with SDPA
-    attention; None for SDPA itself, rows without an attention, or no such SDPA row."""
+    attention (our options' columns, ``_OURS_ONLY``, left out); None for SDPA itself, rows
+    without an attention, or no such SDPA row."""
     config = dict(key)
     if config.get("attention") in (None, "None", "sdpa"):
         return None
+    config = {k: v for k, v in config.items() if k not in _OURS_ONLY}
     sdpa = tuple(sorted({**config, "attention": "sdpa"}.items()))
     if sdpa not in medians:
         return None
