@@ -73,10 +73,12 @@
 #              operators profiled                                     (parts: 1-4 min, H100)
 #   stepsab    the model steps with SDPA and with our attention (its default options),
 #              interleaved in one process (scripts/model_step_ab.py): small at 1024 tokens
-#              eager and whole model compiled, xl at 512 eager and each block compiled; then
-#              `perf_tools.bench --rounds 3`, SDPA and ours, eager and whole model compiled,
-#              small and xl;
-#              and flashattn-triton's compiled GPU tests  (estimate: ~10-12 min, H100)
+#              eager and whole model compiled, xl at 512 eager and each block compiled;
+#              and flashattn-triton's compiled GPU tests              (estimate: ~8-10 min, H100)
+#   benchrounds  `perf_tools.bench --rounds 3`, SDPA and ours: small at 1024 tokens eager and
+#              whole model compiled, xl at 512 eager        (measured: 212 s + 34 s, one H100)
+#   benchrounds_xl  the same for xl whole model compiled, two rounds
+#              (each round compiles both models again)          (measured: 365 s, one H100)
 #   smallmodel the small model at 1024 tokens, bf16 train, SDPA against flash-triton: bench eager
 #              and whole-model compiled, each model in its own process, three rounds (--isolate
 #              3: the step is host-bound and follows its process), the launchers' host time per
@@ -343,14 +345,20 @@ if want stepsab; then  # SDPA against ours in the models, interleaved in one pro
       flash-triton --threads device --cpus free --rounds 4 --warmup 3 --steps 10 \
       --out "$WORK/stepsab_xl${blocks:+_blocks}"
   done
-  for size in small xl; do  # the same comparison through perf_tools.bench, in rounds
-    ctx=$([ $size = small ] && echo 1024 || echo 512)
-    run "stepsab_bench_$size" $B --size $size --context $ctx --precision bf16 --mode train \
-      --batch 4 --attention sdpa flash-triton --compile both --rounds 3 --warmup 3 --steps 10 \
-      --csv "$WORK/stepsab_bench_$size.csv" --json "$WORK/stepsab_bench_$size.json"
-  done
   run stepsab_compiled_tests $PY -m pytest -q -p no:cacheprovider \
     "$ROOT/packages/flashattn-triton/tests" -m gpu -k "compile or traced or opaque"
+fi
+# the same comparison through perf_tools.bench, in rounds of one process
+BR="$B --precision bf16 --mode train --batch 4 --attention sdpa flash-triton --warmup 3 --steps 10"
+if want benchrounds; then
+  run benchrounds_small $BR --size small --context 1024 --compile both --rounds 3 \
+    --csv "$WORK/benchrounds_small.csv" --json "$WORK/benchrounds_small.json"
+  run benchrounds_xl_eager $BR --size xl --context 512 --compile off --rounds 3 \
+    --csv "$WORK/benchrounds_xl_eager.csv" --json "$WORK/benchrounds_xl_eager.json"
+fi
+if want benchrounds_xl; then
+  run benchrounds_xl_compiled $BR --size xl --context 512 --compile on --rounds 2 \
+    --csv "$WORK/benchrounds_xl_compiled.csv" --json "$WORK/benchrounds_xl_compiled.json"
 fi
 if want smallmodel; then  # small, 1024 tokens: eager / compiled steps and their profiles
   run small1024 $B --size small --precision bf16 --mode train --context 1024 --batch 4 \
