@@ -4,6 +4,7 @@ interleaved and rebuilt per round, each round starting at another model, and the
 from __future__ import annotations
 
 import csv
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +24,7 @@ def _rows(path):
 def test_rounds_rebuild_and_interleave_the_models_in_this_process(tmp_path, capsys, monkeypatch):
     """--rounds 3 with two attentions: real tiny models, six measured cells in this process
     (each model built again per round), rows numbered by round, the rounds' order rotated,
-    and a summary table of the median over the three rounds."""
+    and a summary of the median over the three rounds, printed and saved in the JSON."""
     built = []
     build = cells._build_runner
 
@@ -34,7 +35,8 @@ def test_rounds_rebuild_and_interleave_the_models_in_this_process(tmp_path, caps
     monkeypatch.setattr(cells, "_build_runner", counted)
     out = tmp_path / "b.csv"
     argv = [*TINY, *FAST, "--mode", "train", "--attention", "sdpa", "naive"]
-    assert bench.main([*argv, "--rounds", "3", "--csv", str(out)]) == 0
+    saved = tmp_path / "b.json"
+    assert bench.main([*argv, "--rounds", "3", "--csv", str(out), "--json", str(saved)]) == 0
     assert built == ["sdpa", "naive", "naive", "sdpa", "sdpa", "naive"]  # once per round
     rows = _rows(out)
     assert [(r["attention"], r["run"]) for r in rows] == [
@@ -47,6 +49,13 @@ def test_rounds_rebuild_and_interleave_the_models_in_this_process(tmp_path, caps
         [{**r, "median_ms": float(r["median_ms"])} for r in rows], ["attention"]
     )
     assert sorted((s["attention"], s["runs"]) for s in summary) == [("naive", 3), ("sdpa", 3)]
+    by = {s["attention"]: s for s in json.loads(saved.read_text())["summary"]}
+    assert sorted(by) == ["naive", "sdpa"]
+    assert by["sdpa"]["vs_sdpa"] is None
+    assert by["naive"]["runs"] == 3
+    assert by["naive"]["vs_sdpa"] == pytest.approx(
+        by["naive"]["median_ms"] / by["sdpa"]["median_ms"], rel=1e-2
+    )
 
 
 def test_one_round_is_the_plain_sweep(tmp_path):

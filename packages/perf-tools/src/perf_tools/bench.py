@@ -253,13 +253,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run_sweep(specs, opts, on_rows=report.rows_saver(args.csv, args.json))
     cols = [c for c in TABLE_COLUMNS if _shown(c, rows)]
     report.print_table(rows, cols, title=_title(opts, rows))
+    summary = None
     if opts.isolate > 1:
-        _print_rounds(rows, cols, f"{opts.isolate} rounds of fresh processes")
+        summary = _print_rounds(rows, cols, f"{opts.isolate} rounds of fresh processes")
     elif opts.rounds > 1:
-        _print_rounds(rows, cols, f"{opts.rounds} rounds in one process")
+        summary = _print_rounds(rows, cols, f"{opts.rounds} rounds in one process")
     for line in gather_wait_notes(rows):
         print(line)
-    report.save_rows(rows, csv_path=args.csv, json_path=args.json)
+    report.save_rows(rows, csv_path=args.csv, json_path=args.json, summary=summary)
     if args.plot is not None and any(r.get("status") == "ok" for r in rows):
         print(f"plot: {plot_rows(rows, args.plot)}")
     for path in opts.snapshot_paths or []:
@@ -273,17 +274,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_rounds(rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: str) -> None:
-    """The median over `--isolate N` or `--rounds N` rounds, one row per configuration."""
+def _print_rounds(
+    rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: str
+) -> list[dict[str, Any]]:
+    """Print the median over `--isolate N` or `--rounds N` rounds, one row per
+    configuration, and return those rows (the JSON's ``summary``)."""
     summary = isolated_runs.median_over_runs(rows, cols)
     if not summary:
-        return
+        return summary
     config = [c for c in cols if c in summary[0] and c not in isolated_runs.SUMMARY_COLUMNS]
     shown = config + [
         c for c in isolated_runs.SUMMARY_COLUMNS if any(s.get(c) is not None for s in summary)
     ]
     title = f"median over {rounds} (spread: slowest / fastest run)"
     report.print_table(summary, shown, title=title)
+    return summary
 
 
 def _shown(col: str, rows: Sequence[dict[str, Any]]) -> bool:

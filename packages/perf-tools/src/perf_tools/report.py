@@ -211,10 +211,12 @@ def save_rows(
     csv_path: str | Path | None = None,
     json_path: str | Path | None = None,
     meta: dict[str, Any] | None = None,
+    summary: Sequence[Row] | None = None,
 ) -> None:
-    """Write `rows` to CSV and/or JSON. The JSON carries `meta` (run_metadata() by default).
-    Each file is replaced whole (written beside it, then renamed), so a run stopped while
-    saving leaves the previous file, never a truncated one."""
+    """Write `rows` to CSV and/or JSON. The JSON carries `meta` (run_metadata() by default)
+    and, when given, `summary` (e.g. the median over rounds per configuration). Each file is
+    replaced whole (written beside it, then renamed), so a run stopped while saving leaves
+    the previous file, never a truncated one."""
     if csv_path is not None:
         cols = _columns(rows, None)
         text = io.StringIO(newline="")
@@ -225,6 +227,8 @@ def save_rows(
         _replace_file(Path(csv_path), text.getvalue())
     if json_path is not None:
         payload = {"meta": meta if meta is not None else run_metadata(), "rows": list(rows)}
+        if summary is not None:
+            payload["summary"] = list(summary)
         _replace_file(Path(json_path), json.dumps(payload, indent=2, default=_json_default) + "\n")
 
 
