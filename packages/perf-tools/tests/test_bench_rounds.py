@@ -145,4 +145,9 @@ def test_summary_ratio_to_sdpa_is_per_configuration():
     assert by[("flash-triton", True)] == pytest.approx(1.2)
     assert by[("sdpa", False)] is None
     assert by[("naive", "blocks")] is None  # no SDPA row with that compile setting
+    rounds = {(s["attention"], s["compile"]): s["vs_sdpa_rounds"] for s in summary}
+    assert rounds[("flash-triton", False)] == "0.750/0.567"  # run by run, in run order
+    assert rounds[("flash-triton", True)] == "1.200"
+    assert rounds[("sdpa", False)] is None
+    assert rounds[("naive", "blocks")] is None
     assert [s["runs"] for s in summary] == [2, 2, 1, 1, 1]  # both runs of ours in one row

@@ -34,7 +34,8 @@ _MEASURED = {
 _OURS_ONLY = {"traced_compile", "cpp_launch_compiled"}
 
 SUMMARY_COLUMNS = [
-    "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "vs_sdpa", "median_host_op_us",
+    "runs", "median_ms", "min_run_ms", "max_run_ms", "spread", "vs_sdpa", "vs_sdpa_rounds",
+    "median_host_op_us",
 ]  # fmt: skip
 
 
@@ -64,13 +65,15 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
     number of runs that measured it, the median over runs of each run's median step, the
     fastest and slowest run, their ratio and the median ``host_op_us``; rows of an attention
     other than SDPA get ``vs_sdpa``, their median over the median of the SDPA row of the same
-    configuration otherwise. Failed runs are left out (their rows keep their status in the
-    per-run table)."""
+    configuration otherwise, and ``vs_sdpa_rounds``, the same ratio run by run in run order
+    (e.g. "0.743/0.906/1.008": how far single rounds stray from the medians' verdict).
+    Failed runs are left out (their rows keep their status in the per-run table)."""
     groups: dict[tuple, list[Row]] = {}
     for row in rows:
         groups.setdefault(config_of(row), []).append(row)
     summaries: dict[tuple, Row] = {}
     medians: dict[tuple, float] = {}  # configuration -> median over its runs
+    by_run: dict[tuple, dict[Any, float]] = {}  # configuration -> run -> its median step
     for key, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok" and r.get("median_ms") is not None]
         if not ok:
@@ -78,6 +81,7 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
         times = [float(r["median_ms"]) for r in ok]
         probes = [float(r["host_op_us"]) for r in ok if r.get("host_op_us") is not None]
         medians[key] = statistics.median(times)
+        by_run[key] = {r.get("run"): float(r["median_ms"]) for r in ok}
         summary = {c: members[0].get(c) for c in shown if c not in _MEASURED}
         summary.update(
             runs=len(ok),
@@ -89,19 +93,27 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
         )
         summaries[key] = summary
     for key, summary in summaries.items():  # every median known: SDPA's may come later
-        summary["vs_sdpa"] = _vs_sdpa(key, medians)
+        sdpa = _sdpa_key(key)
+        summary["vs_sdpa"] = None
+        summary["vs_sdpa_rounds"] = None
+        if sdpa in medians:
+            summary["vs_sdpa"] = round(medians[key] / medians[sdpa], 3)
+            runs = sorted(set(by_run[key]) & set(by_run[sdpa]), key=_run_order)
+            ratios = [by_run[key][r] / by_run[sdpa][r] for r in runs]
+            summary["vs_sdpa_rounds"] = "/".join(f"{x:.3f}" for x in ratios) or None
     return list(summaries.values())
 
 
-def _vs_sdpa(key: tuple, medians: dict[tuple, float]) -> float | None:
-    """The configuration ``key``'s median over that of the same configuration with SDPA
-    attention (our options' columns, ``_OURS_ONLY``, left out); None for SDPA itself, rows
-    without an attention, or no such SDPA row."""
+def _run_order(run: Any) -> tuple:
+    """Runs in their order: numbered ones by number (2 before 10), anything else after."""
+    return (0, int(run), "") if str(run).isdigit() else (1, 0, str(run))
+
+
+def _sdpa_key(key: tuple) -> tuple | None:
+    """The configuration ``key`` with SDPA attention (our options' columns, ``_OURS_ONLY``,
+    left out); None for SDPA itself and rows without an attention."""
     config = dict(key)
     if config.get("attention") in (None, "None", "sdpa"):
         return None
     config = {k: v for k, v in config.items() if k not in _OURS_ONLY}
-    sdpa = tuple(sorted({**config, "attention": "sdpa"}.items()))
-    if sdpa not in medians:
-        return None
-    return round(medians[key] / medians[sdpa], 3)
+    return tuple(sorted({**config, "attention": "sdpa"}.items()))
