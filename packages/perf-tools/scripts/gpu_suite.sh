@@ -92,6 +92,8 @@
 #              then scripts/tf32x3_variants.py: the 3xTF32 GEMM's K loop in five variants,
 #              and scripts/tf32x3_gluon_ab.py: Triton alone, Gluon on split operands, all
 #              the Gluon GEMM's plans                 (this script alone ~2.7 min, one H200)
+#   profile_bf16  perf_tools.profile of the xl bf16 train step with SDPA, 2 warm-up + 2
+#              profiled steps, top 12 operators                                  ~1 min
 #   trainloop  lm_core.train --compile --cuda-graph (small bf16 batch 8, xl bf16 batch 4;
 #              100 steps, log every 10, a checkpoint at 50 and at the end, in $CKPT_ROOT)
 #              beside the bench step, and xl without the graph (perf_tools.train_loop).
@@ -146,6 +148,15 @@ set -uo pipefail
 
 OUT=${OUT:?set OUT to the directory that should receive the results}
 SECTIONS=${SECTIONS:-"bench hf profile mixed"}
+# Every section this script runs (its `want NAME` lines): a misspelt name fails here rather
+# than running nothing and reporting success.
+KNOWN=" $(grep -o 'want [a-z0-9_][a-z0-9_]*' "$0" | cut -d' ' -f2 | sort -u | tr '\n' ' ')"
+for section in $SECTIONS; do
+  if [[ "$KNOWN" != *" $section "* ]]; then
+    echo "SECTIONS: unknown section '$section'; known:$KNOWN" >&2
+    exit 2
+  fi
+done
 TAG=$(echo "$SECTIONS" | tr ' ' '_')
 RUN_TIMEOUT=${RUN_TIMEOUT:-420}
 WORK=${WORK:-/tmp/perf-suite-$TAG}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,32 @@ def test_optimizer_state_accuracy_dry_run(tmp_path):
     assert summary["fp32"]["final_val_minus_fp32"] == 0.0
     assert abs(summary["bf16-stochastic"]["final_val_minus_fp32"]) < 0.05
     assert stem.with_suffix(".png").stat().st_size > 0
+
+
+def _gpu_suite(sections: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SECTIONS": sections, "OUT": str(out), "PYTHON": "false"}
+    return subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_suite.sh")], capture_output=True, text=True, env=env,
+        timeout=60,
+    )  # fmt: skip
+
+
+def test_gpu_suite_refuses_an_unknown_section_before_running_anything(tmp_path):
+    """A misspelt section fails at once, naming SECTIONS, the bad name and the known ones,
+    rather than running nothing and reporting success; nothing is written to $OUT."""
+    out = tmp_path / "out"
+    proc = _gpu_suite("bench benchround", out)
+    assert proc.returncode == 2
+    assert "SECTIONS: unknown section 'benchround'" in proc.stderr
+    assert " benchrounds " in proc.stderr  # the known names follow
+    assert not out.exists()
+
+
+def test_gpu_suite_documents_every_section():
+    """Every section the script runs (`want NAME`) is described in its header."""
+    text = (SCRIPTS / "gpu_suite.sh").read_text()
+    header = text[: text.index("set -uo pipefail")]
+    described = set(re.findall(r"^#   ([a-z0-9_]+)", header, flags=re.M))  # names at column 4
+    ran = set(re.findall(r"\bwant ([a-z0-9_]+)", text))
+    assert ran
+    assert ran <= described, sorted(ran - described)
