@@ -117,6 +117,20 @@ def test_rounds_sweep_counts_every_cell(monkeypatch):
     assert [r["run"] for r in rows] == [1, 1, 2, 2]
 
 
+@pytest.mark.parametrize(("rounds", "isolate"), [(0, 0), (-1, 0), (2, 2)])
+def test_run_sweep_refuses_a_bad_round_count(rounds, isolate):
+    """Options built in code get the CLI's checks: no round count below 1, and no
+    in-process rounds on top of --isolate's rounds of processes (the error names the
+    field)."""
+    opts = cells.BenchOptions(
+        device=torch.device("cpu"), batch=2, warmup=1, steps=2, overrides={}, rounds=rounds,
+        isolate=isolate, progress=False,
+    )  # fmt: skip
+    specs = bench.specs_from_args(bench.parse_args([*TINY, *FAST]))
+    with pytest.raises(ValueError, match=r"opts\.rounds"):
+        cells.run_sweep(specs, opts)
+
+
 def test_summary_ratio_to_sdpa_is_per_configuration():
     """vs_sdpa: a non-SDPA row's median over runs against the SDPA row of the same
     configuration (here the same compile setting), None for SDPA and for rows without one.

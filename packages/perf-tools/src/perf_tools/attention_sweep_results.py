@@ -8,6 +8,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from perf_tools.report import ratio_trail
+
 # What a cell may time besides "ms" (fwd + bwd as timed): GPU time alone (``--graphed``)
 # and host time to issue a call (``--host``); each gets ours over the best SDPA.
 EXTRA_KINDS = ("graphed_ms", "host_us")
@@ -53,7 +55,7 @@ def ratio_range(
     ]
     row["ours_vs_best_min"] = min(ratios)
     row["ours_vs_best_max"] = max(ratios)
-    row["ours_vs_best_rounds"] = "/".join(f"{x:.3f}" for x in ratios)
+    row["ours_vs_best_rounds"] = ratio_trail(ratios)
 
 
 def add_ratios(row: dict[str, Any], providers: Sequence[str]) -> None:

@@ -255,9 +255,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.print_table(rows, cols, title=_title(opts, rows))
     summary = None
     if opts.isolate > 1:
-        summary = _print_rounds(rows, cols, f"{opts.isolate} rounds of fresh processes")
+        summary = _rounds_summary(rows, cols, f"{opts.isolate} rounds of fresh processes")
     elif opts.rounds > 1:
-        summary = _print_rounds(rows, cols, f"{opts.rounds} rounds in one process")
+        summary = _rounds_summary(rows, cols, f"{opts.rounds} rounds in one process")
     for line in gather_wait_notes(rows):
         print(line)
     report.save_rows(rows, csv_path=args.csv, json_path=args.json, summary=summary)
@@ -274,11 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_rounds(
+def _rounds_summary(
     rows: Sequence[dict[str, Any]], cols: Sequence[str], rounds: str
 ) -> list[dict[str, Any]]:
-    """Print the median over `--isolate N` or `--rounds N` rounds, one row per
-    configuration, and return those rows (the JSON's ``summary``)."""
+    """The median over `--isolate N` or `--rounds N` rounds, one row per configuration:
+    printed as a table and returned (the JSON's ``summary``)."""
     summary = isolated_runs.median_over_runs(rows, cols)
     if not summary:
         return summary

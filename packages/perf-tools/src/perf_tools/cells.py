@@ -368,15 +368,20 @@ def run_sweep(
     """
     if opts.isolate and measure is not None:
         raise ValueError("measure: a spawned process runs measure_cell; not with opts.isolate")
+    if opts.rounds < 1 or (opts.isolate and opts.rounds > 1):
+        raise ValueError(
+            f"opts.rounds: a positive count, 1 with opts.isolate (which has its own rounds); "
+            f"got {opts.rounds} with isolate={opts.isolate}"
+        )
     measure = measure or measure_cell
     rows: list[Row] = []
     quiet = not opts.progress or len(specs) < 2
-    total = len(specs) * max(opts.isolate, opts.rounds, 1)
+    total = len(specs) * max(opts.isolate, opts.rounds)
     with harness.Sweep(
         total, "configs", device=opts.device, quiet=quiet, classify=_skipped
     ) as sweep:
         groups = list(harness.cells_by(specs, lambda s: s.model_key))
-        rounds = opts.isolate or max(opts.rounds, 1)
+        rounds = opts.isolate or opts.rounds
         for run in range(1, rounds + 1):  # rounds interleave the models
             # in-process rounds rotate the order; fresh processes keep it (A, B, A, B, ...)
             order = groups if opts.isolate else isolated_runs.rotated(groups, run - 1)

@@ -16,6 +16,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from perf_tools.report import ratio_trail
+
 Row = dict[str, Any]
 
 # What a row measured or observed (not part of its configuration; ``cpp_launch`` is the C++
@@ -100,7 +102,7 @@ def median_over_runs(rows: Sequence[Row], shown: Sequence[str]) -> list[Row]:
             summary["vs_sdpa"] = round(medians[key] / medians[sdpa], 3)
             runs = sorted(set(by_run[key]) & set(by_run[sdpa]), key=_run_order)
             ratios = [by_run[key][r] / by_run[sdpa][r] for r in runs]
-            summary["vs_sdpa_rounds"] = "/".join(f"{x:.3f}" for x in ratios) or None
+            summary["vs_sdpa_rounds"] = ratio_trail(ratios) or None
     return list(summaries.values())
 
 

@@ -136,6 +136,12 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def ratio_trail(ratios: Sequence[float]) -> str:
+    """Per-round ratios in round order as one cell, e.g. "0.743/0.906/1.008" (a drift, such
+    as a slow first round, shows there and not in a median)."""
+    return "/".join(f"{x:.3f}" for x in ratios)
+
+
 def format_value(value: Any) -> str:
     """Compact, table-friendly text for one cell."""
     if value is None:
